@@ -1,0 +1,20 @@
+"""spmd-aot: build a distributed train step once, offline; load it at job start; never retrace.
+
+    step = spmd_aot.compile(train_step, placement="replicate", cache_dir="cache")
+    loss = step(model, optim, batch)        # rank-local loss, as eager DDP returns it
+    print(step.cache_info)
+"""
+
+from .builder import BuildResult, build
+from .errors import (ArtifactMismatchError, CacheMissError, CorruptArtifactError, LockTimeoutError,
+                     SpmdAotError, TargetError, UnsafeArtifactError, UnsupportedError)
+from .job import Job, load_target
+from .plan import Plan
+from .runtime import CacheInfo, CompiledStep, compile
+
+__all__ = [
+    "Job", "build", "compile", "load_target",
+    "BuildResult", "CacheInfo", "CompiledStep", "Plan",
+    "SpmdAotError", "TargetError", "UnsupportedError", "CacheMissError", "ArtifactMismatchError",
+    "CorruptArtifactError", "UnsafeArtifactError", "LockTimeoutError",
+]

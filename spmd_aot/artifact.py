@@ -1,0 +1,248 @@
+"""One stored build: the manifest and the blobs it names.
+
+Every part is a blob named by the sha256 of its bytes; the manifest (itself a blob) lists the
+parts' digests, the plan, the key with its ingredients, and stats. A ref maps key -> manifest
+digest. Reading re-hashes every blob and validates every field, so a torn, corrupted or
+tampered artifact is refused with ``CorruptArtifactError`` before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import msgpack
+import torch
+import torch.utils._pytree as pytree
+
+from .errors import ArtifactMismatchError, CorruptArtifactError
+from .key import FORMAT_VERSION, CacheKey
+from .plan import Plan
+from .serialize import decode_graph, encode_graph
+from .state import Slot
+
+__all__ = ["Artifact", "encode_artifact", "store_artifact", "read_artifact", "read_manifest",
+           "layout_mismatch"]
+
+_PARTS = ("graph", "code", "schema", "layout", "constants")
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclasses.dataclass
+class Artifact:
+    digest: str  # of the manifest
+    manifest: dict
+    graph: bytes
+    code: str
+    schema: dict
+    layout: dict
+    constants: dict[str, torch.Tensor]
+
+    @property
+    def plan(self) -> Plan:
+        p = self.manifest["plan"]
+        return Plan(p["world_size"], p["placement"], p["device_type"], tuple(p["mesh_shape"]))
+
+    @property
+    def slots(self) -> list[dict]:
+        return self.layout["inputs"]
+
+    def graph_module(self, groups: list[str], device: torch.device) -> torch.fx.GraphModule:
+        """Rebuild the graph against the op allowlist, bound to live groups and the device."""
+        graph = decode_graph(self.graph, groups=groups, device=device)
+        root = torch.nn.Module()
+        for name, tensor in self.constants.items():
+            setattr(root, name, tensor.to(device) if tensor.device.type != device.type else tensor)
+        for node in graph.nodes:
+            if node.op == "get_attr" and node.target not in self.constants:
+                raise CorruptArtifactError(f"graph reads constant {node.target!r}, which is not stored")
+        return torch.fx.GraphModule(root, graph)
+
+    def out_spec(self) -> pytree.TreeSpec:
+        try:
+            return pytree.treespec_loads(self.layout["outputs"]["spec"])
+        except Exception as exc:
+            raise CorruptArtifactError(f"artifact {self.digest[:12]}: bad output spec: {exc}") from None
+
+
+def encode_artifact(traced, key: CacheKey, plan: Plan, slots: list[Slot], stats: dict) -> dict[str, bytes]:
+    """All blobs of one build, ``"manifest"`` last (it names the others by digest)."""
+    import hashlib
+
+    from safetensors.torch import save as save_safetensors
+
+    gm = traced.gm
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(slots):
+        raise AssertionError(f"{len(placeholders)} graph inputs for {len(slots)} state slots")
+    layout = {
+        "inputs": [_slot_entry(s, plan) for s in slots],
+        "outputs": {"spec": pytree.treespec_dumps(traced.out_spec),
+                    "constants": [[i, v] for i, v in sorted(traced.out_constants.items())],
+                    "tensors": [_val_entry(v) for v in _output_vals(gm)]},
+    }
+    schema = {"mesh_shape": list(plan.mesh_shape), "nodes": _schema_map(gm, placeholders, layout["inputs"])}
+    constants = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, node.target)
+            if not isinstance(value, torch.Tensor) or isinstance(value, torch._subclasses.FakeTensor):
+                raise CorruptArtifactError(
+                    f"graph constant {node.target} has no concrete value (created from fake data); "
+                    "register it as a buffer on the module instead"
+                )
+            constants[node.target] = value.detach().cpu().contiguous().clone()
+    header = "\n".join(f"#   {p.name}: {s['kind']} {s['fqn']} {s['local_shape']} {s['dtype']} {s['placement']}"
+                       for p, s in zip(placeholders, layout["inputs"]))
+    code = f"# spmd-aot graph for {plan.describe()}\n# inputs:\n{header}\n{gm.code}"
+    blobs = {
+        "graph": encode_graph(gm.graph, traced.group_names),
+        "code": code.encode(),
+        "schema": _pack(schema),
+        "layout": _pack(layout),
+        "constants": save_safetensors(constants),
+    }
+    manifest = {
+        "format": FORMAT_VERSION,
+        "key": key.key,
+        "ingredients": key.ingredients,
+        "ingredient_values": key.values,
+        "plan": {"world_size": plan.world_size, "placement": plan.placement,
+                 "device_type": plan.device_type, "mesh_shape": list(plan.mesh_shape)},
+        "blobs": {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()},
+        "stats": stats,
+    }
+    blobs["manifest"] = _pack(manifest)
+    return blobs
+
+
+def store_artifact(store, key: str, blobs: dict[str, bytes]) -> str:
+    """Write parts first, manifest next, ref last: a reader never sees a ref to a missing blob."""
+    for name, data in blobs.items():
+        if name != "manifest":
+            store.put(data)
+    digest = store.put(blobs["manifest"])
+    store.set_ref(key, digest)
+    return digest
+
+
+def read_manifest(store, digest: str) -> dict:
+    manifest = _unpack(store.get(digest), f"manifest {digest}")
+    _check_manifest(manifest, digest)
+    return manifest
+
+
+def read_artifact(store, digest: str) -> Artifact:
+    """Load and verify every blob of the artifact whose manifest is ``digest``."""
+    from safetensors.torch import load as load_safetensors
+
+    manifest = read_manifest(store, digest)
+    parts = {name: store.get(manifest["blobs"][name]) for name in _PARTS}
+    try:
+        constants = load_safetensors(parts["constants"])
+    except Exception as exc:
+        raise CorruptArtifactError(f"artifact {digest[:12]}: constants blob unreadable: {exc}") from None
+    try:
+        code = parts["code"].decode()
+    except UnicodeDecodeError:
+        raise CorruptArtifactError(f"artifact {digest[:12]}: code blob is not UTF-8") from None
+    layout = _unpack(parts["layout"], f"layout of {digest[:12]}")
+    if not (isinstance(layout, dict) and isinstance(layout.get("inputs"), list)
+            and isinstance(layout.get("outputs"), dict)):
+        raise CorruptArtifactError(f"artifact {digest[:12]}: layout is malformed")
+    return Artifact(digest, manifest, parts["graph"], code,
+                    _unpack(parts["schema"], f"schema of {digest[:12]}"), layout, constants)
+
+
+def layout_mismatch(stored: list[dict], live: list[Slot], plan: Plan) -> str | None:
+    """Describe the first difference between an artifact's inputs and the live state, or None."""
+    if len(stored) != len(live):
+        kinds = lambda xs: {k: sum(1 for x in xs if x == k) for k in ("param", "buffer", "optim_state", "batch")}
+        return (f"the artifact has {len(stored)} inputs {kinds([s['kind'] for s in stored])}, "
+                f"the live job has {len(live)} {kinds([s.kind for s in live])}")
+    for s, l in zip(stored, live):
+        want = _slot_entry(l, plan)
+        for field in ("kind", "fqn", "local_shape", "dtype"):
+            if s.get(field) != want[field]:
+                return (f"input {want['fqn']} ({want['kind']}): expected {field} {s.get(field)} "
+                        f"(from the artifact), got {want[field]}")
+    return None
+
+
+# ---------------------------------------------------------------------------- helpers
+def _slot_entry(s: Slot, plan: Plan) -> dict:
+    local = list(s.shape)
+    if s.kind == "batch":
+        placement = "Shard(0)"
+        global_shape = [local[0] * plan.world_size] + local[1:] if local else local
+    else:
+        placement = "Replicate()"
+        global_shape = local
+    return {"kind": s.kind, "fqn": s.fqn, "aliases": list(s.aliases), "global_shape": global_shape,
+            "local_shape": local, "dtype": s.dtype, "device_type": s.device_type,
+            "requires_grad": s.requires_grad, "placement": placement}
+
+
+def _output_vals(gm):
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in out.args[0]]
+
+
+def _val_entry(v) -> dict:
+    if isinstance(v, torch.Tensor):
+        return {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+    return {}
+
+
+def _schema_map(gm, placeholders, inputs) -> dict:
+    from .passes import is_collective
+
+    mesh = {}
+    for p, s in zip(placeholders, inputs):
+        mesh[p.name] = {"placements": [s["placement"]], "fqn": s["fqn"]}
+    for node in gm.graph.nodes:
+        if is_collective(node):
+            op = node.target.__name__.split(".")[0]
+            reduce = node.args[1] if op in ("all_reduce", "reduce_scatter_tensor") else None
+            mesh[node.name] = {"collective": op, "reduce": reduce, "placements": ["Partial->Replicate"]
+                               if op == "all_reduce" else []}
+    return mesh
+
+
+def _pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(data: bytes, what: str):
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise CorruptArtifactError(f"{what} is not valid msgpack: {exc}") from None
+
+
+def _check_manifest(m: Any, digest: str) -> None:
+    def bad(why):
+        raise CorruptArtifactError(f"manifest {digest}: {why}")
+
+    if not isinstance(m, dict):
+        bad("not a map")
+    if m.get("format") != FORMAT_VERSION:
+        bad(f"format {m.get('format')!r}, this spmd-aot reads format {FORMAT_VERSION}; rebuild the artifact")
+    blobs = m.get("blobs")
+    if not isinstance(blobs, dict) or set(blobs) != set(_PARTS):
+        bad(f"blobs must name exactly {list(_PARTS)}")
+    for name, d in blobs.items():
+        if not isinstance(d, str) or not _DIGEST.match(d):
+            bad(f"blob {name} has invalid digest {str(d)[:80]!r}")
+    plan = m.get("plan")
+    if not isinstance(plan, dict):
+        bad("no plan")
+    try:
+        Plan(plan["world_size"], plan["placement"], plan["device_type"], tuple(plan["mesh_shape"]))
+    except Exception as exc:
+        bad(f"invalid plan {plan!r}: {exc}")
+    if not isinstance(m.get("key"), str) or not isinstance(m.get("ingredients"), dict):
+        bad("no key or ingredients")
+    if not isinstance(m.get("stats"), dict):
+        bad("no stats")

@@ -1,0 +1,91 @@
+"""What a user hands to ``spmd-aot build``: a train step plus factories for its live objects.
+
+The factories are called at build time under fake tensors (no parameter memory), so they
+must build the model, optimizer and one rank's batch without touching real data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import pathlib
+import sys
+from typing import Any, Callable
+
+from .errors import TargetError
+
+__all__ = ["Job", "load_target"]
+
+
+@dataclasses.dataclass
+class Job:
+    """One training job to build ahead of time.
+
+    step:      ``step(model, optim, batch) -> Any``; the user's unchanged train step
+               (forward, ``loss.backward()``, ``optim.step()``, ``optim.zero_grad()``).
+    model:     zero-argument factory returning the ``nn.Module``.
+    optimizer: ``optimizer(model) -> torch.optim.Optimizer``.
+    batch:     zero-argument factory returning ONE RANK's batch (a pytree of tensors).
+    """
+
+    step: Callable[..., Any]
+    model: Callable[[], Any]
+    optimizer: Callable[[Any], Any]
+    batch: Callable[[], Any]
+
+
+def load_target(target: str) -> Job:
+    """Resolve ``pkg.module:attr`` or ``path/to/file.py:attr`` to a ``Job``.
+
+    ``attr`` may be a ``Job`` or a zero-argument callable returning one.
+    """
+    module_part, sep, attr = target.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise TargetError(
+            f"TARGET {target!r} is not of the form 'pkg.module:job' or 'path/to/file.py:job'"
+        )
+    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
+        module = _import_file(pathlib.Path(module_part), target)
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as exc:
+            raise TargetError(
+                f"TARGET {target!r}: module {module_part!r} not found ({exc}). "
+                "Check the name, or pass a file path such as 'train.py:job'."
+            ) from exc
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        raise TargetError(
+            f"TARGET {target!r}: module {module_part!r} has no attribute {attr!r} "
+            f"(it defines: {', '.join(public[:20]) or 'nothing public'})"
+        ) from None
+    job = obj if isinstance(obj, Job) else (obj() if callable(obj) else obj)
+    if not isinstance(job, Job):
+        raise TargetError(
+            f"TARGET {target!r} must be a spmd_aot.Job or a zero-argument callable returning one; "
+            f"expected Job, got {type(job).__name__}"
+        )
+    return job
+
+
+def _import_file(path: pathlib.Path, target: str):
+    if not path.is_file():
+        raise TargetError(f"TARGET {target!r}: file {str(path)!r} not found")
+    name = f"_spmd_aot_target_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    # The file's folder goes on sys.path so its sibling imports work, as under `python file.py`.
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        spec.loader.exec_module(module)
+    except Exception:
+        del sys.modules[name]
+        raise
+    finally:
+        sys.path.remove(str(path.resolve().parent))
+    return module

@@ -1,0 +1,254 @@
+"""``spmd_aot.compile``: at job start, find the stored step, bind it, and run it every step.
+
+The first call is collective: every rank computes the key from its live objects, the ranks
+check they agree, rank 0 decides hit or miss and the others follow (mixed hit/miss would
+hang a job), on a miss rank 0 traces and stores while the others wait, then every rank loads
+and verifies the same manifest digest and binds it to the live process group and device.
+Later calls only check the batch's shapes and run the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from .artifact import layout_mismatch, read_artifact, read_manifest
+from .errors import (ArtifactMismatchError, CacheMissError, CorruptArtifactError, SpmdAotError,
+                     UnsupportedError)
+from .explain import explain_miss
+from .key import compute_key
+from .pipeline import trace_and_store
+from .plan import Plan
+from .state import TrainState, initialize_optimizer_state
+from .store import LocalStore, resolve_cache_dir
+
+__all__ = ["compile", "CompiledStep", "CacheInfo"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheInfo:
+    hit: bool  # rank 0 found the artifact in the cache
+    key: str
+    digest: str  # manifest digest every rank loaded
+    source: str  # "cache" or "trace"
+    seconds: float  # first-call cost on this rank: key, agreement, trace if any, load, bind
+    trace_seconds: float  # what tracing this step cost (measured when it was built)
+
+
+def compile(fn: Callable | None = None, *, placement: str = "replicate", cache_dir=None,
+            require_hit: bool = False, mesh_shape=None, store=None):
+    """Wrap a train step ``fn(model, optim, batch)``; also usable as ``@spmd_aot.compile(...)``.
+
+    The returned step returns what ``fn`` returns, computed on this rank: for the usual
+    ``return loss`` that is the rank-local loss, exactly what eager DDP returns.
+    """
+    if fn is None:
+        return functools.partial(compile, placement=placement, cache_dir=cache_dir,
+                                 require_hit=require_hit, mesh_shape=mesh_shape, store=store)
+    return CompiledStep(fn, placement=placement, cache_dir=cache_dir, require_hit=require_hit,
+                        mesh_shape=mesh_shape, store=store)
+
+
+class CompiledStep:
+    def __init__(self, fn, *, placement="replicate", cache_dir=None, require_hit=False,
+                 mesh_shape=None, store=None):
+        self.fn = fn
+        self.placement = placement
+        self.require_hit = require_hit
+        self.mesh_shape = mesh_shape
+        self._store = store
+        self._cache_dir = cache_dir
+        self._bound: _BoundStep | None = None
+        self._broadcast_done: set[int] = set()
+        self.cache_info: CacheInfo | None = None
+        functools.update_wrapper(self, fn)
+
+    @property
+    def store(self):
+        if self._store is None:
+            self._store = LocalStore(resolve_cache_dir(self._cache_dir))
+        return self._store
+
+    def __call__(self, model, optim, batch):
+        bound = self._bound
+        leaves, spec = pytree.tree_flatten(batch)
+        if bound is None or not bound.fits(model, optim, leaves, spec):
+            bound = self._bound = self._prepare(model, optim, batch)
+        return bound.run(leaves)
+
+    # ------------------------------------------------------------------ first call
+    def _prepare(self, model, optim, batch) -> "_BoundStep":
+        start = time.perf_counter()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        device = _local_device(model)
+        plan = Plan(world, self.placement, device.type, self.mesh_shape)
+        if world > 1 and id(model) not in self._broadcast_done:
+            _broadcast_from_rank0(model)  # as DDP does at construction
+            self._broadcast_done.add(id(model))
+        initialize_optimizer_state(optim)
+        state = TrainState(model, optim, batch)
+        key = compute_key(self.fn, state, plan)
+        _check_ranks_agree(key, world)
+
+        status, payload, hit = "ok", "", False
+        if rank == 0:
+            try:
+                payload, hit = self._resolve_on_rank0(state, plan, key)
+            except SpmdAotError as exc:
+                status, payload = type(exc).__name__, str(exc)
+        status, payload, hit = _broadcast_decision((status, payload, hit), world)
+        if status != "ok":
+            raise _ERRORS.get(status, SpmdAotError)(payload)
+        digest = payload
+        artifact, failure = None, None
+        try:
+            artifact = read_artifact(self.store, digest)
+            problem = layout_mismatch(artifact.slots, state.slots(), plan)
+            if problem:
+                raise ArtifactMismatchError(f"artifact {digest[:12]} (key {key.key[:12]}) does not fit: {problem}")
+            groups = _live_groups(plan)
+            gm = artifact.graph_module(groups, device)
+        except SpmdAotError as exc:
+            failure = exc
+        _all_ranks_ok(failure, world)
+        seconds = time.perf_counter() - start
+        self.cache_info = CacheInfo(hit, key.key, digest, "cache" if hit else "trace", seconds,
+                                    float(artifact.manifest["stats"].get("trace_seconds", 0.0)))
+        return _BoundStep(gm, state, artifact)
+
+    def _resolve_on_rank0(self, state, plan, key) -> tuple[str, bool]:
+        """Rank 0's decision: (manifest digest, hit). Traces and stores on a miss."""
+        store = self.store
+        digest = store.get_ref(key.key)
+        if digest is not None:
+            try:
+                read_artifact(store, digest)  # verify every blob before announcing a hit
+                return digest, True
+            except CorruptArtifactError as exc:
+                if self.require_hit:
+                    raise CorruptArtifactError(
+                        f"cached artifact for key {key.key[:12]} is corrupt and require_hit=True: {exc}. "
+                        "Run `spmd-aot verify` and rebuild with `spmd-aot build`."
+                    ) from None
+                store.delete_ref(key.key)
+        if self.require_hit:
+            raise CacheMissError(
+                f"no artifact for key {key.key[:12]} ({plan.describe()}) in {store.root} and "
+                f"require_hit=True. {explain_miss(store, key)} Build it with `spmd-aot build ... "
+                f"--world-size {plan.world_size} --placement {plan.placement}`."
+            )
+        digest, _ = trace_and_store(store, self.fn, state, plan, key)
+        return digest, False
+
+
+class _BoundStep:
+    """A loaded graph bound to one model, optimizer and batch signature."""
+
+    def __init__(self, gm, state: TrainState, artifact):
+        self.gm = gm
+        self.state = state
+        self.batch_spec = state.batch_spec
+        self.batch_sig = [(tuple(t.shape), t.dtype) for t in state.batch_leaves]
+        self.out_spec = artifact.out_spec()
+        self.out_constants = dict((int(i), v) for i, v in artifact.layout["outputs"]["constants"])
+
+    def fits(self, model, optim, leaves, spec) -> bool:
+        return (model is self.state.model and optim is self.state.optim and spec == self.batch_spec
+                and len(leaves) == len(self.batch_sig)
+                and all(isinstance(t, torch.Tensor) and (tuple(t.shape), t.dtype) == sig
+                        for t, sig in zip(leaves, self.batch_sig)))
+
+    def run(self, batch_leaves):
+        inputs = self.state.state_tensors() + list(batch_leaves)
+        with torch.no_grad():
+            outs = iter(self.gm(*inputs))
+        n = self.out_spec.num_leaves
+        leaves = [self.out_constants[i] if i in self.out_constants else next(outs) for i in range(n)]
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+# ---------------------------------------------------------------------------- collectives
+_ERRORS = {cls.__name__: cls for cls in (SpmdAotError, CacheMissError, CorruptArtifactError,
+                                          ArtifactMismatchError, UnsupportedError)}
+
+
+def _local_device(model) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def _comm_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast_from_rank0(model) -> None:
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+
+
+def _broadcast_bytes(data: bytes | None, world: int) -> bytes:
+    dev = _comm_device()
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=dev)
+    dist.broadcast(size, src=0)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if data
+           else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
+    if int(size.item()):
+        dist.broadcast(buf, src=0)
+    return bytes(buf.cpu().numpy().tobytes()) if int(size.item()) else b""
+
+
+def _broadcast_decision(decision, world):
+    """Rank 0's (status, payload, hit) to every rank, as bytes (no pickle)."""
+    if world == 1:
+        return decision
+    status, payload, hit = decision
+    data = f"{status}\n{int(hit)}\n{payload}".encode() if dist.get_rank() == 0 else None
+    status, hit, payload = _broadcast_bytes(data, world).decode().split("\n", 2)
+    return status, payload, hit == "1"
+
+
+def _check_ranks_agree(key, world) -> None:
+    if world == 1:
+        return
+    dev = _comm_device()
+    mine = torch.tensor([int(d[:12], 16) for d in key.ingredients.values()], dtype=torch.int64, device=dev)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    names = list(key.ingredients)
+    for r, theirs in enumerate(everyone):
+        differ = [names[i] for i in range(len(names)) if theirs[i] != everyone[0][i]]
+        if differ:
+            raise ArtifactMismatchError(
+                f"rank {r} computes a different cache key than rank 0; differing ingredients: "
+                f"{', '.join(differ)}. Every rank must run the same code, model and batch shapes."
+            )
+
+
+def _all_ranks_ok(failure: Exception | None, world) -> None:
+    """Raise on every rank if any rank failed to load, instead of leaving the others hanging."""
+    if world > 1:
+        flag = torch.tensor([1 if failure else 0], dtype=torch.int64, device=_comm_device())
+        dist.all_reduce(flag)
+        if flag.item() and failure is None:
+            raise SpmdAotError(f"{flag.item()} rank(s) failed to load the artifact; see their errors")
+    if failure is not None:
+        raise failure
+
+
+def _live_groups(plan: Plan) -> list[str]:
+    if plan.world_size == 1:
+        return []
+    if len(plan.mesh_shape) != 1:
+        raise UnsupportedError(f"mesh shape {plan.mesh_shape} is not supported yet")
+    return [dist.group.WORLD.group_name]

@@ -1,0 +1,189 @@
+"""The live training state a compiled step reads and writes: parameters, buffers, optimizer
+state and the batch, flattened into the graph's input order.
+
+The same ``TrainState`` is built from fake objects at build time and from the user's real
+objects at job start; both must produce the same layout, which is why every ordering here is
+deterministic (module registration order, then sorted state keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from .errors import UnsupportedError
+
+__all__ = ["TrainState", "Slot", "initialize_optimizer_state", "dtype_name"]
+
+# Optimizers whose lazily created state is all zeros (step counters included), so filling it
+# before the first step gives exactly eager's first step. Others must arrive with state.
+_ZERO_INIT_OPTIMIZERS = {"SGD", "Adam", "AdamW", "Adamax", "RAdam", "RMSprop", "Adadelta", "Adagrad"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One graph input: what it is, where it lives, and its local (per-rank) shape."""
+
+    kind: str  # "param" | "buffer" | "optim_state" | "batch"
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    device_type: str
+    requires_grad: bool = False
+    aliases: tuple[str, ...] = ()  # other FQNs of the same tensor (tied weights)
+
+
+class TrainState:
+    """Model, optimizer and batch of one step, with a fixed flat order of their tensors."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer, batch: Any):
+        self.model = model
+        self.optim = optim
+        self.params = _named_unique(model.named_parameters(remove_duplicate=False))
+        self.buffers = _named_unique(model.named_buffers(remove_duplicate=False))
+        self.param_fqn = {id(p): names[0] for names, p in self.params}
+        self._check_optimizer_params()
+        self.batch_leaves, self.batch_spec = pytree.tree_flatten(batch)
+        for i, leaf in enumerate(self.batch_leaves):
+            if not isinstance(leaf, torch.Tensor):
+                raise UnsupportedError(
+                    f"batch leaf {i} is a {type(leaf).__name__}; a batch must be a pytree "
+                    "(tuple, list, dict) of tensors"
+                )
+
+    # ----------------------------------------------------------------- optimizer state
+    def _check_optimizer_params(self) -> None:
+        seen = set()
+        for gi, group in enumerate(self.optim.param_groups):
+            for p in group["params"]:
+                if id(p) not in self.param_fqn:
+                    raise UnsupportedError(
+                        f"optimizer param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} "
+                        "that is not a parameter of the model; build the optimizer from "
+                        "model.parameters()"
+                    )
+                if id(p) in seen:
+                    raise UnsupportedError(f"parameter {self.param_fqn[id(p)]} is in two param groups")
+                seen.add(id(p))
+            for name, value in group.items():
+                if name != "params" and isinstance(value, torch.Tensor):
+                    raise UnsupportedError(
+                        f"optimizer param_groups[{gi}][{name!r}] is a tensor; pass a float"
+                    )
+
+    def optimizer_slots(self) -> list[tuple[torch.Tensor, str]]:
+        """(parameter, state key) for every tensor of optimizer state, in layout order."""
+        slots = []
+        for names, p in self.params:
+            for key in sorted(self.optim.state.get(p, {})):
+                if isinstance(self.optim.state[p][key], torch.Tensor):
+                    slots.append((p, key))
+        return slots
+
+    def optimizer_state_structure(self) -> list:
+        """Everything about optimizer state that shapes the graph (not tensor values)."""
+        out = []
+        for names, p in self.params:
+            entry = {}
+            for key, value in sorted(self.optim.state.get(p, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    entry[key] = ["tensor", list(value.shape), dtype_name(value.dtype), value.device.type]
+                else:
+                    entry[key] = ["value", repr(value)]
+            if entry:
+                out.append([names[0], entry])
+        return out
+
+    # ----------------------------------------------------------------- flat layout
+    def slots(self) -> list[Slot]:
+        out = []
+        for names, p in self.params:
+            out.append(_slot("param", names, p, p.requires_grad))
+        for names, b in self.buffers:
+            out.append(_slot("buffer", names, b))
+        for p, key in self.optimizer_slots():
+            out.append(_slot("optim_state", (f"{self.param_fqn[id(p)]}.{key}",), self.optim.state[p][key]))
+        spec_paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(
+            pytree.tree_unflatten(self.batch_leaves, self.batch_spec))[0]]
+        for path, leaf in zip(spec_paths, self.batch_leaves):
+            out.append(_slot("batch", (f"batch{path}",), leaf))
+        return out
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Parameters, buffers and optimizer state, in layout order (the graph mutates them)."""
+        tensors = [p for _, p in self.params] + [b for _, b in self.buffers]
+        tensors += [self.optim.state[p][key] for p, key in self.optimizer_slots()]
+        return tensors
+
+
+def _named_unique(named) -> list[tuple[tuple[str, ...], torch.Tensor]]:
+    by_id: dict[int, list] = {}
+    order = []
+    for name, t in named:
+        if id(t) not in by_id:
+            by_id[id(t)] = [name]
+            order.append(t)
+        else:
+            by_id[id(t)].append(name)
+    return [(tuple(by_id[id(t)]), t) for t in order]
+
+
+def _slot(kind, names, t: torch.Tensor, requires_grad: bool = False) -> Slot:
+    return Slot(kind, names[0], tuple(t.shape), dtype_name(t.dtype), t.device.type,
+                requires_grad, tuple(names[1:]))
+
+
+def initialize_optimizer_state(optim: torch.optim.Optimizer) -> None:
+    """Create the optimizer's lazily built state now, so the traced step is the steady one.
+
+    A dry run of ``optim.step()`` on meta-device stand-ins reveals which tensors the optimizer
+    creates; they are then made for real as zeros, which is exactly what eager creates for the
+    optimizers in ``_ZERO_INIT_OPTIMIZERS``. Parameters that already have state keep it.
+    """
+    missing = [p for g in optim.param_groups for p in g["params"] if not optim.state.get(p)]
+    if not missing:
+        return
+    name = type(optim).__name__
+    if name not in _ZERO_INIT_OPTIMIZERS:
+        raise UnsupportedError(
+            f"optimizer {type(optim).__qualname__} has no state yet and its initial state is not "
+            "all zeros; run one eager step (or load a checkpoint) before the first compiled step"
+        )
+    if name == "SGD" and any(g.get("momentum", 0) and g.get("dampening", 0) for g in optim.param_groups):
+        raise UnsupportedError(
+            "SGD with momentum and dampening != 0 treats its first step specially; run one "
+            "eager step before the first compiled step, or use dampening=0"
+        )
+    meta = {p: torch.empty(p.shape, dtype=p.dtype, device="meta") for p in missing}
+    for m in meta.values():
+        m.grad = torch.zeros_like(m)
+    saved_groups = [g["params"] for g in optim.param_groups]
+    saved_state = optim.state
+    try:
+        optim.state = defaultdict(dict)
+        for g in optim.param_groups:
+            g["params"] = [meta[p] for p in g["params"] if p in meta]
+        with torch.no_grad():
+            optim.step()
+        created = {p: dict(optim.state[m]) for p, m in meta.items()}
+    finally:
+        optim.state = saved_state
+        for g, params in zip(optim.param_groups, saved_groups):
+            g["params"] = params
+    for p, entries in created.items():
+        state = {}
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                device = p.device if value.device.type == "meta" else value.device
+                state[key] = torch.zeros(value.shape, dtype=value.dtype, device=device)
+            else:
+                state[key] = value
+        optim.state[p] = state

@@ -1,0 +1,68 @@
+"""Jobs, batches and an eager DDP reference shared by the tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import spmd_aot
+from spmd_aot.examples.models import MLP, Transformer, train_step
+
+VOCAB, SEQ = 64, 8
+
+MODELS = {
+    "mlp": lambda: MLP(32, 64, 10),
+    "transformer": lambda: Transformer(vocab=VOCAB, d_model=32, n_heads=4, n_layers=2, max_len=SEQ),
+}
+OPTIMIZERS = {
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+}
+
+
+def make_batch(model_name: str, rank: int = 0, step: int = 0, batch_size: int = 4):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    if model_name == "mlp":
+        return torch.randn(batch_size, 32, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
+    x = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
+    return x, torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
+
+
+def make_job(model_name: str, optim_name: str, batch_size: int = 4) -> spmd_aot.Job:
+    return spmd_aot.Job(step=train_step, model=MODELS[model_name], optimizer=OPTIMIZERS[optim_name],
+                        batch=lambda: make_batch(model_name, batch_size=batch_size))
+
+
+def fresh_objects(model_name: str, optim_name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = MODELS[model_name]()
+    return model, OPTIMIZERS[optim_name](model)
+
+
+def eager_ddp(model_name, optim_name, rank, world, steps, seed=0, batch_size=4):
+    """Reference: torch's DistributedDataParallel (or plain eager at world size 1)."""
+    model, _ = fresh_objects(model_name, optim_name, seed)
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model)
+    else:
+        wrapped = model
+    optim = OPTIMIZERS[optim_name](wrapped)
+    losses = []
+    for s in range(steps):
+        losses.append(train_step(wrapped, optim, make_batch(model_name, rank, s, batch_size)).detach())
+    return model, optim, losses
+
+
+def compiled_run(model_name, optim_name, rank, world, steps, cache_dir, seed=0, batch_size=4, **kw):
+    model, optim = fresh_objects(model_name, optim_name, seed)
+    step = spmd_aot.compile(train_step, cache_dir=cache_dir, **kw)
+    losses = [step(model, optim, make_batch(model_name, rank, s, batch_size)).detach() for s in range(steps)]
+    return model, optim, losses, step.cache_info
+
+
+def state_of(model, optim):
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+            copy.deepcopy(optim.state_dict()["state"]))
