@@ -11,6 +11,7 @@ import dataclasses
 import time
 
 import torch
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .errors import SpmdAotError
@@ -22,7 +23,7 @@ from .state import TrainState, initialize_optimizer_state
 from .store import LocalStore, resolve_cache_dir
 from .trace import fake_world
 
-__all__ = ["build", "BuildResult"]
+__all__ = ["build", "BuildResult", "local_batch"]
 
 
 @dataclasses.dataclass
@@ -48,6 +49,8 @@ def build(job: Job, *, world_size: int, placement: str = "replicate", cache_dir=
         model = job.model()
         optim = job.optimizer(model)
         batch = job.batch()
+        if job.global_batch:
+            batch = local_batch(batch, world_size)
         initialize_optimizer_state(optim)
     state = TrainState(model, optim, batch)
     with fake_world(world_size):
@@ -57,3 +60,20 @@ def build(job: Job, *, world_size: int, placement: str = "replicate", cache_dir=
 
     stats = read_manifest(store, digest)["stats"]
     return BuildResult(plan, key.key, digest, traced, stats, time.perf_counter() - start)
+
+
+def local_batch(global_batch, world_size: int):
+    """One rank's share (dim 0) of a global batch; every leaf must divide evenly."""
+    leaves, spec = pytree.tree_flatten(global_batch)
+    local = []
+    for path, leaf in pytree.tree_flatten_with_path(global_batch)[0]:
+        name = f"batch{pytree.keystr(path)}"
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            raise SpmdAotError(f"global batch leaf {name} has no batch dimension to split over ranks")
+        if leaf.shape[0] % world_size:
+            raise SpmdAotError(
+                f"global batch leaf {name} has {leaf.shape[0]} samples on dim 0, not divisible by "
+                f"world size {world_size}; expected a multiple of {world_size}"
+            )
+        local.append(leaf[: leaf.shape[0] // world_size])
+    return pytree.tree_unflatten(local, spec)

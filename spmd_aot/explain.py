@@ -8,7 +8,7 @@ from .artifact import read_manifest
 from .errors import SpmdAotError
 from .key import CacheKey
 
-__all__ = ["explain_miss", "nearest_entry"]
+__all__ = ["explain_miss", "nearest_entry", "first_difference"]
 
 
 def nearest_entry(store, key: CacheKey):
@@ -34,9 +34,22 @@ def explain_miss(store, key: CacheKey) -> str:
     if not differ:
         return f"Entry {stored_key[:12]} has the same ingredients."
     values = manifest.get("ingredient_values", {})
-    parts = [f"{name} (stored {_short(values.get(name))}, live {_short(key.values.get(name))})"
-             for name in differ]
+    parts = [f"{name} ({first_difference(values.get(name), key.values.get(name))})" for name in differ]
     return f"Nearest stored entry {stored_key[:12]} differs in: " + "; ".join(parts) + "."
+
+
+def first_difference(stored, live, where: str = "") -> str:
+    """'at <path>: stored X, live Y' for where two JSON values differ (every key of a map)."""
+    if isinstance(stored, dict) and isinstance(live, dict):
+        keys = [k for k in sorted(set(stored) | set(live), key=str) if stored.get(k) != live.get(k)]
+        return ", ".join(first_difference(stored.get(k), live.get(k), f"{where}.{k}") for k in keys)
+    if (isinstance(stored, list) and isinstance(live, list) and len(stored) == len(live)
+            and any(isinstance(x, (list, dict)) for x in stored)):  # shapes are shown whole
+        for i, (a, b) in enumerate(zip(stored, live)):
+            if a != b:
+                return first_difference(a, b, f"{where}[{i}]")
+    at = f"at {where.lstrip('.')}: " if where else ""
+    return f"{at}stored {_short(stored)}, live {_short(live)}"
 
 
 def _short(value, limit: int = 160) -> str:

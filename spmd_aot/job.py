@@ -26,13 +26,16 @@ class Job:
                (forward, ``loss.backward()``, ``optim.step()``, ``optim.zero_grad()``).
     model:     zero-argument factory returning the ``nn.Module``.
     optimizer: ``optimizer(model) -> torch.optim.Optimizer``.
-    batch:     zero-argument factory returning ONE RANK's batch (a pytree of tensors).
+    batch:     zero-argument factory returning ONE RANK's batch (a pytree of tensors), or
+               with ``global_batch=True`` the whole step's batch, whose dim 0 must divide by
+               the world size.
     """
 
     step: Callable[..., Any]
     model: Callable[[], Any]
     optimizer: Callable[[Any], Any]
     batch: Callable[[], Any]
+    global_batch: bool = False  # True: ``batch`` returns the GLOBAL batch, split over ranks on dim 0
 
 
 def load_target(target: str) -> Job:
