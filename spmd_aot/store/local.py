@@ -1,0 +1,433 @@
+"""A content-addressed blob store with named refs, on a local (or shared) filesystem.
+
+Why it looks like this:
+
+* Blobs are named by the sha256 of their bytes, so a name can always be checked against the
+  content. ``get`` re-hashes on every read: a truncated or bit-flipped artifact is reported
+  (and moved aside) instead of being loaded into a training job.
+* Every write goes to a uniquely named temp file in ``root/tmp``, is fsync'ed, then
+  ``os.replace``'d into place. ``tmp/`` is on the same filesystem as ``objects/`` and
+  ``refs/``, so the rename is atomic: readers see the old file or the whole new one, never a
+  partial one, and any number of processes may ``put`` the same bytes at once.
+* Refs map an opaque key to a digest; they are tiny text files (``<digest>\\n``) so a person
+  can inspect the cache with ``cat``.
+* The store knows nothing about torch: bytes in, bytes out.
+
+Layout under ``root`` (see cache/README.md)::
+
+    objects/<first 2 hex>/<remaining 62 hex>
+    refs/<key>
+    locks/<key>.lock
+    tmp/
+    quarantine/<digest>.<UTC time>
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import os
+import pathlib
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import filelock
+
+from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError
+
+__all__ = ["LocalStore", "resolve_cache_dir", "BlobProblem", "ENV_CACHE_DIR"]
+
+#: Environment variable that overrides the default cache directory.
+ENV_CACHE_DIR = "SPMD_AOT_CACHE_DIR"
+
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+_KEY_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
+_TMP_SUFFIX = ".tmp"
+_CHUNK = 1 << 20
+
+
+def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Pick the cache directory: explicit argument > env SPMD_AOT_CACHE_DIR >
+    $XDG_CACHE_HOME/spmd_aot > ~/.cache/spmd_aot.
+
+    One rule for every entry point, so ``build`` and the training job agree on where
+    artifacts live. ``~`` is expanded; nothing is created. Empty environment values count as
+    unset, and a relative XDG_CACHE_HOME is ignored, as the XDG base-directory spec requires.
+    """
+    if cache_dir is not None:
+        return pathlib.Path(cache_dir).expanduser()
+    env = os.environ.get(ENV_CACHE_DIR)
+    if env:
+        return pathlib.Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        xdg_path = pathlib.Path(xdg).expanduser()
+        if xdg_path.is_absolute():
+            return xdg_path / "spmd_aot"
+    return pathlib.Path("~/.cache/spmd_aot").expanduser()
+
+
+@dataclass(frozen=True)
+class BlobProblem:
+    """One thing ``LocalStore.verify`` found wrong, for a person to read or a tool to act on."""
+
+    digest: str  # the name of the blob (or the digest a broken ref points to)
+    path: str  # the file concerned
+    reason: str  # e.g. "content hashes to <sha>", "unreadable: ...", "bad name"
+
+
+def _is_digest(digest: object) -> bool:
+    return isinstance(digest, str) and _DIGEST_RE.fullmatch(digest) is not None
+
+
+def _check_digest(digest: object) -> str:
+    if not _is_digest(digest):
+        raise CorruptArtifactError(
+            f"invalid blob digest {digest!r}: expected 64 lowercase hex characters (a sha256); "
+            "the manifest or ref that named it is damaged"
+        )
+    return digest  # type: ignore[return-value]
+
+
+def _check_key(key: object) -> str:
+    if (
+        not isinstance(key, str)
+        or _KEY_RE.fullmatch(key) is None
+        or key.startswith(".")
+    ):
+        raise SpmdAotError(
+            f"invalid store key {key!r}: keys must be 1-200 characters from [A-Za-z0-9._-] "
+            "and must not start with '.' (no path separators or traversal)"
+        )
+    return key
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    """Persist a rename in ``path``. Best effort: not every OS/filesystem allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _hash_file(path: pathlib.Path) -> tuple[str, int]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return h.hexdigest(), size
+
+
+class LocalStore:
+    """Content-addressed blobs plus named refs under one directory.
+
+    Safe for many processes (and threads) on one machine, and on shared filesystems whose
+    rename is atomic. ``lock(key)`` serialises expensive work (a build) between processes;
+    the store's own reads and writes need no lock.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, lock_timeout: float = 600.0) -> None:
+        self.root = pathlib.Path(root).expanduser().absolute()
+        self.lock_timeout = lock_timeout
+        self._objects = self.root / "objects"
+        self._refs = self.root / "refs"
+        self._locks = self.root / "locks"
+        self._tmp = self.root / "tmp"
+        self._quarantine = self.root / "quarantine"
+        try:
+            for d in (self._objects, self._refs, self._locks, self._tmp, self._quarantine):
+                d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            # A read-only cache (e.g. a shared, pre-built one) is still usable for get().
+            if not self.root.is_dir():
+                raise SpmdAotError(
+                    f"cannot create cache directory {self.root}: {e}; pass another cache_dir "
+                    f"or set {ENV_CACHE_DIR}"
+                ) from e
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    # ------------------------------------------------------------------ helpers
+
+    def _write_atomic(self, dest: pathlib.Path, data: bytes) -> None:
+        """Write ``data`` to ``dest`` so no reader ever sees a partial file."""
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        # Unique per process and thread; O_EXCL guarantees we never share a temp file.
+        tmp = self._tmp / (
+            f"{dest.name[:16]}.{os.getpid()}.{threading.get_ident()}."
+            f"{secrets.token_hex(8)}{_TMP_SUFFIX}"
+        )
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, dest)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(dest.parent)
+
+    def _ref_path(self, key: str) -> pathlib.Path:
+        return self._refs / _check_key(key)
+
+    def _ref_files(self) -> Iterator[tuple[str, pathlib.Path]]:
+        try:
+            entries = sorted(os.scandir(self._refs), key=lambda e: e.name)
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            name = entry.name
+            if _KEY_RE.fullmatch(name) and not name.startswith(".") and entry.is_file():
+                yield name, pathlib.Path(entry.path)
+
+    def _quarantine_file(
+        self, path: pathlib.Path, digest: str, st: os.stat_result
+    ) -> pathlib.Path | None:
+        """Move a bad blob aside, unless someone replaced it since we read it."""
+        try:
+            now = os.stat(path)
+        except OSError:
+            return None
+        if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+            return None  # a concurrent put() already replaced it with a fresh copy
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        dest = self._quarantine / f"{digest}.{stamp}"
+        try:
+            self._quarantine.mkdir(parents=True, exist_ok=True)
+            os.replace(path, dest)
+        except OSError:
+            return None
+        return dest
+
+    # ------------------------------------------------------------------ blobs
+
+    def blob_path(self, digest: str) -> pathlib.Path:
+        """Where the blob named ``digest`` lives (whether or not it exists)."""
+        _check_digest(digest)
+        return self._objects / digest[:2] / digest[2:]
+
+    def put(self, data: bytes) -> str:
+        """Store ``data``; return its sha256 hex digest.
+
+        Idempotent: if a copy that hashes correctly is already there it is left alone; a
+        damaged copy is replaced. Safe to call concurrently with the same bytes.
+        """
+        data = bytes(data) if not isinstance(data, bytes) else data
+        digest = hashlib.sha256(data).hexdigest()
+        path = self.blob_path(digest)
+        try:
+            if path.stat().st_size == len(data) and _hash_file(path)[0] == digest:
+                return digest
+        except OSError:
+            pass  # missing or unreadable: (re)write it
+        self._write_atomic(path, data)
+        return digest
+
+    def get(self, digest: str) -> bytes:
+        """Return the bytes named ``digest``, checked against the name.
+
+        A blob whose content does not hash to its name is moved to ``quarantine/`` (so the
+        next build rewrites it) and reported as ``CorruptArtifactError``.
+        """
+        path = self.blob_path(digest)
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                data = f.read()
+        except FileNotFoundError:
+            raise CorruptArtifactError(f"blob {digest} missing at {path}") from None
+        except OSError as e:
+            raise CorruptArtifactError(f"blob {digest} unreadable at {path}: {e}") from e
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != digest:
+            moved = self._quarantine_file(path, digest, st)
+            where = (
+                f"moved to {moved}"
+                if moved is not None
+                else "not moved (it changed or could not be moved)"
+            )
+            raise CorruptArtifactError(
+                f"blob {path} is corrupt: expected sha256 {digest}, content ({len(data)} bytes) "
+                f"hashes to {actual}; {where}. Rebuild the artifact to store a good copy."
+            )
+        return data
+
+    def has(self, digest: str) -> bool:
+        """Whether a blob named ``digest`` exists (its content is not checked)."""
+        return self.blob_path(digest).is_file()
+
+    def delete(self, digest: str) -> None:
+        """Remove a blob; no error if it is absent."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.blob_path(digest))
+
+    def blobs(self) -> Iterator[str]:
+        """All stored digests, in sorted order (files with malformed names are skipped)."""
+        try:
+            fans = sorted(
+                e.name for e in os.scandir(self._objects) if len(e.name) == 2 and e.is_dir()
+            )
+        except FileNotFoundError:
+            return
+        for fan in fans:
+            try:
+                names = sorted(e.name for e in os.scandir(self._objects / fan) if e.is_file())
+            except FileNotFoundError:
+                continue
+            for name in names:
+                if _is_digest(fan + name):
+                    yield fan + name
+
+    # ------------------------------------------------------------------ refs
+
+    def set_ref(self, key: str, digest: str) -> None:
+        """Point ``key`` at ``digest``, atomically (readers see the old or the new target)."""
+        path = self._ref_path(key)
+        _check_digest(digest)
+        self._write_atomic(path, (digest + "\n").encode("ascii"))
+
+    def get_ref(self, key: str) -> str | None:
+        """The digest ``key`` points to, or None if there is no such ref."""
+        path = self._ref_path(key)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise CorruptArtifactError(f"ref {key!r} unreadable at {path}: {e}") from e
+        text = raw.decode("ascii", errors="replace").strip()
+        if not _is_digest(text):
+            raise CorruptArtifactError(
+                f"ref file {path} is damaged: expected a sha256 hex digest, found {raw[:100]!r}; "
+                f"delete it (or rebuild) to fix"
+            )
+        return text
+
+    def delete_ref(self, key: str) -> None:
+        """Remove a ref; no error if it is absent."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._ref_path(key))
+
+    def refs(self) -> dict[str, str]:
+        """All refs as key -> digest, sorted by key."""
+        out: dict[str, str] = {}
+        for key, _ in self._ref_files():
+            digest = self.get_ref(key)
+            if digest is not None:  # removed since listing
+                out[key] = digest
+        return out
+
+    # ------------------------------------------------------------------ locks
+
+    @contextlib.contextmanager
+    def lock(self, key: str, timeout: float | None = None) -> Iterator[pathlib.Path]:
+        """Hold an inter-process lock named ``key`` (e.g. while building one artifact).
+
+        ``timeout`` defaults to the store's ``lock_timeout``; a negative value waits forever.
+        Yields the lock file's path.
+        """
+        path = self._locks / f"{_check_key(key)}.lock"
+        t = self.lock_timeout if timeout is None else timeout
+        self._locks.mkdir(parents=True, exist_ok=True)
+        flock = filelock.FileLock(str(path), timeout=t)
+        try:
+            flock.acquire()
+        except filelock.Timeout:
+            raise LockTimeoutError(
+                f"could not take lock {path} within {t:g} s: another process (probably another "
+                f"spmd-aot build or job using the cache {self.root}) holds it. Wait for it to "
+                f"finish or raise the timeout; if no such process is running, the lock is stale: "
+                f"delete {path} and retry."
+            ) from None
+        try:
+            yield path
+        finally:
+            flock.release()
+
+    # ------------------------------------------------------------------ maintenance
+
+    def verify(self) -> list[BlobProblem]:
+        """Re-hash every blob and check every ref; report problems without changing anything."""
+        problems: list[BlobProblem] = []
+        try:
+            fans = sorted(os.scandir(self._objects), key=lambda e: e.name)
+        except FileNotFoundError:
+            fans = []
+        for fan in fans:
+            if len(fan.name) != 2 or not fan.is_dir():
+                problems.append(BlobProblem(fan.name, fan.path, "bad name"))
+                continue
+            try:
+                entries = sorted(os.scandir(fan.path), key=lambda e: e.name)
+            except OSError as e:
+                problems.append(BlobProblem(fan.name, fan.path, f"unreadable: {e}"))
+                continue
+            for entry in entries:
+                name = fan.name + entry.name
+                if not _is_digest(name) or not entry.is_file():
+                    problems.append(BlobProblem(name, entry.path, "bad name"))
+                    continue
+                try:
+                    actual, _ = _hash_file(pathlib.Path(entry.path))
+                except OSError as e:
+                    problems.append(BlobProblem(name, entry.path, f"unreadable: {e}"))
+                    continue
+                if actual != name:
+                    problems.append(BlobProblem(name, entry.path, f"content hashes to {actual}"))
+        for key, path in self._ref_files():
+            try:
+                target = self.get_ref(key)
+            except CorruptArtifactError as e:
+                problems.append(BlobProblem("", str(path), f"ref {key} is damaged: {e}"))
+                continue
+            if target is not None and not self.has(target):
+                problems.append(
+                    BlobProblem(target, str(path), f"ref {key} points to missing blob")
+                )
+        return problems
+
+    def clean_tmp(self, older_than: float = 3600.0) -> int:
+        """Remove temp files older than ``older_than`` seconds (left by killed writers).
+
+        The age threshold keeps this safe to run while other processes are writing.
+        Returns how many files were removed.
+        """
+        cutoff = time.time() - older_than
+        removed = 0
+        try:
+            entries = list(os.scandir(self._tmp))
+        except FileNotFoundError:
+            return 0
+        for entry in entries:
+            try:
+                if (
+                    entry.is_file(follow_symlinks=False)
+                    and entry.stat(follow_symlinks=False).st_mtime < cutoff
+                ):
+                    os.unlink(entry.path)
+                    removed += 1
+            except FileNotFoundError:
+                continue
+        return removed
