@@ -114,7 +114,7 @@ class CompiledStep:
             if problem:
                 raise ArtifactMismatchError(f"artifact {digest[:12]} (key {key.key[:12]}) does not fit: {problem}")
             groups = _live_groups(plan)
-            gm = artifact.graph_module(groups, device)
+            gm = artifact.program(groups, device)
         except SpmdAotError as exc:
             failure = exc
         _all_ranks_ok(failure, world)

@@ -12,6 +12,7 @@ so one artifact serves every rank; ``decode_graph`` binds them to the live job.
 
 from __future__ import annotations
 
+import dataclasses
 import keyword
 import operator
 import re
@@ -22,13 +23,15 @@ import torch
 
 from .errors import CorruptArtifactError, UnsafeArtifactError
 
-__all__ = ["encode_graph", "decode_graph", "ALLOWED_NAMESPACES", "GRAPH_FORMAT"]
+__all__ = ["encode_graph", "decode_graph", "to_fx_graph", "Ref", "DecodedNode", "ALLOWED_NAMESPACES",
+           "GRAPH_FORMAT"]
 
 GRAPH_FORMAT = 1
 ALLOWED_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional"})
 _PYTHON_CALLABLES: dict[str, Callable] = {"operator.getitem": operator.getitem}
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,200}$")
 _OPCODES = ("placeholder", "call_function", "get_attr", "output")
+_NODE_FIELDS = frozenset({"op", "name", "target", "args", "kwargs"})
 _ENUMS = {
     "~dtype": (torch.dtype, lambda v: str(v).removeprefix("torch.")),
     "~layout": (torch.layout, lambda v: str(v).removeprefix("torch.")),
@@ -112,11 +115,33 @@ def _encode_group(value, group_names):
 
 
 # ---------------------------------------------------------------------------- decode
-def decode_graph(data: bytes, *, groups: list[str], device: torch.device) -> torch.fx.Graph:
-    """msgpack bytes -> Graph bound to live process groups (by mesh dim) and the local device.
+class Ref:
+    """A decoded reference to the value of node number ``index`` (graph order)."""
 
-    Raises ``UnsafeArtifactError`` for a target outside the allowlist and
-    ``CorruptArtifactError`` for anything else malformed; nothing stored is executed.
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __repr__(self):
+        return f"Ref({self.index})"
+
+
+@dataclasses.dataclass
+class DecodedNode:
+    op: str  # placeholder | call_function | get_attr | output
+    name: str
+    target: Any  # resolved OpOverload / operator.getitem, attribute name, or the node name
+    args: tuple
+    kwargs: dict
+
+
+def decode_graph(data: bytes, *, groups: list[str], device: torch.device) -> list[DecodedNode]:
+    """msgpack bytes -> validated nodes, bound to live process groups (by mesh dim) and device.
+
+    Values that refer to other nodes are ``Ref``s. Raises ``UnsafeArtifactError`` for a target
+    outside the allowlist and ``CorruptArtifactError`` for anything else malformed; nothing
+    stored is executed. ``to_fx_graph`` and ``program.Program`` consume the result.
     """
     try:
         doc = msgpack.unpackb(data, raw=False, strict_map_key=True)
@@ -124,52 +149,85 @@ def decode_graph(data: bytes, *, groups: list[str], device: torch.device) -> tor
         raise CorruptArtifactError(f"graph blob is not valid msgpack: {exc}") from None
     try:
         if not isinstance(doc, dict) or doc.get("format") != GRAPH_FORMAT:
-            raise CorruptArtifactError(f"graph format is {doc.get('format') if isinstance(doc, dict) else doc!r}, expected {GRAPH_FORMAT}")
-        return _Decoder(groups, device).graph(doc["nodes"])
+            found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise CorruptArtifactError(f"graph format is {found!r}, expected {GRAPH_FORMAT}")
+        return _Decoder(groups, device).nodes(doc["nodes"])
     except CorruptArtifactError:
         raise
     except Exception as exc:
         raise CorruptArtifactError(f"graph blob is malformed: {type(exc).__name__}: {exc}") from None
 
 
+def to_fx_graph(nodes: list[DecodedNode]) -> torch.fx.Graph:
+    """Decoded nodes -> an ``fx.Graph`` (for inspection and tests; jobs run a ``Program``)."""
+    graph = torch.fx.Graph()
+    env: list[torch.fx.Node] = []
+
+    def fx(v):
+        if isinstance(v, Ref):
+            return env[v.index]
+        if isinstance(v, (list, tuple)):
+            return type(v)(fx(x) for x in v)
+        if isinstance(v, slice):
+            return slice(fx(v.start), fx(v.stop), fx(v.step))
+        return v
+
+    for n in nodes:
+        env.append(graph.create_node(n.op, n.target, fx(n.args), {k: fx(v) for k, v in n.kwargs.items()},
+                                     name=n.name))
+    graph.lint()
+    return graph
+
+
 class _Decoder:
     def __init__(self, groups: list[str], device: torch.device):
         self.groups = groups
         self.device = device
-        self.env: dict[str, torch.fx.Node] = {}
+        self.index: dict[str, int] = {}
+        self.targets: dict[str, Callable] = {}
 
-    def graph(self, nodes) -> torch.fx.Graph:
-        if not isinstance(nodes, list):
+    def nodes(self, entries) -> list[DecodedNode]:
+        if not isinstance(entries, list):
             raise CorruptArtifactError("graph nodes must be a list")
-        graph = torch.fx.Graph()
-        seen_output = False
-        for entry in nodes:
-            if not isinstance(entry, dict) or set(entry) != {"op", "name", "target", "args", "kwargs"}:
+        out = []
+        for entry in entries:
+            if not isinstance(entry, dict) or len(entry) != 5 or not _NODE_FIELDS.issuperset(entry):
                 raise CorruptArtifactError(f"malformed node entry {str(entry)[:80]}")
             op, name = entry["op"], entry["name"]
             if op not in _OPCODES:
-                raise UnsafeArtifactError(f"node opcode {op!r} is not allowed")
-            if not isinstance(name, str) or not _NAME.match(name) or keyword.iskeyword(name) or name in self.env:
+                raise UnsafeArtifactError(f"node opcode {str(op)[:40]!r} is not allowed")
+            if not isinstance(name, str) or not _NAME.match(name) or keyword.iskeyword(name) or name in self.index:
                 raise CorruptArtifactError(f"invalid or duplicate node name {str(name)[:80]!r}")
-            if seen_output:
+            if out and out[-1].op == "output":
                 raise CorruptArtifactError("nodes after the output node")
             if not isinstance(entry["args"], list) or not isinstance(entry["kwargs"], dict):
                 raise CorruptArtifactError(f"node {name}: args must be a list and kwargs a map")
             args = tuple(self.value(a) for a in entry["args"])
             kwargs = {self.kwarg_name(k): self.value(v) for k, v in entry["kwargs"].items()}
             if op == "placeholder":
+                if out and out[-1].op != "placeholder":
+                    raise CorruptArtifactError(f"placeholder {name} after non-placeholder nodes")
                 target = name
             elif op == "get_attr":
                 target = self.attr_name(entry["target"])
             elif op == "output":
-                target, seen_output = "output", True
+                if len(args) != 1 or kwargs:
+                    raise CorruptArtifactError("output node must have exactly one argument")
+                target = "output"
             else:
-                target = resolve_target(entry["target"])
-            self.env[name] = graph.create_node(op, target, args, kwargs, name=name)
-        if not seen_output:
+                target = self.target(entry["target"])
+            self.index[name] = len(out)
+            out.append(DecodedNode(op, name, target, args, kwargs))
+        if not out or out[-1].op != "output":
             raise CorruptArtifactError("graph has no output node")
-        graph.lint()
-        return graph
+        return out
+
+    def target(self, name):
+        if not isinstance(name, str):
+            raise UnsafeArtifactError(f"op target must be a string, got {type(name).__name__}")
+        if name not in self.targets:
+            self.targets[name] = resolve_target(name)
+        return self.targets[name]
 
     def kwarg_name(self, k):
         if not isinstance(k, str) or not _NAME.match(k):
@@ -188,9 +246,9 @@ class _Decoder:
             raise CorruptArtifactError(f"invalid graph value {str(v)[:80]!r}")
         (tag, payload), = v.items()
         if tag == "~node":
-            if payload not in self.env:
+            if not isinstance(payload, str) or payload not in self.index:
                 raise CorruptArtifactError(f"reference to unknown node {str(payload)[:80]!r}")
-            return self.env[payload]
+            return Ref(self.index[payload])
         if tag in ("~tuple", "~list") and isinstance(payload, list):
             items = [self.value(x) for x in payload]
             return tuple(items) if tag == "~tuple" else items
