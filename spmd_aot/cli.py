@@ -155,27 +155,16 @@ def _print_build_table(results) -> None:
 
 
 def _load_job(target: str):
-    """``load_target``, with errors from the user's own module turned into a TargetError."""
+    """``load_target``; when the user's own code raised, show its traceback too."""
     from .job import load_target
 
     try:
         return load_target(target)
     except TargetError as exc:
-        if "expected" in str(exc).lower():
-            raise
-        raise TargetError(f"{str(exc).rstrip('.')}; expected {_TARGET_FORM}") from exc
-    except SpmdAotError:
+        cause = exc.__cause__
+        if cause is not None and not isinstance(cause, (SpmdAotError, ModuleNotFoundError)):
+            traceback.print_exception(type(cause), cause, cause.__traceback__)
         raise
-    except Exception as exc:  # the target's import or its factory raised
-        traceback.print_exc()
-        raise TargetError(
-            f"TARGET {target!r}: importing it (or calling the job factory) raised "
-            f"{type(exc).__name__}: {exc} (traceback above); expected {_TARGET_FORM}"
-        ) from exc
-
-
-_TARGET_FORM = ("'pkg.module:job' or 'path/to/file.py:job' naming a spmd_aot.Job or a "
-                "zero-argument callable returning one")
 
 
 def _unique(items: Iterable) -> list:

@@ -7,6 +7,7 @@ must build the model, optimizer and one rank's batch without touching real data.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import pathlib
@@ -38,57 +39,73 @@ class Job:
     global_batch: bool = False  # True: ``batch`` returns the GLOBAL batch, split over ranks on dim 0
 
 
+_EXPECTED = "expected 'pkg.module:job' or 'path/to/file.py:job' naming a spmd_aot.Job or a zero-argument function returning one"
+
+
 def load_target(target: str) -> Job:
     """Resolve ``pkg.module:attr`` or ``path/to/file.py:attr`` to a ``Job``.
 
-    ``attr`` may be a ``Job`` or a zero-argument callable returning one.
+    ``attr`` may be a ``Job`` or a zero-argument callable returning one. Every failure,
+    including an exception raised by the user's own module or factory, is a ``TargetError``.
     """
     module_part, sep, attr = target.rpartition(":")
     if not sep or not module_part or not attr:
-        raise TargetError(
-            f"TARGET {target!r} is not of the form 'pkg.module:job' or 'path/to/file.py:job'"
-        )
+        raise TargetError(f"TARGET {target!r} is malformed; {_EXPECTED}")
     if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
         module = _import_file(pathlib.Path(module_part), target)
     else:
-        try:
-            module = importlib.import_module(module_part)
-        except ModuleNotFoundError as exc:
-            raise TargetError(
-                f"TARGET {target!r}: module {module_part!r} not found ({exc}). "
-                "Check the name, or pass a file path such as 'train.py:job'."
-            ) from exc
+        module = _import_module(module_part, target)
     try:
         obj = getattr(module, attr)
     except AttributeError:
         public = sorted(n for n in vars(module) if not n.startswith("_"))
         raise TargetError(
             f"TARGET {target!r}: module {module_part!r} has no attribute {attr!r} "
-            f"(it defines: {', '.join(public[:20]) or 'nothing public'})"
+            f"(it defines: {', '.join(public[:20]) or 'nothing public'}); {_EXPECTED}"
         ) from None
-    job = obj if isinstance(obj, Job) else (obj() if callable(obj) else obj)
+    if isinstance(obj, Job):
+        return obj
+    if not callable(obj):
+        raise TargetError(f"TARGET {target!r} is a {type(obj).__name__}, not a Job; {_EXPECTED}")
+    try:
+        job = obj()
+    except Exception as exc:
+        raise TargetError(f"TARGET {target!r}: calling {attr}() raised {type(exc).__name__}: {exc}; "
+                          f"{_EXPECTED}") from exc
     if not isinstance(job, Job):
-        raise TargetError(
-            f"TARGET {target!r} must be a spmd_aot.Job or a zero-argument callable returning one; "
-            f"expected Job, got {type(job).__name__}"
-        )
+        raise TargetError(f"TARGET {target!r}: {attr}() returned a {type(job).__name__}, not a Job; {_EXPECTED}")
     return job
+
+
+def _import_module(name: str, target: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and name != exc.name and not name.startswith(exc.name + "."):
+            raise TargetError(f"TARGET {target!r}: importing {name!r} failed: it imports {exc.name!r}, "
+                              "which is not installed") from exc
+        raise TargetError(f"TARGET {target!r}: module {name!r} not found. Check the name, or pass a "
+                          "file path such as 'train.py:job'; " + _EXPECTED) from exc
+    except Exception as exc:
+        raise TargetError(f"TARGET {target!r}: importing {name!r} raised {type(exc).__name__}: {exc}") from exc
 
 
 def _import_file(path: pathlib.Path, target: str):
     if not path.is_file():
-        raise TargetError(f"TARGET {target!r}: file {str(path)!r} not found")
-    name = f"_spmd_aot_target_{path.stem}"
+        raise TargetError(f"TARGET {target!r}: file {str(path)!r} not found; {_EXPECTED}")
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
+    name = f"_spmd_aot_target_{path.stem}_{digest}"  # distinct per path: two train.py files coexist
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     # The file's folder goes on sys.path so its sibling imports work, as under `python file.py`.
-    sys.path.insert(0, str(path.resolve().parent))
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
-    except Exception:
+    except Exception as exc:
         del sys.modules[name]
-        raise
+        raise TargetError(f"TARGET {target!r}: executing {str(path)!r} raised {type(exc).__name__}: {exc}") from exc
     finally:
-        sys.path.remove(str(path.resolve().parent))
+        sys.path.remove(folder)
     return module

@@ -180,46 +180,88 @@ def _simple(v):
 
 
 def code_identity(obj) -> dict:
-    """Qualified name plus a hash of the source file that defines ``obj``.
+    """What a piece of user code is: qualified name, defining file's hash, and its own code.
 
-    Classes and functions from torch itself are identified by name only: the torch release is
-    its own ingredient. Objects without a source file (defined in a REPL) fall back to their
-    bytecode.
+    The file hash catches edits to helpers beside it; the object's own bytecode (and a
+    function's defaults and closure values) tells apart two lambdas or closures from one file,
+    and covers code with no source file (a REPL, ``python -c``, a notebook). Classes and
+    functions from torch itself are identified by name only: the torch release is its own
+    ingredient.
     """
     obj = inspect.unwrap(obj) if callable(obj) else obj
     if isinstance(obj, functools.partial):
-        return {"partial": code_identity(obj.func), "args": repr(obj.args), "kwargs": repr(sorted(obj.keywords.items()))}
+        return {"partial": code_identity(obj.func), "args": _values(obj.args),
+                "kwargs": _values(sorted(obj.keywords.items()))}
+    if not isinstance(obj, type) and not inspect.isroutine(obj):  # a callable instance
+        return {"instance": code_identity(type(obj)), "state": _values(sorted(vars(obj).items()))
+                if hasattr(obj, "__dict__") else repr(obj)}
     qualname = getattr(obj, "__qualname__", type(obj).__qualname__)
     module = getattr(obj, "__module__", "") or ""
     if module == "torch" or module.startswith("torch."):
         return {"name": f"{module}.{qualname}"}
-    return {"name": qualname, "source": _source_digest(obj)}
+    return {"name": qualname, "file": _file_digest(obj), "code": _own_code_digest(obj)}
 
 
-@functools.lru_cache(maxsize=256)
-def _file_digest(path: str, mtime_ns: int, size: int) -> str:
-    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
-
-
-def _source_digest(obj) -> str:
+def _file_digest(obj) -> str | None:
     try:
         path = inspect.getsourcefile(obj)
     except TypeError:
-        path = None
+        return None
     if path and pathlib.Path(path).is_file():
-        st = pathlib.Path(path).stat()
-        return _file_digest(path, st.st_mtime_ns, st.st_size)
-    code = getattr(obj, "__code__", None)
-    if code is not None:
-        return hashlib.sha256(_code_bytes(code)).hexdigest()
+        return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+    return None
+
+
+def _own_code_digest(obj) -> str:
+    """Source text when there is a file (stable across Python versions), else bytecode."""
+    h = hashlib.sha256()
     try:
-        return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()
+        h.update(inspect.getsource(obj).encode())
+        has_source = True
     except (OSError, TypeError):
-        return "unknown"
+        has_source = False
+    if isinstance(obj, type):
+        if not has_source:
+            for name, attr in sorted(vars(obj).items()):
+                fn = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+                fn = fn.fget if isinstance(fn, property) else fn
+                h.update(name.encode())
+                if hasattr(fn, "__code__"):
+                    h.update(_code_bytes(fn.__code__))
+                elif _simple(fn) is not _NOT_SIMPLE:
+                    h.update(repr(_simple(fn)).encode())
+    elif hasattr(obj, "__code__"):
+        # names and constants tell apart two lambdas that share a source line
+        h.update(_code_bytes(obj.__code__, with_bytecode=not has_source))
+        h.update(_values(obj.__defaults__ or ()).encode())
+        cells = [c.cell_contents for c in (obj.__closure__ or ()) if _cell_filled(c)]
+        h.update(_values(cells).encode())
+    return h.hexdigest()
 
 
-def _code_bytes(code) -> bytes:
-    parts = [code.co_code, repr(code.co_names).encode()]
+def _cell_filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _values(items) -> str:
+    """A stable text for captured values: plain ones by value, code by identity, else type."""
+    def one(v):
+        if _simple(v) is not _NOT_SIMPLE:
+            return _simple(v)
+        if isinstance(v, (tuple, list)):
+            return [one(x) for x in v]
+        if inspect.isroutine(v) or isinstance(v, (type, functools.partial)):
+            return code_identity(v)
+        return f"<{type(v).__qualname__}>"
+    return json.dumps([one(v) for v in items], sort_keys=True, default=str)
+
+
+def _code_bytes(code, with_bytecode: bool = True) -> bytes:
+    parts = [code.co_code if with_bytecode else b"", repr(code.co_names).encode()]
     for const in code.co_consts:
-        parts.append(_code_bytes(const) if inspect.iscode(const) else repr(const).encode())
+        parts.append(_code_bytes(const, with_bytecode) if inspect.iscode(const) else repr(const).encode())
     return b"\0".join(parts)

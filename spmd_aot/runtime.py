@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from typing import Any, Callable
 
@@ -29,6 +30,8 @@ from .state import TrainState, initialize_optimizer_state
 from .store import LocalStore, resolve_cache_dir
 
 __all__ = ["compile", "CompiledStep", "CacheInfo"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,18 +129,19 @@ class CompiledStep:
     def _resolve_on_rank0(self, state, plan, key) -> tuple[str, bool]:
         """Rank 0's decision: (manifest digest, hit). Traces and stores on a miss."""
         store = self.store
-        digest = store.get_ref(key.key)
-        if digest is not None:
-            try:
+        try:
+            digest = store.get_ref(key.key)
+            if digest is not None:
                 read_artifact(store, digest)  # verify every blob before announcing a hit
                 return digest, True
-            except CorruptArtifactError as exc:
-                if self.require_hit:
-                    raise CorruptArtifactError(
-                        f"cached artifact for key {key.key[:12]} is corrupt and require_hit=True: {exc}. "
-                        "Run `spmd-aot verify` and rebuild with `spmd-aot build`."
-                    ) from None
-                store.delete_ref(key.key)
+        except CorruptArtifactError as exc:
+            if self.require_hit:
+                raise CorruptArtifactError(
+                    f"cached artifact for key {key.key[:12]} is corrupt and require_hit=True: {exc}. "
+                    "Run `spmd-aot verify` and rebuild with `spmd-aot build`."
+                ) from None
+            log.warning("cached artifact for key %s is corrupt (%s); rebuilding", key.key[:12], exc)
+            store.delete_ref(key.key)
         if self.require_hit:
             raise CacheMissError(
                 f"no artifact for key {key.key[:12]} ({plan.describe()}) in {store.root} and "

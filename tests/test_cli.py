@@ -116,10 +116,10 @@ def test_build_accepts_module_target_and_callable(tmp_path, capsys, monkeypatch)
 @pytest.mark.parametrize("target, expect", [
     ("no_such_module_xyz:job", ["module 'no_such_module_xyz' not found", "pkg.module:job"]),
     ("{job}:missing", ["has no attribute 'missing'", "expected"]),
-    ("{job}:not_a_job", ["must be a spmd_aot.Job", "got int"]),
-    ("{job}", ["is not of the form", "path/to/file.py:job"]),
+    ("{job}:not_a_job", ["is a int, not a Job", "expected"]),
+    ("{job}", ["is malformed", "path/to/file.py:job"]),
     ("{dir}/nope.py:job", ["not found", "expected"]),
-    ("os.path:join", ["raised TypeError", "zero-argument callable"]),
+    ("os.path:join", ["raised TypeError", "zero-argument function"]),
 ])
 def test_bad_target_exits_2(target, expect, job_file, tmp_path, capsys):
     target = target.format(job=job_file, dir=tmp_path)

@@ -331,10 +331,16 @@ class LocalStore:
             os.unlink(self._ref_path(key))
 
     def refs(self) -> dict[str, str]:
-        """All refs as key -> digest, sorted by key."""
+        """All readable refs as key -> digest, sorted by key.
+
+        A damaged ref file is skipped rather than failing every listing; ``verify()`` reports it.
+        """
         out: dict[str, str] = {}
         for key, _ in self._ref_files():
-            digest = self.get_ref(key)
+            try:
+                digest = self.get_ref(key)
+            except CorruptArtifactError:
+                continue
             if digest is not None:  # removed since listing
                 out[key] = digest
         return out
