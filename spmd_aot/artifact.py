@@ -18,14 +18,16 @@ import msgpack
 import torch
 import torch.utils._pytree as pytree
 
+from . import signing
 from .errors import ArtifactMismatchError, CorruptArtifactError
+from .faults import crash_point
 from .key import FORMAT_VERSION, CacheKey
 from .plan import Plan
 from .serialize import decode_graph, encode_graph, to_fx_graph
 from .state import Slot
 
 __all__ = ["Artifact", "encode_artifact", "store_artifact", "read_artifact", "read_manifest",
-           "layout_mismatch"]
+           "layout_entries", "layout_mismatch"]
 
 _PARTS = ("graph", "code", "schema", "layout", "constants")
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
@@ -44,7 +46,7 @@ class Artifact:
     @property
     def plan(self) -> Plan:
         p = self.manifest["plan"]
-        return Plan(p["world_size"], p["placement"], p["device_type"], tuple(p["mesh_shape"]))
+        return plan_from_manifest(p)
 
     @property
     def slots(self) -> list[dict]:
@@ -91,12 +93,13 @@ def encode_artifact(traced, key: CacheKey, plan: Plan, slots: list[Slot], stats:
     if len(placeholders) != len(slots):
         raise AssertionError(f"{len(placeholders)} graph inputs for {len(slots)} state slots")
     layout = {
-        "inputs": [_slot_entry(s, plan) for s in slots],
+        "inputs": layout_entries(slots, plan),
         "outputs": {"spec": pytree.treespec_dumps(traced.out_spec),
                     "constants": [[i, v] for i, v in sorted(traced.out_constants.items())],
                     "tensors": [_val_entry(v) for v in _output_vals(gm)]},
     }
-    schema = {"mesh_shape": list(plan.mesh_shape), "nodes": _schema_map(gm, placeholders, layout["inputs"])}
+    schema = {"mesh_shape": list(plan.mesh_shape),
+              "nodes": _schema_map(gm, placeholders, layout["inputs"], traced.group_names)}
     constants = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
@@ -107,7 +110,7 @@ def encode_artifact(traced, key: CacheKey, plan: Plan, slots: list[Slot], stats:
                     "register it as a buffer on the module instead"
                 )
             constants[node.target] = value.detach().cpu().contiguous().clone()
-    header = "\n".join(f"#   {p.name}: {s['kind']} {s['fqn']} {s['local_shape']} {s['dtype']} {s['placement']}"
+    header = "\n".join(f"#   {p.name}: {s['kind']} {s['fqn']} local {s['local_shape']} {s['dtype']} {s['placement']}"
                        for p, s in zip(placeholders, layout["inputs"]))
     code = f"# spmd-aot graph for {plan.describe()}\n# inputs:\n{header}\n{gm.code}"
     blobs = {
@@ -123,7 +126,8 @@ def encode_artifact(traced, key: CacheKey, plan: Plan, slots: list[Slot], stats:
         "ingredients": key.ingredients,
         "ingredient_values": key.values,
         "plan": {"world_size": plan.world_size, "placement": plan.placement,
-                 "device_type": plan.device_type, "mesh_shape": list(plan.mesh_shape)},
+                 "device_type": plan.device_type, "mesh_shape": list(plan.mesh_shape),
+                 "param_placements": [list(p) for p in plan.param_placements]},
         "blobs": {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()},
         "stats": stats,
     }
@@ -132,17 +136,31 @@ def encode_artifact(traced, key: CacheKey, plan: Plan, slots: list[Slot], stats:
 
 
 def store_artifact(store, key: str, blobs: dict[str, bytes]) -> str:
-    """Write parts first, manifest next, ref last: a reader never sees a ref to a missing blob."""
+    """Write parts first, manifest next, ref last: a reader never sees a ref to a missing blob.
+
+    With ``SPMD_AOT_SIGNING_KEY`` set the manifest is signed first (see ``signing``).
+    """
     for name, data in blobs.items():
         if name != "manifest":
             store.put(data)
-    digest = store.put(blobs["manifest"])
+    crash_point("artifact.parts_stored")
+    manifest = blobs["manifest"]
+    key_bytes = signing.signing_key()
+    if key_bytes is not None:
+        manifest = signing.sign_manifest_blob(manifest, key_bytes)
+    digest = store.put(manifest)
+    crash_point("artifact.manifest_stored")
     store.set_ref(key, digest)
+    crash_point("artifact.ref_set")
     return digest
 
 
 def read_manifest(store, digest: str) -> dict:
+    """The validated manifest ``digest``; with a signing key set, only a correctly signed one."""
     manifest = _unpack(store.get(digest), f"manifest {digest}")
+    if not isinstance(manifest, dict):
+        raise CorruptArtifactError(f"manifest {digest}: not a map")
+    signing.verify_manifest(manifest, digest)  # before looking at any field
     _check_manifest(manifest, digest)
     return manifest
 
@@ -177,7 +195,7 @@ def layout_mismatch(stored: list[dict], live: list[Slot], plan: Plan) -> str | N
                 f"the live job has {len(live)} {kinds([s.kind for s in live])}")
     for s, l in zip(stored, live):
         want = _slot_entry(l, plan)
-        for field in ("kind", "fqn", "local_shape", "dtype"):
+        for field in ("kind", "fqn", "local_shape", "dtype", "placement"):
             if s.get(field) != want[field]:
                 return (f"input {want['fqn']} ({want['kind']}): expected {field} {s.get(field)} "
                         f"(from the artifact), got {want[field]}")
@@ -185,6 +203,11 @@ def layout_mismatch(stored: list[dict], live: list[Slot], plan: Plan) -> str | N
 
 
 # ---------------------------------------------------------------------------- helpers
+def plan_from_manifest(p: dict) -> Plan:
+    return Plan(p["world_size"], p["placement"], p["device_type"], tuple(p["mesh_shape"]),
+                tuple(tuple(x) for x in p.get("param_placements", [])))
+
+
 @contextlib.contextmanager
 def _gc_paused():
     was_enabled = gc.isenabled()
@@ -196,17 +219,26 @@ def _gc_paused():
             gc.enable()
 
 
+def layout_entries(slots: list[Slot], plan: Plan) -> list[dict]:
+    """The state layout: every graph input in order, as stored and shown to people."""
+    return [_slot_entry(s, plan) for s in slots]
+
+
 def _slot_entry(s: Slot, plan: Plan) -> dict:
-    local = list(s.shape)
+    local = list(s.local_shape)
+    global_shape = list(s.shape)
+    shard_rows = []
     if s.kind == "batch":
-        placement = "Shard(0)"
+        placements = ["Shard(0)"] + ["Shard(0)"] * (len(plan.mesh_shape) - 1)
         global_shape = [local[0] * plan.world_size] + local[1:] if local else local
+    elif s.layout is not None:
+        placements = s.layout.placements if plan.world_size > 1 else ["Replicate()"]
+        shard_rows = s.layout.shard_rows()
     else:
-        placement = "Replicate()"
-        global_shape = local
+        placements = ["Replicate()"] * len(plan.mesh_shape)
     return {"kind": s.kind, "fqn": s.fqn, "aliases": list(s.aliases), "global_shape": global_shape,
-            "local_shape": local, "dtype": s.dtype, "device_type": s.device_type,
-            "requires_grad": s.requires_grad, "placement": placement}
+            "local_shape": local, "shard_rows": shard_rows, "dtype": s.dtype, "device_type": s.device_type,
+            "requires_grad": s.requires_grad, "placement": placements}
 
 
 def _output_vals(gm):
@@ -220,18 +252,26 @@ def _val_entry(v) -> dict:
     return {}
 
 
-def _schema_map(gm, placeholders, inputs) -> dict:
+_COLLECTIVE_PLACEMENTS = {  # what each collective does to a DTensor placement
+    "all_reduce": ["Partial", "Replicate"],
+    "all_gather_into_tensor": ["Shard(0)", "Replicate"],
+    "reduce_scatter_tensor": ["Partial", "Shard(0)"],
+    "broadcast": ["Replicate", "Replicate"],
+}
+
+
+def _schema_map(gm, placeholders, inputs, traced_groups) -> dict:
     from .passes import is_collective
 
     mesh = {}
     for p, s in zip(placeholders, inputs):
-        mesh[p.name] = {"placements": [s["placement"]], "fqn": s["fqn"]}
+        mesh[p.name] = {"placements": s["placement"], "fqn": s["fqn"]}
     for node in gm.graph.nodes:
         if is_collective(node):
             op = node.target.__name__.split(".")[0]
             reduce = node.args[1] if op in ("all_reduce", "reduce_scatter_tensor") else None
-            mesh[node.name] = {"collective": op, "reduce": reduce, "placements": ["Partial->Replicate"]
-                               if op == "all_reduce" else []}
+            mesh[node.name] = {"collective": op, "reduce": reduce, "group": traced_groups.get(node.args[-1]),
+                               "placements": _COLLECTIVE_PLACEMENTS.get(op, [])}
     return mesh
 
 
@@ -258,16 +298,29 @@ def _check_manifest(m: Any, digest: str) -> None:
     if not isinstance(blobs, dict) or set(blobs) != set(_PARTS):
         bad(f"blobs must name exactly {list(_PARTS)}")
     for name, d in blobs.items():
-        if not isinstance(d, str) or not _DIGEST.match(d):
+        if not isinstance(d, str) or not _DIGEST.fullmatch(d):
             bad(f"blob {name} has invalid digest {str(d)[:80]!r}")
     plan = m.get("plan")
     if not isinstance(plan, dict):
         bad("no plan")
     try:
-        Plan(plan["world_size"], plan["placement"], plan["device_type"], tuple(plan["mesh_shape"]))
+        plan_from_manifest(plan)
     except Exception as exc:
         bad(f"invalid plan {plan!r}: {exc}")
     if not isinstance(m.get("key"), str) or not isinstance(m.get("ingredients"), dict):
         bad("no key or ingredients")
-    if not isinstance(m.get("stats"), dict):
+    if not all(isinstance(v, str) for v in m["ingredients"].values()):
+        bad("ingredients must map names to digests")
+    if not isinstance(m.get("ingredient_values", {}), dict):
+        bad("ingredient_values must be a map")
+    stats = m.get("stats")
+    if not isinstance(stats, dict):
         bad("no stats")
+    for name in ("nodes", "collectives", "bytes_per_step", "trace_seconds", "by_kind"):
+        if name not in stats:  # the CLI and runtime read these; other fields are free-form
+            continue
+        value = stats[name]
+        ok = (isinstance(value, dict) if name == "by_kind"
+              else isinstance(value, (int, float)) and not isinstance(value, bool))
+        if not ok:
+            bad(f"stats field {name!r} has invalid value {str(value)[:80]!r}")

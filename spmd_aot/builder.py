@@ -14,14 +14,15 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .artifact import read_manifest
 from .errors import SpmdAotError
 from .job import Job
 from .key import compute_key
-from .pipeline import trace_and_store
+from .pipeline import Transforms, trace_and_store
 from .plan import Plan
 from .state import TrainState, initialize_optimizer_state
 from .store import LocalStore, resolve_cache_dir
-from .trace import fake_world
+from .trace import device_mesh, fake_world
 
 __all__ = ["build", "BuildResult", "local_batch"]
 
@@ -37,12 +38,17 @@ class BuildResult:
 
 
 def build(job: Job, *, world_size: int, placement: str = "replicate", cache_dir=None,
-          device: str = "cpu", mesh_shape=None, store=None) -> BuildResult:
-    """Build ``job`` for one configuration; a no-op (``traced=False``) when already cached."""
+          device: str = "cpu", mesh_shape=None, param_placements=(), module_override=(),
+          gm_transformation=None, extra_sources=(), store=None) -> BuildResult:
+    """Build ``job`` for one configuration; a no-op (``traced=False``) when already cached.
+
+    The options mean what they mean for ``spmd_aot.compile``; pass the same ones to both.
+    """
     if not isinstance(job, Job):
         raise SpmdAotError(f"build() takes a spmd_aot.Job, got {type(job).__name__}")
     start = time.perf_counter()
-    plan = Plan(world_size, placement, device, mesh_shape)
+    plan = Plan(world_size, placement, device, mesh_shape, param_placements)
+    transforms = Transforms(tuple(module_override), gm_transformation)
     store = store or LocalStore(resolve_cache_dir(cache_dir))
     fake_mode = FakeTensorMode()
     with fake_mode, torch.device(device):
@@ -52,12 +58,13 @@ def build(job: Job, *, world_size: int, placement: str = "replicate", cache_dir=
         if job.global_batch:
             batch = local_batch(batch, world_size)
         initialize_optimizer_state(optim)
-    state = TrainState(model, optim, batch)
+    state = TrainState(model, optim, batch, plan)
     with fake_world(world_size):
-        key = compute_key(job.step, state, plan)
-        digest, traced = trace_and_store(store, job.step, state, plan, key)
-    from .artifact import read_manifest
-
+        mesh = device_mesh(plan)
+        key = compute_key(job.step, state, plan, transforms.identities(), extra_sources)
+        with fake_mode:
+            inputs = state.graph_inputs()
+        digest, traced = trace_and_store(store, job.step, state, plan, key, mesh, inputs, transforms)
     stats = read_manifest(store, digest)["stats"]
     return BuildResult(plan, key.key, digest, traced, stats, time.perf_counter() - start)
 

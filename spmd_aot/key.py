@@ -31,7 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .plan import Plan
-from .state import TrainState, dtype_name
+from .state import TrainState, dtype_name, lr_is_input
 
 __all__ = ["CacheKey", "compute_key", "FORMAT_VERSION", "INGREDIENTS"]
 
@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 _PACKAGE_DIR = pathlib.Path(__file__).parent
 # spmd-aot's own modules whose code decides what graph gets stored.
-_GRAPH_PRODUCING_MODULES = ("trace.py", "expand.py", "state.py", "serialize.py", "passes")
+_GRAPH_PRODUCING_MODULES = ("trace.py", "expand.py", "state.py", "serialize.py", "passes", "override.py",
+                            "pipeline.py", "sharding.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +121,11 @@ def optimizer(*, state, **_) -> dict:
     optim = state.optim
     groups = []
     for g in optim.param_groups:
-        hyper = {k: _simple(v) if _simple(v) is not _NOT_SIMPLE else repr(v)
-                 for k, v in sorted(g.items()) if k != "params"}
+        # The optimizer's own hyperparameters, less the learning rate (a graph input, so
+        # schedulers need no rebuild); keys others add to groups (initial_lr, ...) are not ours.
+        hyper = {k: _simple(g[k]) if _simple(g[k]) is not _NOT_SIMPLE else repr(g[k])
+                 for k in sorted(optim.defaults) if k in g and k not in ("params", "lr")}
+        hyper["lr_is_input"] = lr_is_input(g.get("lr"))
         hyper["params"] = [state.param_fqn[id(p)] for p in g["params"]]
         groups.append(hyper)
     return {"class": code_identity(type(optim)), "groups": groups, "state": state.optimizer_state_structure()}
@@ -133,7 +137,8 @@ def batch(*, state, **_) -> dict:
 
 
 def parallel(*, plan, **_) -> dict:
-    return {"world_size": plan.world_size, "mesh_shape": list(plan.mesh_shape), "placement": plan.placement}
+    return {"world_size": plan.world_size, "mesh_shape": list(plan.mesh_shape), "placement": plan.placement,
+            "param_placements": [list(p) for p in plan.param_placements]}
 
 
 def device_type(*, plan, **_) -> str:

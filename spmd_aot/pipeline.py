@@ -1,4 +1,5 @@
-"""trace -> passes -> encode: the one path from live (or fake) objects to artifact blobs.
+"""trace -> passes -> user transformations -> encode: the one path from live (or fake)
+objects to artifact blobs.
 
 Both the offline builder and a job-start cache miss go through ``trace_to_blobs``, so what a
 job traces for itself is the graph ``spmd-aot build`` would have stored (the blobs are
@@ -7,49 +8,92 @@ identical; the manifest differs only in the measured ``trace_seconds``).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
-from typing import Callable, Iterable
+from typing import Callable, Sequence
 
 import torch
 
-from .artifact import encode_artifact, store_artifact
+from .artifact import encode_artifact, layout_entries, store_artifact
 from .errors import UnsupportedError
 from .key import CacheKey
-from .passes import collective_stats, strip_profiler_ops
+from .override import Override, swapped_submodules
+from .passes import collective_stats, dedupe_collectives, strip_profiler_ops
 from .plan import Plan
 from .state import TrainState
-from .trace import device_mesh, trace_step
+from .trace import trace_step
 
-__all__ = ["trace_to_blobs", "trace_and_store"]
+__all__ = ["Transforms", "trace_to_blobs", "trace_and_store"]
 
 
-def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
-                   transformations: Iterable[Callable] = ()) -> dict[str, bytes]:
+@dataclasses.dataclass(frozen=True)
+class Transforms:
+    """User hooks applied at build time (see ``override.py``)."""
+
+    module_override: Sequence[Override] = ()
+    gm_transformation: Callable | None = None
+
+    def identities(self) -> list:
+        """What goes into the key's ``transformations`` ingredient."""
+        return list(self.module_override) + ([self.gm_transformation] if self.gm_transformation else [])
+
+
+def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey, mesh,
+                   inputs: list[torch.Tensor], transforms: Transforms = Transforms()) -> dict[str, bytes]:
     start = time.perf_counter()
-    traced = trace_step(step, state, plan, device_mesh(plan))
-    strip_profiler_ops(traced.gm)
-    for transform in transformations:
-        result = transform(traced.gm)
-        if isinstance(result, torch.fx.GraphModule):
-            traced.gm = result
-        traced.gm.recompile()
-    stats = {"nodes": len(traced.gm.graph.nodes), **collective_stats(traced.gm)}
-    grads = sum(1 for _, p in state.params if p.requires_grad)
-    if plan.placement == "replicate" and plan.world_size > 1 and stats["by_kind"].get("all_reduce", 0) > grads:
-        raise UnsupportedError(
-            f"the expanded graph has {stats['by_kind']['all_reduce']} all_reduces for {grads} gradients; "
-            "a DDP step needs at most one per gradient (is a parameter used as a DTensor in the step?)"
-        )
+    swap = functools.partial(swapped_submodules, state.model, transforms.module_override) \
+        if transforms.module_override else None
+    traced = trace_step(step, state, plan, mesh, inputs, transform_model=swap)
+    gm = traced.gm
+    strip_profiler_ops(gm)
+    dedupe_collectives(gm)
+    slots = state.slots()
+    layout = layout_entries(slots, plan)
+    for override in transforms.module_override:
+        gm = _checked(override.transform(gm, layout), gm, type(override).__qualname__)
+    if transforms.gm_transformation is not None:
+        gm = _checked(transforms.gm_transformation(gm), gm, "gm_transformation")
+    traced.gm = gm
+    stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm)}
+    _check_collectives(stats, slots, plan)
     stats["trace_seconds"] = round(time.perf_counter() - start, 4)
-    return encode_artifact(traced, key, plan, state.slots(), stats)
+    return encode_artifact(traced, key, plan, slots, stats)
 
 
-def trace_and_store(store, step: Callable, state: TrainState, plan: Plan, key: CacheKey,
-                    transformations: Iterable[Callable] = ()) -> tuple[str, bool]:
+def _checked(result, gm, who: str) -> torch.fx.GraphModule:
+    out = gm if result is None else result
+    if not isinstance(out, torch.fx.GraphModule):
+        raise UnsupportedError(f"{who} returned a {type(result).__name__}, expected a GraphModule or None")
+    out.graph.lint()
+    out.recompile()
+    return out
+
+
+def _check_collectives(stats: dict, slots, plan: Plan) -> None:
+    """Refuse graphs with more gradient collectives than the placement needs."""
+    grads = [s for s in slots if s.kind == "param" and s.requires_grad]
+    sharded = sum(1 for s in grads if s.layout and s.layout.placement == "shard")
+    kinds = stats["by_kind"]
+    limits = {"all_gather_into_tensor": sum(1 for s in slots if s.kind == "param" and s.layout
+                                            and s.layout.placement == "shard"),
+              "reduce_scatter_tensor": sharded}
+    if plan.placement == "replicate":
+        limits["all_reduce"] = len(grads)
+    for kind, limit in limits.items():
+        if kinds.get(kind, 0) > limit:
+            raise UnsupportedError(
+                f"the expanded graph has {kinds[kind]} {kind} collectives where {plan.describe()} needs "
+                f"at most {limit}; is a parameter used as a DTensor in the step?"
+            )
+
+
+def trace_and_store(store, step: Callable, state: TrainState, plan: Plan, key: CacheKey, mesh,
+                    inputs: list[torch.Tensor], transforms: Transforms = Transforms()) -> tuple[str, bool]:
     """Trace and store unless another process stored the key first. Returns (digest, traced)."""
     with store.lock(key.key):
         existing = store.get_ref(key.key)
         if existing is not None and store.has(existing):
             return existing, False
-        blobs = trace_to_blobs(step, state, plan, key, transformations)
+        blobs = trace_to_blobs(step, state, plan, key, mesh, inputs, transforms)
         return store_artifact(store, key.key, blobs), True

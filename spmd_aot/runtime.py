@@ -24,10 +24,12 @@ from .errors import (ArtifactMismatchError, CacheMissError, CorruptArtifactError
                      UnsupportedError)
 from .explain import explain_miss
 from .key import compute_key
-from .pipeline import trace_and_store
+from .pipeline import Transforms, trace_and_store
 from .plan import Plan
+from .sharding import ensure_sharded_state, shard_model_and_optimizer, sharded_zeros
 from .state import TrainState, initialize_optimizer_state
 from .store import LocalStore, resolve_cache_dir
+from .trace import device_mesh
 
 __all__ = ["compile", "CompiledStep", "CacheInfo"]
 
@@ -45,30 +47,39 @@ class CacheInfo:
 
 
 def compile(fn: Callable | None = None, *, placement: str = "replicate", cache_dir=None,
-            require_hit: bool = False, mesh_shape=None, store=None):
+            require_hit: bool = False, mesh_shape=None, param_placements=(), module_override=(),
+            gm_transformation=None, extra_sources=(), store=None):
     """Wrap a train step ``fn(model, optim, batch)``; also usable as ``@spmd_aot.compile(...)``.
 
     The returned step returns what ``fn`` returns, computed on this rank: for the usual
     ``return loss`` that is the rank-local loss, exactly what eager DDP returns.
+    ``placement``/``mesh_shape``/``param_placements``: see ``Plan``. ``module_override``,
+    ``gm_transformation``: build-time hooks (``override.py``); pass the same ones as the build.
     """
+    options = dict(placement=placement, cache_dir=cache_dir, require_hit=require_hit,
+                   mesh_shape=mesh_shape, param_placements=param_placements,
+                   module_override=module_override, gm_transformation=gm_transformation,
+                   extra_sources=extra_sources, store=store)
     if fn is None:
-        return functools.partial(compile, placement=placement, cache_dir=cache_dir,
-                                 require_hit=require_hit, mesh_shape=mesh_shape, store=store)
-    return CompiledStep(fn, placement=placement, cache_dir=cache_dir, require_hit=require_hit,
-                        mesh_shape=mesh_shape, store=store)
+        return functools.partial(compile, **options)
+    return CompiledStep(fn, **options)
 
 
 class CompiledStep:
     def __init__(self, fn, *, placement="replicate", cache_dir=None, require_hit=False,
-                 mesh_shape=None, store=None):
+                 mesh_shape=None, param_placements=(), module_override=(), gm_transformation=None,
+                 extra_sources=(), store=None):
         self.fn = fn
         self.placement = placement
         self.require_hit = require_hit
         self.mesh_shape = mesh_shape
+        self.param_placements = param_placements
+        self.transforms = Transforms(tuple(module_override), gm_transformation)
+        self.extra_sources = tuple(extra_sources)
         self._store = store
         self._cache_dir = cache_dir
         self._bound: _BoundStep | None = None
-        self._broadcast_done: set[int] = set()
+        self._prepared_models: set[int] = set()
         self.cache_info: CacheInfo | None = None
         functools.update_wrapper(self, fn)
 
@@ -91,42 +102,45 @@ class CompiledStep:
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         device = _local_device(model)
-        plan = Plan(world, self.placement, device.type, self.mesh_shape)
-        if world > 1 and id(model) not in self._broadcast_done:
+        plan = Plan(world, self.placement, device.type, self.mesh_shape, self.param_placements)
+        mesh = device_mesh(plan)  # collective for 2-D meshes: every rank builds it
+        sharded = plan.placement == "shard" and world > 1
+        if world > 1 and id(model) not in self._prepared_models:
             _broadcast_from_rank0(model)  # as DDP does at construction
-            self._broadcast_done.add(id(model))
-        initialize_optimizer_state(optim)
-        state = TrainState(model, optim, batch)
-        key = compute_key(self.fn, state, plan)
+            if sharded:
+                shard_model_and_optimizer(model, optim, plan, mesh)  # as fully_shard does
+            self._prepared_models.add(id(model))
+        initialize_optimizer_state(optim, sharded_zeros if sharded else None)
+        state = TrainState(model, optim, batch, plan)
+        key = compute_key(self.fn, state, plan, self.transforms.identities(), self.extra_sources)
         _check_ranks_agree(key, world)
 
         status, payload, hit = "ok", "", False
         if rank == 0:
             try:
-                payload, hit = self._resolve_on_rank0(state, plan, key)
+                payload, hit = self._resolve_on_rank0(state, plan, key, mesh)
             except SpmdAotError as exc:
                 status, payload = type(exc).__name__, str(exc)
         status, payload, hit = _broadcast_decision((status, payload, hit), world)
         if status != "ok":
             raise _ERRORS.get(status, SpmdAotError)(payload)
         digest = payload
-        artifact, failure = None, None
+        artifact, program, failure = None, None, None
         try:
             artifact = read_artifact(self.store, digest)
             problem = layout_mismatch(artifact.slots, state.slots(), plan)
             if problem:
                 raise ArtifactMismatchError(f"artifact {digest[:12]} (key {key.key[:12]}) does not fit: {problem}")
-            groups = _live_groups(plan)
-            gm = artifact.program(groups, device)
+            program = artifact.program(_live_groups(mesh), device)
         except SpmdAotError as exc:
             failure = exc
         _all_ranks_ok(failure, world)
         seconds = time.perf_counter() - start
         self.cache_info = CacheInfo(hit, key.key, digest, "cache" if hit else "trace", seconds,
                                     float(artifact.manifest["stats"].get("trace_seconds", 0.0)))
-        return _BoundStep(gm, state, artifact)
+        return _BoundStep(program, state, artifact, sharded)
 
-    def _resolve_on_rank0(self, state, plan, key) -> tuple[str, bool]:
+    def _resolve_on_rank0(self, state, plan, key, mesh) -> tuple[str, bool]:
         """Rank 0's decision: (manifest digest, hit). Traces and stores on a miss."""
         store = self.store
         try:
@@ -148,31 +162,40 @@ class CompiledStep:
                 f"require_hit=True. {explain_miss(store, key)} Build it with `spmd-aot build ... "
                 f"--world-size {plan.world_size} --placement {plan.placement}`."
             )
-        digest, _ = trace_and_store(store, self.fn, state, plan, key)
+        digest, _ = trace_and_store(store, self.fn, state, plan, key, mesh, state.graph_inputs(),
+                                    self.transforms)
         return digest, False
 
 
 class _BoundStep:
-    """A loaded graph bound to one model, optimizer and batch signature."""
+    """A loaded program bound to one model, optimizer and batch signature."""
 
-    def __init__(self, gm, state: TrainState, artifact):
-        self.gm = gm
+    def __init__(self, program, state: TrainState, artifact, sharded: bool):
+        self.program = program
         self.state = state
+        self.sharded = sharded
+        self.slots = state.slots()
         self.batch_spec = state.batch_spec
         self.batch_sig = [(tuple(t.shape), t.dtype) for t in state.batch_leaves]
+        self.baked = state.baked_hyperparameters()
         self.out_spec = artifact.out_spec()
         self.out_constants = dict((int(i), v) for i, v in artifact.layout["outputs"]["constants"])
 
     def fits(self, model, optim, leaves, spec) -> bool:
+        """Same objects, batch signature and baked hyperparameters; else the step is re-resolved."""
         return (model is self.state.model and optim is self.state.optim and spec == self.batch_spec
                 and len(leaves) == len(self.batch_sig)
                 and all(isinstance(t, torch.Tensor) and (tuple(t.shape), t.dtype) == sig
-                        for t, sig in zip(leaves, self.batch_sig)))
+                        for t, sig in zip(leaves, self.batch_sig))
+                and self.state.baked_hyperparameters() == self.baked)
 
     def run(self, batch_leaves):
-        inputs = self.state.state_tensors() + list(batch_leaves)
+        state = self.state
+        if self.sharded:
+            ensure_sharded_state(state.optim)
+        inputs = state.graph_inputs(self.slots, batch_leaves)
         with torch.no_grad():
-            outs = iter(self.gm(*inputs))
+            outs = iter(self.program(*inputs))
         n = self.out_spec.num_leaves
         leaves = [self.out_constants[i] if i in self.out_constants else next(outs) for i in range(n)]
         return pytree.tree_unflatten(leaves, self.out_spec)
@@ -250,9 +273,8 @@ def _all_ranks_ok(failure: Exception | None, world) -> None:
         raise failure
 
 
-def _live_groups(plan: Plan) -> list[str]:
-    if plan.world_size == 1:
+def _live_groups(mesh) -> list[str]:
+    """Live process-group name of each mesh dimension (the stored graph names dimensions)."""
+    if mesh is None:
         return []
-    if len(plan.mesh_shape) != 1:
-        raise UnsupportedError(f"mesh shape {plan.mesh_shape} is not supported yet")
-    return [dist.group.WORLD.group_name]
+    return [mesh.get_group(dim).group_name for dim in range(mesh.ndim)]

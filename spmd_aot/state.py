@@ -16,12 +16,19 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import UnsupportedError
+from .expand import TensorLayout, layout_for
+from .plan import Plan
 
-__all__ = ["TrainState", "Slot", "initialize_optimizer_state", "dtype_name"]
+__all__ = ["TrainState", "Slot", "initialize_optimizer_state", "dtype_name", "lr_is_input"]
 
 # Optimizers whose lazily created state is all zeros (step counters included), so filling it
 # before the first step gives exactly eager's first step. Others must arrive with state.
 _ZERO_INIT_OPTIMIZERS = {"SGD", "Adam", "AdamW", "Adamax", "RAdam", "RMSprop", "Adadelta", "Adagrad"}
+
+
+def lr_is_input(lr) -> bool:
+    """A numeric learning rate becomes a graph input; anything else is refused earlier."""
+    return isinstance(lr, (int, float)) and not isinstance(lr, bool)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -30,23 +37,29 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
-    """One graph input: what it is, where it lives, and its local (per-rank) shape."""
+    """One graph input: what it is, where it lives, and how it is laid out over the mesh."""
 
-    kind: str  # "param" | "buffer" | "optim_state" | "batch"
+    kind: str  # "param" | "buffer" | "optim_state" | "hyper" | "batch"
     fqn: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # global (per-rank for the batch)
     dtype: str
     device_type: str
     requires_grad: bool = False
     aliases: tuple[str, ...] = ()  # other FQNs of the same tensor (tied weights)
+    layout: TensorLayout | None = None  # params and state shaped like them; None: plain tensor
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.layout.local_shape if self.layout else self.shape
 
 
 class TrainState:
     """Model, optimizer and batch of one step, with a fixed flat order of their tensors."""
 
-    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer, batch: Any):
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer, batch: Any, plan: Plan):
         self.model = model
         self.optim = optim
+        self.plan = plan
         self.params = _named_unique(model.named_parameters(remove_duplicate=False))
         self.buffers = _named_unique(model.named_buffers(remove_duplicate=False))
         self.param_fqn = {id(p): names[0] for names, p in self.params}
@@ -102,15 +115,32 @@ class TrainState:
                 out.append([names[0], entry])
         return out
 
+    # ----------------------------------------------------------------- hyperparameters
+    def hyper_groups(self) -> list[int]:
+        """Param groups whose learning rate is a graph input (so schedulers need no retrace)."""
+        return [i for i, g in enumerate(self.optim.param_groups) if lr_is_input(g.get("lr"))]
+
+    def baked_hyperparameters(self) -> list[dict]:
+        """Per group, the optimizer's own hyperparameters that are constants in the graph."""
+        names = [k for k in self.optim.defaults if k != "lr"]
+        return [{k: g.get(k) for k in names} for g in self.optim.param_groups]
+
     # ----------------------------------------------------------------- flat layout
     def slots(self) -> list[Slot]:
+        plan = self.plan
         out = []
+        layouts = {}
         for names, p in self.params:
-            out.append(_slot("param", names, p, p.requires_grad))
+            layouts[id(p)] = layout_for(plan, names[0], p.shape)
+            out.append(_slot("param", names, p, p.requires_grad, layouts[id(p)]))
         for names, b in self.buffers:
             out.append(_slot("buffer", names, b))
         for p, key in self.optimizer_slots():
-            out.append(_slot("optim_state", (f"{self.param_fqn[id(p)]}.{key}",), self.optim.state[p][key]))
+            t = self.optim.state[p][key]
+            layout = layouts[id(p)] if tuple(t.shape) == tuple(p.shape) else None
+            out.append(_slot("optim_state", (f"{self.param_fqn[id(p)]}.{key}",), t, layout=layout))
+        for i in self.hyper_groups():
+            out.append(Slot("hyper", f"param_groups[{i}].lr", (), "float64", "cpu"))
         spec_paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(
             pytree.tree_unflatten(self.batch_leaves, self.batch_spec))[0]]
         for path, leaf in zip(spec_paths, self.batch_leaves):
@@ -122,6 +152,29 @@ class TrainState:
         tensors = [p for _, p in self.params] + [b for _, b in self.buffers]
         tensors += [self.optim.state[p][key] for p, key in self.optimizer_slots()]
         return tensors
+
+    def hyper_tensors(self) -> list[torch.Tensor]:
+        groups = self.optim.param_groups
+        return [torch.tensor(groups[i]["lr"], dtype=torch.float64) for i in self.hyper_groups()]
+
+    def graph_inputs(self, slots: list[Slot] | None = None, batch_leaves=None) -> list[torch.Tensor]:
+        """What the graph is called with: local storage of every state tensor, the learning
+        rates, the batch. Sharded tensors contribute their padded local shard."""
+        slots = slots or self.slots()
+        out = []
+        for t, slot in zip(self.state_tensors(), slots):
+            storage = getattr(t, "_spmd_aot_storage", None)
+            if storage is not None:
+                out.append(storage)
+            elif slot.layout is not None and slot.layout.local_shape != tuple(t.shape):
+                if not isinstance(t, torch._subclasses.FakeTensor):
+                    raise UnsupportedError(f"{slot.kind} {slot.fqn} has no sharded storage")
+                # build time: the fake full tensor stands for a shard of this shape
+                out.append(torch.empty(slot.layout.local_shape, dtype=t.dtype, device=t.device))
+            else:
+                out.append(t)
+        leaves = self.batch_leaves if batch_leaves is None else batch_leaves
+        return out + self.hyper_tensors() + list(leaves)
 
 
 def _named_unique(named) -> list[tuple[tuple[str, ...], torch.Tensor]]:
@@ -136,18 +189,20 @@ def _named_unique(named) -> list[tuple[tuple[str, ...], torch.Tensor]]:
     return [(tuple(by_id[id(t)]), t) for t in order]
 
 
-def _slot(kind, names, t: torch.Tensor, requires_grad: bool = False) -> Slot:
+def _slot(kind, names, t: torch.Tensor, requires_grad: bool = False, layout=None) -> Slot:
     return Slot(kind, names[0], tuple(t.shape), dtype_name(t.dtype), t.device.type,
-                requires_grad, tuple(names[1:]))
+                requires_grad, tuple(names[1:]), layout)
 
 
-def initialize_optimizer_state(optim: torch.optim.Optimizer) -> None:
+def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) -> None:
     """Create the optimizer's lazily built state now, so the traced step is the steady one.
 
     A dry run of ``optim.step()`` on meta-device stand-ins reveals which tensors the optimizer
     creates; they are then made for real as zeros, which is exactly what eager creates for the
     optimizers in ``_ZERO_INIT_OPTIMIZERS``. Parameters that already have state keep it.
+    ``make_zeros(param, shape, dtype, device)`` lets sharded parameters get sharded state.
     """
+    make_zeros = make_zeros or (lambda p, shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
     missing = [p for g in optim.param_groups for p in g["params"] if not optim.state.get(p)]
     if not missing:
         return
@@ -162,7 +217,7 @@ def initialize_optimizer_state(optim: torch.optim.Optimizer) -> None:
             "SGD with momentum and dampening != 0 treats its first step specially; run one "
             "eager step before the first compiled step, or use dampening=0"
         )
-    meta = {p: torch.empty(p.shape, dtype=p.dtype, device="meta") for p in missing}
+    meta = {p: torch.empty(p.shape, dtype=p.dtype, device="meta") for p in missing}  # global shape
     for m in meta.values():
         m.grad = torch.zeros_like(m)
     saved_groups = [g["params"] for g in optim.param_groups]
@@ -183,7 +238,7 @@ def initialize_optimizer_state(optim: torch.optim.Optimizer) -> None:
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
                 device = p.device if value.device.type == "meta" else value.device
-                state[key] = torch.zeros(value.shape, dtype=value.dtype, device=device)
+                state[key] = make_zeros(p, value.shape, value.dtype, device)
             else:
                 state[key] = value
         optim.state[p] = state

@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from .errors import UnsupportedError
-from .expand import parameter_boundary
+from .expand import Expander
 from .plan import Plan
 from .state import TrainState
 
@@ -60,35 +60,50 @@ def fake_world(world_size: int):
         dist.destroy_process_group()
 
 
-def trace_step(step: Callable, state: TrainState, plan: Plan, mesh) -> TracedStep:
-    """Trace ``step(model, optim, batch)`` over ``state``; inputs may be real or fake tensors."""
+def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list[torch.Tensor],
+               transform_model: Callable | None = None) -> TracedStep:
+    """Trace ``step(model, optim, batch)``; ``inputs`` (real or fake) follow ``state.slots()``.
+
+    ``transform_model`` is a context manager factory applied around the step while tracing
+    (module overrides swap submodules there).
+    """
     slots = state.slots()
-    n_params, n_buffers = len(state.params), len(state.buffers)
+    expander = Expander(plan, mesh)
     opt_slots = state.optimizer_slots()
-    boundary = parameter_boundary(plan, mesh)
+    hyper_groups = state.hyper_groups()
+    by_kind: dict[str, list[int]] = {}
+    for i, s in enumerate(slots):
+        by_kind.setdefault(s.kind, []).append(i)
+    param_slots = [slots[i] for i in by_kind.get("param", [])]
+    sync_buffers = plan.placement == "replicate" and plan.world_size > 1 and mesh is not None
     out_info: dict[str, Any] = {}
 
     def flat_step(*flat):
-        params = flat[:n_params]
-        buffers = flat[n_params:n_params + n_buffers]
-        opt_tensors = flat[n_params + n_buffers:n_params + n_buffers + len(opt_slots)]
-        batch_leaves = flat[n_params + n_buffers + len(opt_slots):]
-        leaves = [p.detach().requires_grad_(s.requires_grad) for p, s in zip(params, slots)]
+        take = lambda kind: [flat[i] for i in by_kind.get(kind, [])]  # noqa: E731
+        leaves = [expander.leaf(x, s.layout, s.requires_grad) for x, s in zip(take("param"), param_slots)]
+        buffers = take("buffer")
+        if sync_buffers:
+            buffers = [_broadcast_from_rank0(b, mesh) for b in buffers]
         bindings = {}
         for (names, _), leaf in zip(state.params, leaves):
-            compute = boundary(leaf)
-            bindings.update(dict.fromkeys(names, compute))
+            bindings.update(dict.fromkeys(names, leaf))
         for (names, _), buf in zip(state.buffers, buffers):
             bindings.update(dict.fromkeys(names, buf))
         by_real = {id(real): leaf for (_, real), leaf in zip(state.params, leaves)}
         traced_state = defaultdict(dict)
         for real, entries in state.optim.state.items():
             traced_state[by_real[id(real)]] = dict(entries)
-        for (real, key), t in zip(opt_slots, opt_tensors):
-            traced_state[by_real[id(real)]][key] = t
-        batch = pytree.tree_unflatten(list(batch_leaves), state.batch_spec)
-        with stateless._reparametrize_module(state.model, bindings), \
-                _optimizer_swapped(state.optim, by_real, traced_state):
+        state_slots = [slots[i] for i in by_kind.get("optim_state", [])]
+        for (real, key), x, s in zip(opt_slots, take("optim_state"), state_slots):
+            traced_state[by_real[id(real)]][key] = expander.wrap(x, s.layout) if s.layout else x
+        # requires_grad routes SGD's single-tensor path to addcmul_ (no .item() on the lr);
+        # the optimizer runs under no_grad, so nothing is recorded for it.
+        lrs = {i: lr.detach().requires_grad_(True) for i, lr in zip(hyper_groups, take("hyper"))}
+        batch = pytree.tree_unflatten(take("batch"), state.batch_spec)
+        computes = _ComputeOnAccess(leaves, [s.layout for s in param_slots], expander)
+        with (transform_model() if transform_model else contextlib.nullcontext()), \
+                stateless._reparametrize_module(state.model, bindings), computes, \
+                _optimizer_swapped(state.optim, by_real, traced_state, lrs):
             result = step(state.model, state.optim, batch)
         stale = [names[0] for (names, _), leaf in zip(state.params, leaves) if leaf.grad is not None]
         if stale:
@@ -104,9 +119,9 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh) -> TracedSte
                     f"the step returns a {type(v).__name__} at output leaf {i}; return tensors, "
                     "numbers, strings or None"
                 )
-        return [v for v in out_leaves if isinstance(v, torch.Tensor)]
+        tensors = [v for v in out_leaves if isinstance(v, torch.Tensor)]
+        return [v.to_local() if hasattr(v, "to_local") else v for v in tensors]
 
-    inputs = state.state_tensors() + list(state.batch_leaves)
     try:
         gm = make_fx(flat_step, tracing_mode="fake")(*inputs)
     except UnsupportedError:
@@ -122,14 +137,57 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh) -> TracedSte
     return TracedStep(gm, out_info["spec"], out_info["constants"], group_names)
 
 
+class _ComputeOnAccess:
+    """While active, reading a parameter attribute of any module yields its compute tensor.
+
+    ``model.parameters()`` keeps yielding the leaves (for the optimizer and gradient
+    clipping); ``module.weight`` goes through ``nn.Module.__getattr__`` and gets the tensor
+    to compute with, made on first access, so an all-gather sits right before the first use.
+    """
+
+    def __init__(self, leaves, layouts, expander):
+        self.layouts = {id(leaf): (leaf, layout) for leaf, layout in zip(leaves, layouts)}
+        self.expander = expander
+        self.computed: dict[int, torch.Tensor] = {}
+
+    def __enter__(self):
+        self.original = original = torch.nn.Module.__getattr__
+        layouts, computed, expander = self.layouts, self.computed, self.expander
+
+        def getattr_compute(module, name):
+            value = original(module, name)
+            entry = layouts.get(id(value))
+            if entry is None:
+                return value
+            if id(value) not in computed:
+                computed[id(value)] = expander.compute(*entry)
+            return computed[id(value)]
+
+        torch.nn.Module.__getattr__ = getattr_compute
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.Module.__getattr__ = self.original
+
+
+def _broadcast_from_rank0(buffer: torch.Tensor, mesh) -> torch.Tensor:
+    """DDP's ``broadcast_buffers=True``: rank 0's buffers are everyone's before each step."""
+    from torch.distributed._functional_collectives import broadcast
+
+    synced = broadcast(buffer, 0, mesh.get_group(0))
+    buffer.copy_(synced)
+    return buffer
+
+
 @contextlib.contextmanager
-def _optimizer_swapped(optim, by_real: dict, traced_state):
+def _optimizer_swapped(optim, by_real: dict, traced_state, lrs: dict):
     """Point the optimizer at the traced leaves and take its compile-friendly path.
 
     With ``torch.compiler.is_compiling()`` true and ``capturable=True`` the built-in optimizers
     keep step counters as tensors instead of calling ``.item()`` (impossible on fake tensors).
     """
     saved_params = [g["params"] for g in optim.param_groups]
+    saved_lrs = {i: optim.param_groups[i]["lr"] for i in lrs}
     saved_capturable = [g.get("capturable") for g in optim.param_groups]
     saved_state = optim.state
     original_step = optim.step
@@ -149,6 +207,8 @@ def _optimizer_swapped(optim, by_real: dict, traced_state):
     try:
         for g in optim.param_groups:
             g["params"] = [by_real[id(p)] for p in g["params"]]
+        for i, lr in lrs.items():
+            optim.param_groups[i]["lr"] = lr
         optim.state = traced_state
         optim.step = compile_path_step
         yield
@@ -157,3 +217,5 @@ def _optimizer_swapped(optim, by_real: dict, traced_state):
         optim.state = saved_state
         for g, params in zip(optim.param_groups, saved_params):
             g["params"] = params
+        for i, lr in saved_lrs.items():
+            optim.param_groups[i]["lr"] = lr

@@ -72,7 +72,7 @@ def adamw(m, **kw):
 def key_of(model, optim, batch, plan=None, step=train_step, init=True, **kw) -> CacheKey:
     if init:
         initialize_optimizer_state(optim)
-    return compute_key(step, TrainState(model, optim, batch), plan or Plan(2), **kw)
+    return compute_key(step, TrainState(model, optim, batch, plan or Plan(2)), plan or Plan(2), **kw)
 
 
 def net_key(seed=0, net_kw=None, optim=adamw, optim_kw=None, batch=None, **kw) -> CacheKey:
@@ -235,7 +235,7 @@ def key_json(fake, seed):
             model, optim, batch = make(seed)
     else:
         model, optim, batch = make(seed)
-    k = compute_key(step, TrainState(model, optim, batch), Plan(2))
+    k = compute_key(step, TrainState(model, optim, batch, Plan(2)), Plan(2))
     return json.dumps({"key": k.key, "ingredients": k.ingredients, "values": k.values})
 
 
@@ -328,8 +328,8 @@ def test_fake_tensors_and_real_tensors_give_same_key(model_name, optim_fn):
     assert all(type(p).__name__ == "FakeTensor" for p in fake[0].parameters())
     real = make()
     assert not any(type(p).__name__ == "FakeTensor" for p in real[0].parameters())
-    k_fake = compute_key(train_step, TrainState(*fake), Plan(2))
-    k_real = compute_key(train_step, TrainState(*real), Plan(2))
+    k_fake = compute_key(train_step, TrainState(*fake, Plan(2)), Plan(2))
+    k_real = compute_key(train_step, TrainState(*real, Plan(2)), Plan(2))
     assert_same(k_fake, k_real)
     assert k_fake.values["optimizer"]["state"]  # state was created, and is part of both keys
 
@@ -507,8 +507,8 @@ def test_custom_optimizer_class_is_identified_by_code():
 
 
 @pytest.mark.parametrize("optim_fn,kw", [
-    (sgd, {"lr": 0.01}), (sgd, {"momentum": 0.5}), (sgd, {"weight_decay": 1e-4}), (sgd, {"nesterov": True}),
-    (adamw, {"lr": 3e-4}), (adamw, {"weight_decay": 0.0}), (adamw, {"betas": (0.9, 0.95)}), (adamw, {"eps": 1e-6}),
+    (sgd, {"momentum": 0.5}), (sgd, {"weight_decay": 1e-4}), (sgd, {"nesterov": True}),
+    (adamw, {"weight_decay": 0.0}), (adamw, {"betas": (0.9, 0.95)}), (adamw, {"eps": 1e-6}),
 ])
 def test_optimizer_hyperparameters_change_key(optim_fn, kw):
     base = net_key(optim=optim_fn)
@@ -516,11 +516,18 @@ def test_optimizer_hyperparameters_change_key(optim_fn, kw):
     assert_only(base, net_key(optim=optim_fn, optim_kw=kw), "optimizer")
 
 
-def test_lr_close_floats_differ():
-    a = net_key(optim=adamw, optim_kw={"lr": 0.1})
-    b = net_key(optim=adamw, optim_kw={"lr": 0.1 + 1e-17 + 2 ** -56})
-    assert 0.1 != 0.1 + 1e-17 + 2 ** -56
-    assert_only(a, b, "optimizer")
+@pytest.mark.parametrize("optim_fn", [sgd, adamw])
+def test_learning_rate_is_a_graph_input_not_a_key_ingredient(optim_fn):
+    """Schedulers change lr between steps: that must not rebuild (issue: LR as an input)."""
+    base = net_key(optim=optim_fn)
+    assert_same(base, net_key(optim=optim_fn, optim_kw={"lr": 0.1 + 1e-17 + 2 ** -56}))
+    torch.manual_seed(0)
+    model = Net()
+    optim = optim_fn(model)
+    initialize_optimizer_state(optim)
+    torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=1.0, total_steps=10, cycle_momentum=False)
+    assert "initial_lr" in optim.param_groups[0]  # the scheduler's own bookkeeping
+    assert_same(base, key_of(model, optim, net_batch()))
 
 
 def test_param_groups_change_key():
@@ -578,21 +585,33 @@ def test_world_size_changes_key():
 
 
 def test_mesh_shape_changes_key():
-    flat = net_key(plan=Plan(4, mesh_shape=(4,)))
-    assert_same(flat, net_key(plan=Plan(4)))  # the default mesh is the 1-D world
-    assert_only(flat, net_key(plan=Plan(4, mesh_shape=(2, 2))), "parallel")
-    assert_only(net_key(plan=Plan(4, mesh_shape=(2, 2))), net_key(plan=Plan(4, mesh_shape=(1, 4))), "parallel")
+    flat = net_key(plan=Plan(4, "shard", mesh_shape=(4,)))
+    assert_same(flat, net_key(plan=Plan(4, "shard")))  # the default mesh is the 1-D world
+    assert_only(flat, net_key(plan=Plan(4, "shard", mesh_shape=(2, 2))), "parallel")
+    assert_only(net_key(plan=Plan(4, "shard", mesh_shape=(2, 2))),
+                net_key(plan=Plan(4, "shard", mesh_shape=(1, 4))), "parallel")
     with pytest.raises(SpmdAotError, match="mesh shape"):
         Plan(4, mesh_shape=(3,))
+    with pytest.raises(SpmdAotError, match="2-D meshes"):
+        Plan(4, "replicate", mesh_shape=(2, 2))
 
 
 def test_placement_is_in_key_and_unknown_placement_rejected():
     k = net_key(plan=Plan(2, placement="replicate"))
     assert k.values["parallel"]["placement"] == "replicate"
     assert_same(k, net_key(plan=Plan(2)))
-    for bad in ("shard", "fsdp", "Replicate", ""):
+    assert_only(k, net_key(plan=Plan(2, placement="shard")), "parallel")
+    for bad in ("fsdp", "Replicate", ""):
         with pytest.raises(SpmdAotError, match="placement"):
             Plan(2, placement=bad)
+
+
+def test_param_placement_overrides_change_key():
+    k = net_key(plan=Plan(2, placement="shard"))
+    keep_bias = net_key(plan=Plan(2, placement="shard", param_placements={"*.bias": "replicate"}))
+    assert_only(k, keep_bias, "parallel")
+    with pytest.raises(SpmdAotError, match="param_placements"):
+        Plan(2, placement="shard", param_placements={"*": "tensor-parallel"})
 
 
 def test_device_type_changes_key():

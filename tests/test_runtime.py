@@ -21,13 +21,14 @@ def _fresh_vs_loaded_worker(rank, world, cache_dir):
     # fresh: the traced GraphModule itself, never serialized
     model, optim = fresh_objects("transformer", "adamw")
     initialize_optimizer_state(optim)
-    state = TrainState(model, optim, make_batch("transformer", rank, 0))
-    traced = trace_step(train_step, state, Plan(world), device_mesh(Plan(world)))
+    plan = Plan(world)
+    state = TrainState(model, optim, make_batch("transformer", rank, 0), plan)
+    traced = trace_step(train_step, state, plan, device_mesh(plan), state.graph_inputs())
     fresh_losses = []
     for s in range(3):
         leaves = list(make_batch("transformer", rank, s))
         with torch.no_grad():
-            fresh_losses.append(traced.gm(*(state.state_tensors() + leaves))[0])
+            fresh_losses.append(traced.gm(*state.graph_inputs(batch_leaves=leaves))[0])
     # loaded: the stored artifact, rebuilt from msgpack
     model2, optim2, losses, info = compiled_run("transformer", "adamw", rank, world, 3, cache_dir,
                                                 require_hit=True)

@@ -27,28 +27,34 @@ from spmd_aot.pipeline import trace_to_blobs
 from spmd_aot.plan import Plan
 from spmd_aot.state import TrainState, initialize_optimizer_state
 from spmd_aot.store import LocalStore
-from spmd_aot.trace import fake_world
+from spmd_aot.trace import device_mesh, fake_world
 
 
-def fake_state(layers: int, d_model: int, batch: int, seq: int):
-    with FakeTensorMode():
+fake_mode = FakeTensorMode()
+
+
+def fake_state(layers: int, d_model: int, batch: int, seq: int, plan: Plan):
+    with fake_mode:
         model = Transformer(vocab=1024, d_model=d_model, n_heads=8, n_layers=layers, max_len=seq)
         optim = torch.optim.AdamW(model.parameters(), lr=3e-4)
         initialize_optimizer_state(optim)
         tokens = torch.randint(0, 1024, (batch, seq))
-    return TrainState(model, optim, (tokens, tokens))
+    return TrainState(model, optim, (tokens, tokens), plan)
 
 
 def measure(layers: int, world: int, repeats: int, d_model: int) -> dict:
-    state = fake_state(layers, d_model, batch=8, seq=128)
     plan = Plan(world)
+    state = fake_state(layers, d_model, batch=8, seq=128, plan=plan)
     traces, loads = [], []
     with tempfile.TemporaryDirectory() as tmp, fake_world(world):
         store = LocalStore(tmp)
         key = compute_key(train_step, state, plan)
+        mesh = device_mesh(plan)
+        with fake_mode:
+            inputs = state.graph_inputs()
         for _ in range(repeats):
             start = time.perf_counter()
-            blobs = trace_to_blobs(train_step, state, plan, key)
+            blobs = trace_to_blobs(train_step, state, plan, key, mesh, inputs)
             traces.append(time.perf_counter() - start)
         digest = store_artifact(store, key.key, blobs)
         for _ in range(repeats):

@@ -1,10 +1,10 @@
-"""Find and measure the collectives of an expanded graph."""
+"""Find, deduplicate and measure the collectives of an expanded graph."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["is_collective", "collective_stats"]
+__all__ = ["is_collective", "collective_stats", "dedupe_collectives"]
 
 
 def is_collective(node: torch.fx.Node) -> bool:
@@ -15,6 +15,52 @@ def is_collective(node: torch.fx.Node) -> bool:
         and getattr(target, "namespace", None) == "_c10d_functional"
         and target.__name__.split(".")[0] != "wait_tensor"
     )
+
+
+def _wait_of(node: torch.fx.Node):
+    waits = [u for u in node.users if getattr(u.target, "__name__", "").startswith("wait_tensor")]
+    return waits[0] if len(waits) == 1 and len(node.users) == 1 else None
+
+
+def dedupe_collectives(gm: torch.fx.GraphModule) -> int:
+    """Drop a collective identical to an earlier one (same op, input and arguments).
+
+    DTensor can emit the same reduction twice (e.g. a Partial scalar redistributed at each
+    use); the seed deduplicated such all_reduces too. Returns how many were removed.
+    """
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    seen: dict[tuple, torch.fx.Node] = {}
+    removed = 0
+    for node in nodes:
+        if not is_collective(node):
+            continue
+        wait = _wait_of(node)
+        if wait is None:
+            continue
+        signature = (node.target, node.args, tuple(sorted(node.kwargs.items())))
+        first = seen.get(signature)
+        if first is None or order[first] > order[node] or _mutated_between(nodes, order[first], order[node], node):
+            seen[signature] = wait
+            continue
+        wait.replace_all_uses_with(first)
+        gm.graph.erase_node(wait)
+        gm.graph.erase_node(node)
+        removed += 1
+    if removed:
+        gm.recompile()
+    return removed
+
+
+def _mutated_between(nodes, start: int, end: int, collective: torch.fx.Node) -> bool:
+    """Whether an in-place op between two positions writes to the collective's inputs."""
+    inputs = {a for a in collective.args if isinstance(a, torch.fx.Node)}
+    for n in nodes[start:end]:
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and schema.is_mutable and inputs.intersection(
+                a for a in n.args if isinstance(a, torch.fx.Node)):
+            return True
+    return False
 
 
 def collective_stats(gm: torch.fx.GraphModule) -> dict:

@@ -1,0 +1,121 @@
+"""Turn a live model and optimizer into the sharded form a ``shard`` artifact runs on.
+
+After this, as after FSDP2's ``fully_shard``, every parameter is an ``nn.Parameter`` holding a
+DTensor (``Shard(0)``, or Replicate for parameters kept whole), and optimizer state shaped like
+a parameter is a DTensor of the same placement; ``p.full_tensor()`` gives the full value. Each
+such DTensor's local tensor is a view into a *padded* storage (dim 0 rounded up to a multiple
+of the shard count), which is what the graph reads and updates in place: the same graph then
+serves every rank even when dim 0 does not divide.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import SpmdAotError
+from .expand import TensorLayout, layout_for
+from .plan import Plan
+
+__all__ = ["shard_model_and_optimizer", "sharded_zeros", "ensure_sharded_state", "STORAGE_ATTR"]
+
+STORAGE_ATTR = "_spmd_aot_storage"  # padded local storage behind a DTensor
+LAYOUT_ATTR = "_spmd_aot_layout"
+
+
+def _to_dtensor(full: torch.Tensor, layout: TensorLayout, mesh) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if layout.placement == "shard":
+        index = mesh.get_local_rank(mesh.ndim - 1)
+        chunk, rows = layout.local_shape[0], layout.shard_rows()[index]
+        storage = torch.zeros(layout.local_shape, dtype=full.dtype, device=full.device)
+        storage[:rows].copy_(full[index * chunk: index * chunk + rows])
+        local = storage[:rows]
+    else:
+        storage = full.detach().clone()
+        local = storage.view_as(storage)
+    placements = [Shard(0) if p == "Shard(0)" else Replicate() for p in layout.placements]
+    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape,
+                            stride=full.stride())
+    return dt, storage
+
+
+def _tag(t: torch.Tensor, storage: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
+    setattr(t, STORAGE_ATTR, storage)
+    setattr(t, LAYOUT_ATTR, layout)
+    return t
+
+
+def shard_model_and_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, plan: Plan, mesh) -> None:
+    """Replace parameters (and existing optimizer state) by sharded DTensors, in place."""
+    from torch.distributed.tensor import DTensor
+
+    names_of: dict[int, list[str]] = {}
+    params: dict[int, torch.nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    replaced: dict[int, torch.nn.Parameter] = {}
+    for pid, p in params.items():
+        if isinstance(p, DTensor):
+            if getattr(p, STORAGE_ATTR, None) is None:
+                raise SpmdAotError(
+                    f"parameter {names_of[pid][0]} is already a DTensor (from fully_shard or "
+                    "another tool); spmd-aot shards plain parameters itself: pass the unsharded model"
+                )
+            continue
+        layout = layout_for(plan, names_of[pid][0], p.shape)
+        with torch.no_grad():
+            dt, storage = _to_dtensor(p.detach(), layout, mesh)
+        new = _tag(torch.nn.Parameter(dt, requires_grad=p.requires_grad), storage, layout)
+        for name in names_of[pid]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, new)
+        replaced[pid] = new
+    for group in optim.param_groups:
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    for pid, new in replaced.items():
+        old = params[pid]
+        if old in optim.state:
+            optim.state[new] = optim.state.pop(old)
+    ensure_sharded_state(optim)
+
+
+def sharded_zeros(param, shape, dtype, device) -> torch.Tensor:
+    """``make_zeros`` for ``initialize_optimizer_state``: state shaped like a sharded
+    parameter is created sharded, never at full size."""
+    layout = getattr(param, LAYOUT_ATTR, None)
+    if layout is None or tuple(shape) != tuple(param.shape):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    from torch.distributed.tensor import DTensor
+
+    storage = torch.zeros(layout.local_shape, dtype=dtype, device=device)
+    rows = param.to_local().shape[0] if layout.placement == "shard" else None
+    local = storage[:rows] if rows is not None else storage.view_as(storage)
+    dt = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                            shape=param.shape, stride=param.stride())
+    return _tag(dt, storage, layout)
+
+
+def ensure_sharded_state(optim: torch.optim.Optimizer) -> None:
+    """Give every state tensor of a sharded parameter its padded storage.
+
+    ``optim.load_state_dict`` replaces state tensors with new ones (full tensors or DTensors);
+    this re-homes them, so the graph keeps reading and updating what the optimizer holds.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for group in optim.param_groups:
+        for p in group["params"]:
+            layout = getattr(p, LAYOUT_ATTR, None)
+            if layout is None:
+                continue
+            entries = optim.state.get(p, {})
+            for key, t in entries.items():
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape) or \
+                        getattr(t, STORAGE_ATTR, None) is not None:
+                    continue
+                full = t.full_tensor() if isinstance(t, DTensor) else t
+                with torch.no_grad():
+                    dt, storage = _to_dtensor(full.to(p.device), layout, p.device_mesh)
+                entries[key] = _tag(dt, storage, layout)
