@@ -6,7 +6,8 @@ paths and object reprs). Decoding resolves every target against ``ALLOWED_NAMESP
 accepts only ``torch._ops.OpOverload`` objects (plus ``operator.getitem``), validates every
 name and value, and raises ``UnsafeArtifactError`` / ``CorruptArtifactError`` otherwise.
 
-Process-group names are replaced by ``{"~group": mesh_dim}`` and device indices are dropped,
+Process-group names are replaced by ``{"~group": mesh_dim}`` (or ``"world"`` for a group of every
+rank) and device indices are dropped,
 so one artifact serves every rank; ``decode_graph`` binds them to the live job.
 """
 
@@ -137,7 +138,10 @@ class DecodedNode:
 
 
 def decode_graph(data: bytes, *, groups: list[str], device: torch.device) -> list[DecodedNode]:
-    """msgpack bytes -> validated nodes, bound to live process groups (by mesh dim) and device.
+    """msgpack bytes -> validated nodes, bound to live process groups and the local device.
+
+    ``groups[d]`` is the live group name of mesh dimension ``d``; a world group is taken as
+    the default process group.
 
     Values that refer to other nodes are ``Ref``s. Raises ``UnsafeArtifactError`` for a target
     outside the allowlist and ``CorruptArtifactError`` for anything else malformed; nothing
@@ -181,7 +185,11 @@ def to_fx_graph(nodes: list[DecodedNode]) -> torch.fx.Graph:
 
 class _Decoder:
     def __init__(self, groups: list[str], device: torch.device):
-        self.groups = groups
+        self.groups: dict = dict(enumerate(groups))
+        if groups:
+            import torch.distributed as dist
+
+            self.groups["world"] = dist.group.WORLD.group_name if dist.is_initialized() else groups[0]
         self.device = device
         self.index: dict[str, int] = {}
         self.targets: dict[str, Callable] = {}
@@ -255,9 +263,12 @@ class _Decoder:
         if tag == "~slice" and isinstance(payload, list) and len(payload) == 3:
             return slice(*(self.value(x) for x in payload))
         if tag == "~group":
-            if not isinstance(payload, int) or not 0 <= payload < len(self.groups):
+            if payload == "world":
+                return self.groups["world"]
+            if not isinstance(payload, int) or isinstance(payload, bool) or payload not in self.groups:
                 raise CorruptArtifactError(
-                    f"collective names mesh dimension {payload!r}; the live mesh has {len(self.groups)}"
+                    f"collective names mesh dimension {payload!r}; the live mesh has "
+                    f"{sum(1 for k in self.groups if isinstance(k, int))}"
                 )
             return self.groups[payload]
         if tag == "~device":

@@ -221,23 +221,29 @@ def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) ->
     for m in meta.values():
         m.grad = torch.zeros_like(m)
     saved_groups = [g["params"] for g in optim.param_groups]
+    on_param_device = {id(p) for g in optim.param_groups if g.get("fused") or g.get("capturable")
+                       for p in g["params"]}  # where eager keeps their step counters
+    # fused kernels do not run on meta tensors; the state they create is the same
+    saved_flags = [{k: g[k] for k in ("fused", "capturable") if k in g} for g in optim.param_groups]
     saved_state = optim.state
     try:
         optim.state = defaultdict(dict)
         for g in optim.param_groups:
             g["params"] = [meta[p] for p in g["params"] if p in meta]
+            g.update({k: False for k in ("fused", "capturable") if k in g})
         with torch.no_grad():
             optim.step()
         created = {p: dict(optim.state[m]) for p, m in meta.items()}
     finally:
         optim.state = saved_state
-        for g, params in zip(optim.param_groups, saved_groups):
+        for g, params, flags in zip(optim.param_groups, saved_groups, saved_flags):
             g["params"] = params
+            g.update(flags)
     for p, entries in created.items():
         state = {}
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
-                device = p.device if value.device.type == "meta" else value.device
+                device = p.device if value.device.type == "meta" or id(p) in on_param_device else value.device
                 state[key] = make_zeros(p, value.shape, value.dtype, device)
             else:
                 state[key] = value

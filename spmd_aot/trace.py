@@ -32,17 +32,28 @@ class TracedStep:
     gm: torch.fx.GraphModule
     out_spec: pytree.TreeSpec
     out_constants: dict[int, Any]  # output leaf index -> non-tensor value returned by the step
-    group_names: dict[str, int]  # process-group name seen while tracing -> mesh dimension
+    group_names: dict[str, int | str]  # traced process-group name -> mesh dimension or "world"
+
+
+_MESHES: dict[tuple, Any] = {}
 
 
 def device_mesh(plan: Plan):
-    """The mesh over the default process group (fake at build time, live at job start)."""
+    """The mesh over the default process group (fake at build time, live at job start).
+
+    One mesh per shape and default group per process: a new mesh means new process groups
+    (collective calls on every rank), and DTensor caches decisions across equal meshes.
+    """
     if plan.world_size == 1:
         return None
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = torch.arange(plan.world_size).reshape(plan.mesh_shape)
-    return DeviceMesh(plan.device_type, ranks)
+    key = (plan.device_type, plan.mesh_shape, id(dist.group.WORLD), dist.group.WORLD.group_name)
+    if key not in _MESHES:
+        ranks = torch.arange(plan.world_size).reshape(plan.mesh_shape)
+        _MESHES[key] = DeviceMesh(plan.device_type, ranks)
+    return _MESHES[key]
 
 
 @contextlib.contextmanager
@@ -57,6 +68,7 @@ def fake_world(world_size: int):
     try:
         yield
     finally:
+        _MESHES.clear()
         dist.destroy_process_group()
 
 
@@ -130,11 +142,38 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
         raise UnsupportedError(
             f"tracing the step failed for {plan.describe()}: {type(exc).__name__}: {exc}"
         ) from exc
-    group_names = {}
-    if mesh is not None:
-        for dim in range(mesh.ndim):
-            group_names[mesh.get_group(dim).group_name] = dim
-    return TracedStep(gm, out_info["spec"], out_info["constants"], group_names)
+    return TracedStep(gm, out_info["spec"], out_info["constants"], _group_names(gm, mesh, plan))
+
+
+def _group_names(gm, mesh, plan: Plan) -> dict[str, int | str]:
+    """Traced process-group name -> mesh dimension, or ``"world"`` for a group of every rank.
+
+    Groups are matched by their ranks, not only by name: DTensor caches sharding decisions
+    across equal meshes, so a trace can name another (equal) mesh's group for a dimension.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    names: dict[str, int | str] = {}
+    if mesh is None:
+        return names
+    by_ranks: dict[tuple, int | str] = {tuple(range(plan.world_size)): "world"}
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        names[group.group_name] = dim
+        by_ranks[tuple(sorted(dist.get_process_group_ranks(group)))] = dim
+    for node in gm.graph.nodes:
+        if getattr(node.target, "namespace", None) != "_c10d_functional":
+            continue
+        for arg in list(node.args) + list(node.kwargs.values()):
+            if isinstance(arg, str) and arg not in names and arg not in ("sum", "avg", "max", "min", "product"):
+                try:
+                    ranks = tuple(sorted(dist.get_process_group_ranks(_resolve_process_group(arg))))
+                except Exception:
+                    continue
+                if ranks in by_ranks:
+                    names[arg] = by_ranks[ranks]
+    return names
 
 
 class _ComputeOnAccess:

@@ -39,6 +39,7 @@ from typing import Iterator
 import filelock
 
 from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError
+from ..faults import crash_point
 
 __all__ = ["LocalStore", "resolve_cache_dir", "BlobProblem", "ENV_CACHE_DIR"]
 
@@ -48,6 +49,7 @@ ENV_CACHE_DIR = "SPMD_AOT_CACHE_DIR"
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _KEY_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 _TMP_SUFFIX = ".tmp"
+_PID_RE = re.compile(r"[1-9][0-9]{0,9}")
 _CHUNK = 1 << 20
 
 
@@ -121,6 +123,12 @@ def _fsync_dir(path: pathlib.Path) -> None:
         os.close(fd)
 
 
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
 def _hash_file(path: pathlib.Path) -> tuple[str, int]:
     h = hashlib.sha256()
     size = 0
@@ -163,31 +171,45 @@ class LocalStore:
 
     # ------------------------------------------------------------------ helpers
 
-    def _write_atomic(self, dest: pathlib.Path, data: bytes) -> None:
-        """Write ``data`` to ``dest`` so no reader ever sees a partial file."""
-        self._tmp.mkdir(parents=True, exist_ok=True)
-        # Unique per process and thread; O_EXCL guarantees we never share a temp file.
-        tmp = self._tmp / (
-            f"{dest.name[:16]}.{os.getpid()}.{threading.get_ident()}."
-            f"{secrets.token_hex(8)}{_TMP_SUFFIX}"
-        )
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
-        try:
+    def _write_atomic(self, dest: pathlib.Path, data: bytes, stage: str = "blob") -> None:
+        """Write ``data`` to ``dest`` so no reader ever sees a partial file.
+
+        ``stage`` names the crash points (``<stage>.partial`` etc., see ``spmd_aot.faults``).
+        If the temp file vanishes before the rename (``clean_tmp`` on another host mistook our
+        pid for a dead one), the write is simply redone under a new temp name.
+        """
+        for attempt in range(3):
+            self._tmp.mkdir(parents=True, exist_ok=True)
+            # Unique per process and thread; O_EXCL guarantees we never share a temp file.
+            tmp = self._tmp / (
+                f"{dest.name[:16]}.{os.getpid()}.{threading.get_ident()}."
+                f"{secrets.token_hex(8)}{_TMP_SUFFIX}"
+            )
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
             try:
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, dest)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(dest.parent)
+                try:
+                    view = memoryview(data)
+                    _write_all(fd, view[: len(view) // 2])
+                    crash_point(f"{stage}.partial")
+                    _write_all(fd, view[len(view) // 2 :])
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                crash_point(f"{stage}.before_rename")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.replace(tmp, dest)
+                except FileNotFoundError:
+                    if attempt < 2 and dest.parent.is_dir() and not os.path.lexists(tmp):
+                        continue  # our temp file was cleaned away: write it again
+                    raise
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            crash_point(f"{stage}.after_rename")
+            _fsync_dir(dest.parent)
+            return
 
     def _ref_path(self, key: str) -> pathlib.Path:
         return self._refs / _check_key(key)
@@ -306,7 +328,7 @@ class LocalStore:
         """Point ``key`` at ``digest``, atomically (readers see the old or the new target)."""
         path = self._ref_path(key)
         _check_digest(digest)
-        self._write_atomic(path, (digest + "\n").encode("ascii"))
+        self._write_atomic(path, (digest + "\n").encode("ascii"), stage="ref")
 
     def get_ref(self, key: str) -> str | None:
         """The digest ``key`` points to, or None if there is no such ref."""
@@ -368,6 +390,10 @@ class LocalStore:
                 f"delete {path} and retry."
             ) from None
         try:
+            # The lock is the builder's path: clear what killed writers left in tmp/ first.
+            with contextlib.suppress(OSError):
+                self.clean_tmp(dead_writers=True)
+            crash_point("lock.acquired")
             yield path
         finally:
             flock.release()
@@ -414,10 +440,14 @@ class LocalStore:
                 )
         return problems
 
-    def clean_tmp(self, older_than: float = 3600.0) -> int:
+    def clean_tmp(self, older_than: float = 3600.0, *, dead_writers: bool = False) -> int:
         """Remove temp files older than ``older_than`` seconds (left by killed writers).
 
-        The age threshold keeps this safe to run while other processes are writing.
+        The age threshold keeps this safe to run while other processes are writing. With
+        ``dead_writers`` also remove, whatever their age, temp files whose writer (the pid in
+        the name) is no longer running on this host. On a cache shared between hosts that pid
+        may belong to a live writer elsewhere; such a writer notices its vanished temp file
+        and writes again. ``lock()`` runs this with ``dead_writers=True``.
         Returns how many files were removed.
         """
         cutoff = time.time() - older_than
@@ -428,12 +458,38 @@ class LocalStore:
             return 0
         for entry in entries:
             try:
-                if (
-                    entry.is_file(follow_symlinks=False)
-                    and entry.stat(follow_symlinks=False).st_mtime < cutoff
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                if entry.stat(follow_symlinks=False).st_mtime < cutoff or (
+                    dead_writers and not _writer_alive(entry.name)
                 ):
                     os.unlink(entry.path)
                     removed += 1
             except FileNotFoundError:
                 continue
         return removed
+
+
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process that created temp file ``tmp_name`` may still be writing it.
+
+    Names are ``<prefix>.<pid>.<thread id>.<hex>.tmp`` (the prefix may contain dots). Anything
+    that does not parse counts as alive: only provably dead writers' files are removed early.
+    """
+    parts = tmp_name.rsplit(".", 4)
+    if len(parts) != 5 or "." + parts[4] != _TMP_SUFFIX or not _PID_RE.fullmatch(parts[1]):
+        return True
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):
+        return True  # exists (another user's process: EPERM) or cannot tell
+    try:  # a killed child that its parent has not reaped yet is a zombie: dead
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[:1] != [b"Z"]
+    except OSError:
+        return True
