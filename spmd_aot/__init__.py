@@ -9,11 +9,12 @@ from .builder import BuildResult, build
 from .errors import (ArtifactMismatchError, CacheMissError, CorruptArtifactError, LockTimeoutError,
                      SpmdAotError, TargetError, UnsafeArtifactError, UnsupportedError)
 from .job import Job, load_target
+from .override import Override
 from .plan import Plan
 from .runtime import CacheInfo, CompiledStep, compile
 
 __all__ = [
-    "Job", "build", "compile", "load_target",
+    "Job", "build", "compile", "load_target", "Override",
     "BuildResult", "CacheInfo", "CompiledStep", "Plan",
     "SpmdAotError", "TargetError", "UnsupportedError", "CacheMissError", "ArtifactMismatchError",
     "CorruptArtifactError", "UnsafeArtifactError", "LockTimeoutError",

@@ -115,7 +115,7 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
         computes = _ComputeOnAccess(leaves, [s.layout for s in param_slots], expander)
         with (transform_model() if transform_model else contextlib.nullcontext()), \
                 stateless._reparametrize_module(state.model, bindings), computes, \
-                _optimizer_swapped(state.optim, by_real, traced_state, lrs):
+                _optimizer_swapped(state.optim, by_real, traced_state, lrs), where.tracking(state.model):
             result = step(state.model, state.optim, batch)
         stale = [names[0] for (names, _), leaf in zip(state.params, leaves) if leaf.grad is not None]
         if stale:
@@ -134,13 +134,15 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
         tensors = [v for v in out_leaves if isinstance(v, torch.Tensor)]
         return [v.to_local() if hasattr(v, "to_local") else v for v in tensors]
 
+    where = _ModuleStack()
     try:
         gm = make_fx(flat_step, tracing_mode="fake")(*inputs)
     except UnsupportedError:
         raise
     except Exception as exc:
         raise UnsupportedError(
-            f"tracing the step failed for {plan.describe()}: {type(exc).__name__}: {exc}"
+            f"tracing the step failed for {plan.describe()}{where.describe()}: {type(exc).__name__}: "
+            f"{_first_lines(str(exc))}"
         ) from exc
     return TracedStep(gm, out_info["spec"], out_info["constants"], _group_names(gm, mesh, plan))
 
@@ -174,6 +176,43 @@ def _group_names(gm, mesh, plan: Plan) -> dict[str, int | str]:
                 if ranks in by_ranks:
                     names[arg] = by_ranks[ranks]
     return names
+
+
+class _ModuleStack:
+    """Which module's forward was running when tracing failed, for the error message."""
+
+    def __init__(self):
+        self.stack: list[str] = []
+
+    @contextlib.contextmanager
+    def tracking(self, model: torch.nn.Module):
+        from torch.nn.modules.module import (register_module_forward_hook,
+                                             register_module_forward_pre_hook)
+
+        names = {id(m): (name or "<root>", type(m).__qualname__) for name, m in model.named_modules()}
+
+        def enter(module, args):
+            if id(module) in names:
+                self.stack.append("%s (%s)" % names[id(module)])
+
+        def leave(module, args, output):
+            if id(module) in names and self.stack:
+                self.stack.pop()
+
+        handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def describe(self) -> str:
+        return f", in module {self.stack[-1]}" if self.stack else ""
+
+
+def _first_lines(text: str, n: int = 6) -> str:
+    lines = text.strip().splitlines()
+    return "\n".join(lines[:n]) + (" [...]" if len(lines) > n else "")
 
 
 class _ComputeOnAccess:
