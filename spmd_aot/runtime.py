@@ -29,6 +29,7 @@ from .plan import Plan
 from .sharding import ensure_sharded_state, shard_model_and_optimizer, sharded_zeros
 from .state import TrainState, initialize_optimizer_state
 from .store import LocalStore, resolve_cache_dir
+from .store.memory import MemoryStore
 from .trace import device_mesh
 
 __all__ = ["compile", "CompiledStep", "CacheInfo"]
@@ -127,7 +128,7 @@ class CompiledStep:
         digest = payload
         artifact, program, failure = None, None, None
         try:
-            artifact = read_artifact(self.store, digest)
+            artifact = self._read_everywhere(digest, world)
             problem = layout_mismatch(artifact.slots, state.slots(), plan)
             if problem:
                 raise ArtifactMismatchError(f"artifact {digest[:12]} (key {key.key[:12]}) does not fit: {problem}")
@@ -139,6 +140,29 @@ class CompiledStep:
         self.cache_info = CacheInfo(hit, key.key, digest, "cache" if hit else "trace", seconds,
                                     float(artifact.manifest["stats"].get("trace_seconds", 0.0)))
         return _BoundStep(program, state, artifact, sharded)
+
+    def _read_everywhere(self, digest: str, world: int):
+        """Every rank reads the artifact; ranks that cannot (no shared cache, no access, a
+        damaged local copy) get its blobs from rank 0 and verify each digest themselves."""
+        artifact, problem = None, None
+        try:
+            artifact = read_artifact(self.store, digest)
+        except (SpmdAotError, OSError) as exc:
+            problem = exc
+        if world == 1:
+            if problem:
+                raise problem
+            return artifact
+        needed = torch.tensor([0 if artifact else 1], dtype=torch.int64, device=_comm_device())
+        dist.all_reduce(needed)
+        if needed.item() == 0:
+            return artifact
+        blobs = _artifact_blobs(self.store, digest) if dist.get_rank() == 0 else None
+        received = _broadcast_blobs(blobs, world)
+        if artifact is not None:
+            return artifact
+        log.info("rank %d read artifact %s from rank 0 (%s)", dist.get_rank(), digest[:12], problem)
+        return read_artifact(MemoryStore(received), digest)
 
     def _resolve_on_rank0(self, state, plan, key, mesh) -> tuple[str, bool]:
         """Rank 0's decision: (manifest digest, hit). Traces and stores on a miss."""
@@ -233,6 +257,25 @@ def _broadcast_bytes(data: bytes | None, world: int) -> bytes:
     if int(size.item()):
         dist.broadcast(buf, src=0)
     return bytes(buf.cpu().numpy().tobytes()) if int(size.item()) else b""
+
+
+def _artifact_blobs(store, digest: str) -> dict[str, bytes]:
+    manifest = read_manifest(store, digest)
+    blobs = {digest: store.get(digest)}
+    for part in manifest["blobs"].values():
+        blobs[part] = store.get(part)
+    return blobs
+
+
+def _broadcast_blobs(blobs: dict[str, bytes] | None, world: int) -> dict[str, bytes]:
+    """Rank 0's blobs to every rank: a count, then (digest, bytes) pairs; receivers verify."""
+    count = _broadcast_bytes(str(len(blobs)).encode() if blobs is not None else None, world)
+    items = list(blobs.items()) if blobs is not None else [None] * int(count)
+    out = {}
+    for item in items:
+        name = _broadcast_bytes(item[0].encode() if item else None, world).decode()
+        out[name] = _broadcast_bytes(item[1] if item else None, world)
+    return out
 
 
 def _broadcast_decision(decision, world):

@@ -201,3 +201,26 @@ def test_trace_failure_on_rank0_reaches_every_rank(tmp_path):
     for kind, msg in results:
         assert kind == "UnsupportedError", msg
         assert "tracing the step failed" in msg
+
+
+# ---------------------------------------------------------------- ranks without cache access
+def _no_access_worker(rank, world, shared_cache, private_cache):
+    cache = shared_cache if rank == 0 else private_cache
+    _, _, losses, info = compiled_run("mlp", "adamw", rank, world, 3, cache, require_hit=True)
+    ref_model, _, ref_losses = eager_ddp("mlp", "adamw", rank, world, 3)
+    return info.hit, info.digest, max(abs(a.item() - b.item()) for a, b in zip(losses, ref_losses))
+
+
+@pytest.mark.parametrize("private", ["empty-dir", "unwritable"])
+def test_ranks_without_cache_access_get_the_artifact_from_rank0(tmp_path, private):
+    built = spmd_aot.build(make_job("mlp", "adamw"), world_size=2, cache_dir=tmp_path / "shared")
+    if private == "empty-dir":
+        private_cache = tmp_path / "elsewhere"
+    else:  # a cache path below a regular file: nothing can be created or read there
+        (tmp_path / "file").write_text("not a directory")
+        private_cache = tmp_path / "file" / "cache"
+    results = run_ranks(_no_access_worker, 2, str(tmp_path / "shared"), str(private_cache))
+    for hit, digest, loss_diff in results:
+        assert hit and digest == built.digest and loss_diff <= 1e-5
+    if private == "empty-dir":
+        assert not any((tmp_path / "elsewhere").rglob("*.tmp"))
