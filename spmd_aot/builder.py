@@ -48,13 +48,23 @@ def build(job: Job, *, world_size: int, placement: str = "replicate", cache_dir=
         raise SpmdAotError(f"build() takes a spmd_aot.Job, got {type(job).__name__}")
     start = time.perf_counter()
     plan = Plan(world_size, placement, device, mesh_shape, param_placements)
+    if device == "cuda" and not torch.backends.cuda.is_built():
+        raise SpmdAotError(
+            "building for device 'cuda' needs a CUDA-enabled torch build (no GPU is needed: "
+            f"everything is traced on fake tensors); this torch {torch.__version__} is CPU-only, and "
+            "its autograd cannot run on fake CUDA tensors. Install the CUDA wheel on the build box."
+        )
     transforms = Transforms(tuple(module_override), gm_transformation)
     store = store or LocalStore(resolve_cache_dir(cache_dir))
     fake_mode = FakeTensorMode()
-    with fake_mode, torch.device(device):
-        model = job.model()
+    with fake_mode:
+        # Factories run on CPU (their init kernels need no accelerator), then the fake tensors
+        # move to the target device: a CPU-only box builds for CUDA jobs this way.
+        model, batch = job.model(), job.batch()
+        if device != "cpu":
+            model = model.to(device)
+            batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
         optim = job.optimizer(model)
-        batch = job.batch()
         if job.global_batch:
             batch = local_batch(batch, world_size)
         initialize_optimizer_state(optim)

@@ -258,3 +258,10 @@ def test_override_changing_parameters_is_refused(tmp_path):
 def test_shard_under_replicate_override_is_refused():
     with pytest.raises(spmd_aot.SpmdAotError, match="use placement='shard'"):
         spmd_aot.Plan(2, "replicate", param_placements={"*": "shard"})
+
+
+def test_building_for_cuda_on_a_cpu_only_torch_says_what_to_install(tmp_path):
+    if torch.backends.cuda.is_built():
+        pytest.skip("this torch has CUDA support; the refusal applies to CPU-only builds")
+    with pytest.raises(spmd_aot.SpmdAotError, match="CUDA-enabled torch build"):
+        spmd_aot.build(_job(), world_size=2, device="cuda", cache_dir=tmp_path)
