@@ -270,17 +270,25 @@ def _optimizer_swapped(optim, by_real: dict, traced_state, lrs: dict):
     saved_state = optim.state
     original_step = optim.step
 
+    # Where the user left the implementation to torch (foreach=None, fused=None), take the
+    # multi-tensor path, torch's own default on CUDA: half the ops of the per-tensor loop.
+    default_impl = [g.get("foreach", False) is None and not g.get("fused") for g in optim.param_groups]
+
     def compile_path_step(*args, **kwargs):
-        for g in optim.param_groups:
+        for g, use_foreach in zip(optim.param_groups, default_impl):
             if "capturable" in g:
                 g["capturable"] = True
+            if use_foreach:
+                g["foreach"] = True
         try:
             with mock.patch("torch.compiler.is_compiling", lambda: True):
                 return original_step(*args, **kwargs)
         finally:
-            for g, c in zip(optim.param_groups, saved_capturable):
+            for g, c, use_foreach in zip(optim.param_groups, saved_capturable, default_impl):
                 if c is not None:
                     g["capturable"] = c
+                if use_foreach:
+                    g["foreach"] = None
 
     try:
         for g in optim.param_groups:
