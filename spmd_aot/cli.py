@@ -5,9 +5,15 @@ the cache they live in.
     spmd-aot ls
     spmd-aot show 6580734a [--code]
     spmd-aot verify
+    spmd-aot explain train.py:job --world-size 8 [--placement replicate]
+    spmd-aot push [REF...] --to s3://bucket/prefix      spmd-aot pull [REF...] --from s3://bucket/prefix
+    spmd-aot export REF... -o bundle.tar                spmd-aot import bundle.tar
+    spmd-aot rm REF...                                  spmd-aot gc --max-size 2G --max-age 7d
 
 Every subcommand takes ``--cache-dir`` (default: $SPMD_AOT_CACHE_DIR, else
-$XDG_CACHE_HOME/spmd_aot, else ~/.cache/spmd_aot; the same rule the training job uses).
+$XDG_CACHE_HOME/spmd_aot, else ~/.cache/spmd_aot; the same rule the training job uses). An
+``s3://bucket/prefix`` URL there works too: ``build`` then writes through a local cache
+($SPMD_AOT_LOCAL_CACHE) into the bucket, the other subcommands inspect the bucket itself.
 
 Exit status: 0 success; 1 ``verify`` found problems, or an unexpected internal failure (with a
 traceback); 2 a usage error or an spmd-aot error, printed as ``error: <message>`` on stderr.
@@ -16,6 +22,7 @@ traceback); 2 a usage error or an spmd-aot error, printed as ``error: <message>`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -98,7 +105,101 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", parents=[common],
                        help="re-hash every blob and read every artifact; exit 1 on any problem")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("explain", parents=[common],
+                       help="say whether a job's configuration is cached, and if not, why not",
+                       description="Compute TARGET's cache key for one configuration WITHOUT tracing "
+                                   "(fake tensors, a second or two) and look it up. Prints 'hit' (exit 0) "
+                                   "or 'miss' and which key ingredients differ from the nearest stored "
+                                   "artifact (exit 1), e.g. 'parallel' for another world size or 'batch' "
+                                   "for other batch shapes.")
+    p.add_argument("target", metavar="TARGET", help="as for build: 'pkg.module:job' or 'path/to/file.py:job'")
+    p.add_argument("-w", "--world-size", type=_positive_int, required=True, metavar="N",
+                   help="world size the job will run at")
+    p.add_argument("-p", "--placement", default="replicate", choices=sorted(PLACEMENTS),
+                   help="placement (default: replicate)")
+    p.add_argument("--device", default="cpu", help="device type the job will run on (default: cpu)")
+    p.set_defaults(func=cmd_explain)
+
+    remote_help = ("s3://bucket/prefix (endpoint from $SPMD_AOT_S3_ENDPOINT, else $AWS_ENDPOINT_URL, "
+                   "else AWS; credentials as boto3 finds them), or another cache directory")
+    p = sub.add_parser("push", parents=[common], help="copy artifacts from the cache to object storage",
+                       description="Copy each REF (default: every artifact in the cache) with its "
+                                   "manifest and part blobs to the store at --to. Every blob is re-hashed "
+                                   "on the way; blobs the destination already holds intact are not sent "
+                                   "again; each ref is written after its blobs.")
+    p.add_argument("refs", nargs="*", metavar="REF", help="a key, a manifest digest, or a unique prefix "
+                                                          "of either (default: all)")
+    p.add_argument("--to", required=True, metavar="URL", dest="remote", help=remote_help)
+    p.set_defaults(func=cmd_push)
+
+    p = sub.add_parser("pull", parents=[common], help="copy artifacts from object storage into the cache",
+                       description="Copy each REF (default: every artifact at --from) with its manifest "
+                                   "and part blobs into the cache. Every blob is re-hashed against its "
+                                   "name before it is stored; each ref is written after its blobs.")
+    p.add_argument("refs", nargs="*", metavar="REF", help="a key, a manifest digest, or a unique prefix "
+                                                          "of either, as listed at --from (default: all)")
+    p.add_argument("--from", required=True, metavar="URL", dest="remote", help=remote_help)
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("rm", parents=[common], help="remove artifacts' refs (gc then frees their blobs)",
+                       description="Remove each REF from the cache. Its blobs become unreferenced and "
+                                   "`spmd-aot gc` deletes them (unless a job is loading them right now).")
+    p.add_argument("refs", nargs="+", metavar="REF", help="a key, a manifest digest, or a unique prefix of either")
+    p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser("gc", parents=[common], help="evict least recently used artifacts, free unreferenced blobs",
+                       description="Evict every artifact last used more than --max-age ago, then the least "
+                                   "recently used ones until the cache's blobs fit in --max-size, then "
+                                   "delete blobs no artifact references. Artifacts a job is loading (a "
+                                   "reader lease) are never deleted; while a build runs, unreferenced part "
+                                   "blobs are kept for the next gc. Last use: when a job last loaded the "
+                                   "artifact, else when it was built or pulled.")
+    p.add_argument("--max-size", type=_size, metavar="SIZE",
+                   help="bound on the cache's blob bytes, e.g. 500M, 2G, 1.5GiB, 0 (binary units)")
+    p.add_argument("--max-age", type=_age, metavar="AGE",
+                   help="evict artifacts not used for AGE, e.g. 7d, 12h, 30m, 45s, 2w")
+    p.add_argument("--grace", type=_age, default=0.0, metavar="AGE",
+                   help="keep unreferenced blobs younger than AGE (for writers that do not take the "
+                        "build lock; default 0: every spmd-aot writer takes it)")
+    p.add_argument("-n", "--dry-run", action="store_true", help="only report what would be deleted")
+    p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("export", parents=[common], help="write artifacts to a bundle (tar) file",
+                       description="Write each REF with its manifest and part blobs, plus an index, to "
+                                   "the tar file -o (.tar.gz/.tgz/.tar.xz are compressed). `spmd-aot "
+                                   "import` reads it into another cache.")
+    p.add_argument("refs", nargs="+", metavar="REF", help="a key, a manifest digest, or a unique prefix of either")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="bundle file to write")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", parents=[common], help="read a bundle (from `spmd-aot export`) into the cache",
+                       description="Check the whole bundle first (every member a plain file named "
+                                   "index.json or objects/<sha256>, no paths outside, no links; every blob "
+                                   "hashes to its name; every ref names a complete manifest of its key), "
+                                   "then store its blobs and refs. Nothing is extracted to the filesystem; a "
+                                   "bundle failing any check is refused as a whole.")
+    p.add_argument("bundle", metavar="FILE", help="bundle file to read")
+    p.set_defaults(func=cmd_import)
     return parser
+
+
+def _size(text: str) -> int:
+    from .store.gc import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _age(text: str) -> float:
+    from .store.gc import parse_age
+
+    try:
+        return parse_age(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -121,7 +222,12 @@ def cmd_build(args) -> int:
     plans = _unique(Plan(w, p, args.device) for w in args.world_size
                     for p in (args.placement or ["replicate"]))
     job = _load_job(args.target)
-    store = _store(args.cache_dir, create=True)
+    if _is_url(args.cache_dir):  # a local cache in front of the bucket, written through
+        from .store import open_store
+
+        store = open_store(args.cache_dir)
+    else:
+        store = _store(args.cache_dir, create=True)
     store.clean_tmp()  # temp files older than an hour, left by killed writers
     results = []
     try:
@@ -202,10 +308,10 @@ def _ls_columns(store, entry) -> list:
         manifest = read_manifest(store, entry.digest)
         size = 0
         for name, digest in [("manifest", entry.digest), *manifest["blobs"].items()]:
-            try:
-                size += store.blob_path(digest).stat().st_size
-            except OSError:
+            blob_size = _blob_size(store, digest)
+            if blob_size is None:
                 return [f"CORRUPT: {name} blob {digest[:12]} is missing"]
+            size += blob_size
     except SpmdAotError as exc:
         return [f"CORRUPT: {exc}"]
     plan, stats = manifest["plan"], manifest["stats"]
@@ -289,10 +395,8 @@ def _print_manifest(store, key: str, digest: str, m: dict) -> None:
     print(f"trace time:   {stats.get('trace_seconds', '?')} s")
     print("blobs:")
     for name, d in [("manifest", digest), *m["blobs"].items()]:
-        try:
-            size = f"{store.blob_path(d).stat().st_size} bytes"
-        except OSError:
-            size = "MISSING"
+        blob_size = _blob_size(store, d)
+        size = "MISSING" if blob_size is None else f"{blob_size} bytes"
         print(f"  {name:<12}{d}  {size}")
     print("ingredients:")
     width = max((len(n) for n in m["ingredients"]), default=0) + 2
@@ -347,6 +451,212 @@ def cmd_verify(args) -> int:
     return EXIT_PROBLEMS if problems else EXIT_OK
 
 
+# ---------------------------------------------------------------------------- explain
+def cmd_explain(args) -> int:
+    """Compute the key of TARGET for one configuration without tracing; say hit or why not."""
+    from .explain import explain_miss
+    from .plan import Plan
+
+    plan = Plan(args.world_size, args.placement, args.device)
+    job = _load_job(args.target)
+    key = _job_key(job, plan)
+    store = _store(args.cache_dir)
+    root = _cache_root(args.cache_dir)
+    digest = store.get_ref(key.key) if store is not None else None
+    if digest is not None:
+        print(f"hit: {plan.describe()} is cached in {root}")
+        print(f"  key     {key.key}")
+        print(f"  digest  {digest}")
+        return EXIT_OK
+    print(f"miss: {plan.describe()} is not cached in {root}")
+    print(f"  key     {key.key}")
+    why = explain_miss(store, key) if store is not None else f"The cache directory {root} does not exist."
+    print(f"  {why}")
+    print(f"  build it with: spmd-aot build {args.target} --world-size {plan.world_size} "
+          f"--placement {plan.placement}" + (f" --device {plan.device_type}" if plan.device_type != "cpu" else ""))
+    return EXIT_PROBLEMS
+
+
+def _job_key(job, plan):
+    """The cache key ``spmd_aot.build(job, ...)`` computes for ``plan``, without tracing.
+
+    Uses ``builder.job_key`` when the builder has one; otherwise repeats the builder's steps
+    up to the key: the job's objects under ``FakeTensorMode`` (no parameter memory), the
+    optimizer state created, the key computed inside a fake process group. Keep in step with
+    ``builder.build``.
+    """
+    from . import builder
+
+    if hasattr(builder, "job_key"):
+        return builder.job_key(job, plan)
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .key import compute_key
+    from .pipeline import Transforms
+    from .state import TrainState, initialize_optimizer_state
+    from .trace import fake_world
+
+    with FakeTensorMode(), torch.device(plan.device_type):
+        model = job.model()
+        optim = job.optimizer(model)
+        batch = job.batch()
+        if job.global_batch:
+            batch = builder.local_batch(batch, plan.world_size)
+        initialize_optimizer_state(optim)
+    state = TrainState(model, optim, batch, plan)
+    with fake_world(plan.world_size):
+        return compute_key(job.step, state, plan, Transforms().identities(), ())
+
+
+# ---------------------------------------------------------------------------- push / pull
+def cmd_push(args) -> int:
+    """Copy artifacts from the cache to a remote store."""
+    src = _existing_store(args.cache_dir)
+    return _transfer(src, _open_remote(args.remote), args.refs, "pushed", "to")
+
+
+def cmd_pull(args) -> int:
+    """Copy artifacts from a remote store into the cache."""
+    return _transfer(_open_remote(args.remote), _store(args.cache_dir, create=True), args.refs,
+                     "pulled", "from")
+
+
+def _transfer(src, dst, refs: list[str], verb: str, preposition: str) -> int:
+    import contextlib
+
+    from .store import LocalStore
+    from .store.transfer import copy_artifact
+
+    entries = _select(src, refs)
+    remote = dst if verb == "pushed" else src
+    if not entries:
+        print(f"no artifacts to copy in {src.root}")
+        return EXIT_OK
+    rows, failures = [], []
+    blobs = copied = written = 0
+    for key, digest in entries:
+        try:
+            # into a local cache under the key's build lock, as every writer (gc relies on it)
+            with dst.lock(key) if isinstance(dst, LocalStore) else contextlib.nullcontext():
+                result = copy_artifact(src, dst, key, digest)
+        except SpmdAotError as exc:
+            failures.append(f"{key[:12]}: {exc}")
+            rows.append([key[:12], digest[:12], "-", "-", "-", "FAILED"])
+            continue
+        blobs, copied, written = blobs + result.blobs, copied + result.copied, written + result.bytes
+        rows.append([key[:12], digest[:12], result.blobs, result.copied, result.bytes, "ok"])
+    _print_table(["KEY", "DIGEST", "BLOBS", "COPIED", "BYTES", "STATUS"], rows, right={2, 3, 4})
+    done = len(entries) - len(failures)
+    print(f"{verb} {done} artifact{'s' if done != 1 else ''} {preposition} {remote.root}: "
+          f"{copied} of {blobs} blobs copied ({written} bytes), the rest were already there")
+    for line in failures:
+        _error(line)
+    return EXIT_ERROR if failures else EXIT_OK
+
+
+def _select(store, refs: list[str]) -> list[tuple[str, str]]:
+    """(key, digest) for each REF (resolved like `show`), or for every intact ref if none."""
+    if not refs:
+        entries = _refs(store)
+        for e in entries:
+            if e.error:
+                _error(f"skipping damaged ref {e.key}: {e.error}")
+        return [(e.key, e.digest) for e in entries if not e.error]
+    return list(dict.fromkeys(_resolve_ref(store, ref) for ref in refs))
+
+
+def _existing_store(cache_dir):
+    store = _store(cache_dir)
+    if store is None:
+        raise SpmdAotError(f"cache directory {_cache_root(cache_dir)} does not exist")
+    return store
+
+
+# ---------------------------------------------------------------------------- rm / gc
+def cmd_rm(args) -> int:
+    """Remove refs; their blobs stay until gc (which spares any a job is loading)."""
+    from .store import LocalStore
+    from .store.gc import USED
+
+    store = _existing_store(args.cache_dir)
+    for key, digest in list(dict.fromkeys(_resolve_ref(store, ref) for ref in args.refs)):
+        store.delete_ref(key)
+        if isinstance(store, LocalStore):
+            with contextlib.suppress(OSError):
+                os.unlink(store.root / USED / key)
+        print(f"removed {key} (manifest {digest[:12]})")
+    print("its blobs stay until `spmd-aot gc` removes them" if len(args.refs) == 1
+          else "their blobs stay until `spmd-aot gc` removes them")
+    return EXIT_OK
+
+
+def cmd_gc(args) -> int:
+    """Evict by age and LRU under the size bound, then remove unreferenced blobs."""
+    import datetime
+
+    from .store.gc import collect_garbage, format_size, last_used
+
+    store = _existing_store(args.cache_dir)
+    used = {}
+    if args.dry_run or args.max_size is not None or args.max_age is not None:
+        from .store import LocalStore
+
+        if isinstance(store, LocalStore):
+            used = {key: last_used(store, key) for key in store.refs()}
+    report = collect_garbage(store, max_size=args.max_size, max_age=args.max_age, grace=args.grace,
+                             dry_run=args.dry_run)
+    would = "would be " if report.dry_run else ""
+    if report.evicted:
+        rows = []
+        for key, digest, reason in report.evicted:
+            when = used.get(key)
+            stamp = (datetime.datetime.fromtimestamp(when).strftime("%Y-%m-%d %H:%M:%S")
+                     if when else "?")
+            rows.append([key[:12], digest[:12], reason, stamp])
+        print(f"{would}evicted:")
+        _print_table(["KEY", "DIGEST", "REASON", "LAST USED"], rows)
+    for key in report.skipped_leased:
+        print(f"kept {key[:12]}: a job is loading it (reader lease)")
+    if report.builds_running:
+        print(f"a build is running ({', '.join(k[:12] for k in report.builds_running)}): unreferenced "
+              "part blobs are kept until the next gc")
+    bound = f" (bound {format_size(args.max_size)})" if args.max_size is not None else ""
+    print(f"gc{' (dry run)' if report.dry_run else ''}: {report.artifacts_before} artifacts, "
+          f"{format_size(report.bytes_before)} -> {report.artifacts_after} artifacts, "
+          f"{format_size(report.bytes_after)}{bound}; {would}removed {report.blobs_removed} blobs "
+          f"({format_size(report.bytes_removed)}), kept {report.kept_unreferenced} unreferenced")
+    if args.max_size is not None and report.bytes_after > args.max_size and not report.dry_run:
+        print("still over the bound: the rest is held by artifacts jobs are loading or by a running build")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- export / import
+def cmd_export(args) -> int:
+    from .store.bundle import export_bundle
+
+    store = _existing_store(args.cache_dir)
+    refs = dict(_resolve_ref(store, ref) for ref in args.refs)
+    summary = export_bundle(store, refs, args.output)
+    print(f"exported {len(summary.refs)} artifact{'s' if len(summary.refs) != 1 else ''} "
+          f"({summary.blobs} blobs, {summary.bytes} bytes) to {summary.path}")
+    for key, digest in summary.refs.items():
+        print(f"  {key[:12]}  {digest[:12]}")
+    return EXIT_OK
+
+
+def cmd_import(args) -> int:
+    from .store.bundle import import_bundle
+
+    store = _store(args.cache_dir, create=True)
+    summary = import_bundle(store, args.bundle)
+    print(f"imported {len(summary.refs)} artifact{'s' if len(summary.refs) != 1 else ''} "
+          f"({summary.blobs} blobs, {summary.written} new, {summary.bytes} bytes) into {store.root}")
+    for key, digest in summary.refs.items():
+        print(f"  {key[:12]}  {digest[:12]}")
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------- shared helpers
 @dataclasses.dataclass
 class _Ref:
@@ -356,26 +666,61 @@ class _Ref:
     error: str | None
 
 
-def _cache_root(cache_dir) -> pathlib.Path:
+def _is_url(cache_dir) -> bool:
+    from .store import is_s3_url
+
+    return is_s3_url(cache_dir)
+
+
+def _cache_root(cache_dir):
     from .store import resolve_cache_dir
 
+    if _is_url(cache_dir):
+        return cache_dir
     return resolve_cache_dir(cache_dir)
 
 
 def _store(cache_dir, *, create: bool = False):
     """The store at ``cache_dir``; ``None`` when it does not exist and ``create`` is false
-    (so ``ls`` or ``verify`` on a mistyped path does not create an empty cache)."""
+    (so ``ls`` or ``verify`` on a mistyped path does not create an empty cache). An
+    ``s3://bucket/prefix`` URL gives the bucket itself (``S3Store``)."""
     from .store import LocalStore
 
+    if _is_url(cache_dir):
+        return _open_remote(cache_dir)
     root = _cache_root(cache_dir)
     if not create and not root.is_dir():
         return None
     return LocalStore(root)
 
 
+def _open_remote(location: str):
+    """``s3://bucket/prefix`` -> ``S3Store``; anything else is another cache directory."""
+    from .store import LocalStore, S3Store, is_s3_url
+
+    if is_s3_url(location):
+        return S3Store(location)
+    return LocalStore(pathlib.Path(location).expanduser())
+
+
+def _blob_size(store, digest: str) -> int | None:
+    """Size in bytes of a stored blob, None if it is missing."""
+    size = getattr(store, "size", None)
+    if size is not None:  # object storage
+        return size(digest)
+    try:
+        return store.blob_path(digest).stat().st_size
+    except OSError:
+        return None
+
+
 def _refs(store) -> list[_Ref]:
     """Every ref, with a damaged one reported in place rather than failing the whole listing
     (``LocalStore.refs()`` raises on the first damaged ref file)."""
+    from .store import LocalStore
+
+    if not isinstance(store, LocalStore):  # object storage: its refs() skips damaged ones
+        return [_Ref(key, f"{store.root}/refs/{key}", digest, None) for key, digest in store.refs().items()]
     refs_dir = store.root / "refs"
     try:
         names = sorted(e.name for e in os.scandir(refs_dir) if e.is_file() and not e.name.startswith("."))

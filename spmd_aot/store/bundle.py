@@ -1,0 +1,240 @@
+"""Bundles: a tar of some artifacts (refs, manifests, part blobs) to carry between caches
+where no shared storage reaches (an air-gapped cluster, a CI artifact, an attachment).
+
+Format (a plain POSIX tar; ``.tar.gz``/``.tgz``/``.tar.xz`` names are compressed)::
+
+    index.json                     {"format": "spmd-aot-bundle", "version": 1,
+                                    "refs": {key: manifest digest}, "blobs": {digest: size}}
+    objects/<64 hex sha256>        one member per blob, named by the sha256 of its bytes
+
+``import_bundle`` never extracts anything to the filesystem: it reads each member's bytes
+and hands them to the store, which names them by their hash. Before writing anything it
+checks that every member is a regular file named exactly ``index.json`` or
+``objects/<64 hex>`` (absolute paths, ``..``, links and devices are refused), that every
+blob hashes to its name, that the index lists exactly the blobs present, and that every ref
+names a manifest of that key whose parts are all in the bundle. A bundle that fails any
+check is refused as a whole. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import pathlib
+import re
+import secrets
+import tarfile
+
+from ..errors import CorruptArtifactError, SpmdAotError
+from .local import _check_key, _is_digest
+from .transfer import artifact_blobs, manifest_key, manifest_parts
+
+__all__ = ["export_bundle", "import_bundle", "BundleError", "BundleSummary", "INDEX_NAME"]
+
+INDEX_NAME = "index.json"
+FORMAT = "spmd-aot-bundle"
+VERSION = 1
+_OBJECT_RE = re.compile(r"objects/([0-9a-f]{64})")
+_CHUNK = 1 << 20
+
+
+class BundleError(CorruptArtifactError):
+    """A bundle is malformed, tampered with, or tries to write outside the store."""
+
+
+@dataclasses.dataclass
+class BundleSummary:
+    path: str
+    refs: dict[str, str]  # key -> manifest digest
+    blobs: int
+    bytes: int
+    written: int = 0  # import: blobs the store did not already hold
+
+
+def _write_mode(path: pathlib.Path) -> str:
+    name = path.name.lower()
+    if name.endswith((".tar.gz", ".tgz")):
+        return "w:gz"
+    if name.endswith((".tar.xz", ".txz")):
+        return "w:xz"
+    if name.endswith((".tar.bz2", ".tbz2")):
+        return "w:bz2"
+    return "w"
+
+
+def _member(name: str, size: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, 0o644, 0  # reproducible: same artifacts, same bytes
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def export_bundle(store, refs: dict[str, str], out: str | os.PathLike) -> BundleSummary:
+    """Write the artifacts ``refs`` (key -> manifest digest) of ``store`` to the tar ``out``.
+
+    Every blob is read through ``store.get`` (re-hashed). The file appears complete or not at
+    all (written beside ``out``, then renamed).
+    """
+    if not refs:
+        raise SpmdAotError("nothing to export: name at least one artifact")
+    blobs: dict[str, None] = {}
+    for key, digest in sorted(refs.items()):
+        manifest = store.get(digest)
+        if manifest_key(manifest, f"manifest {digest}") != key:
+            raise CorruptArtifactError(f"ref {key} points to manifest {digest}, which belongs to another key")
+        for d in artifact_blobs(store, digest).values():
+            blobs[d] = None
+    out = pathlib.Path(out)
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(6)}.tmp")
+    total = 0
+    sizes = {}
+    try:
+        with tarfile.open(tmp, _write_mode(out), format=tarfile.PAX_FORMAT) as tar:
+            datas = []
+            for d in sorted(blobs):
+                data = store.get(d)
+                sizes[d] = len(data)
+                datas.append((d, data))
+            index = json.dumps({"format": FORMAT, "version": VERSION, "refs": dict(sorted(refs.items())),
+                                "blobs": sizes}, indent=1, sort_keys=True).encode()
+            tar.addfile(_member(INDEX_NAME, len(index)), io.BytesIO(index))
+            for d, data in datas:
+                tar.addfile(_member(f"objects/{d}", len(data)), io.BytesIO(data))
+                total += len(data)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return BundleSummary(str(out), dict(sorted(refs.items())), len(sizes), total)
+
+
+def _check_member(member: tarfile.TarInfo, path) -> str | None:
+    """The digest a member holds (None for the index); ``BundleError`` for anything else."""
+    name = member.name
+    parts = name.replace("\\", "/").split("/")
+    if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name) or ".." in parts:
+        raise BundleError(f"bundle {path}: member {name!r} is a path traversal (absolute or with "
+                          "'..'); refusing the bundle")
+    if member.issym() or member.islnk():
+        raise BundleError(f"bundle {path}: member {name!r} is a link (to {member.linkname!r}); "
+                          "refusing the bundle")
+    if not member.isfile():
+        raise BundleError(f"bundle {path}: member {name!r} is not a regular file; refusing the bundle")
+    if name == INDEX_NAME:
+        return None
+    m = _OBJECT_RE.fullmatch(name)
+    if m is None:
+        raise BundleError(f"bundle {path}: unexpected member {name!r}; a bundle holds only "
+                          f"{INDEX_NAME} and objects/<sha256>")
+    return m.group(1)
+
+
+def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    f = tar.extractfile(member)
+    if f is None:
+        raise BundleError(f"member {member.name!r} has no content")
+    with f:
+        return f.read()
+
+
+def _load_index(raw: bytes, path) -> tuple[dict[str, str], dict[str, int]]:
+    try:
+        index = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BundleError(f"bundle {path}: {INDEX_NAME} is not JSON: {exc}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise BundleError(f"bundle {path}: {INDEX_NAME} is not an spmd-aot bundle index")
+    if index.get("version") != VERSION:
+        raise BundleError(f"bundle {path}: version {index.get('version')!r}, this spmd-aot reads {VERSION}")
+    refs, blobs = index.get("refs"), index.get("blobs")
+    if not isinstance(refs, dict) or not isinstance(blobs, dict):
+        raise BundleError(f"bundle {path}: {INDEX_NAME} lacks 'refs' or 'blobs'")
+    for key, digest in refs.items():
+        try:
+            _check_key(key)
+        except SpmdAotError as exc:
+            raise BundleError(f"bundle {path}: {exc}") from None
+        if not _is_digest(digest):
+            raise BundleError(f"bundle {path}: ref {key!r} names invalid digest {str(digest)[:80]!r}")
+    for digest, size in blobs.items():
+        if not _is_digest(digest) or not isinstance(size, int):
+            raise BundleError(f"bundle {path}: bad blob entry {str(digest)[:80]!r}: {size!r}")
+    return refs, blobs
+
+
+def import_bundle(store, path: str | os.PathLike) -> BundleSummary:
+    """Check the whole bundle (see the module docstring), then store its blobs (parts,
+    manifests) and refs, in that order. Returns what was imported."""
+    path = pathlib.Path(path)
+    try:
+        tar = tarfile.open(path, "r:*")
+    except (OSError, tarfile.TarError) as exc:
+        raise BundleError(f"cannot read bundle {path}: {exc}") from None
+    with tar:
+        # ---- pass 1: check everything, write nothing
+        try:
+            members = tar.getmembers()
+        except tarfile.TarError as exc:
+            raise BundleError(f"bundle {path} is damaged: {exc}") from None
+        index_member, objects = None, {}
+        for member in members:
+            digest = _check_member(member, path)
+            if digest is None:
+                if index_member is not None:
+                    raise BundleError(f"bundle {path}: two {INDEX_NAME} members")
+                index_member = member
+            elif digest in objects:
+                raise BundleError(f"bundle {path}: blob {digest} appears twice")
+            else:
+                objects[digest] = member
+        if index_member is None:
+            raise BundleError(f"bundle {path} has no {INDEX_NAME}: not an spmd-aot bundle")
+        refs, listed = _load_index(_read_member(tar, index_member), path)
+        if set(listed) != set(objects):
+            extra, missing = sorted(set(objects) - set(listed)), sorted(set(listed) - set(objects))
+            raise BundleError(f"bundle {path}: the index does not match the blobs present "
+                              f"(unlisted: {extra[:3]}, missing: {missing[:3]})")
+        manifests: dict[str, set[str]] = {}
+        for digest, member in objects.items():
+            h = hashlib.sha256()
+            f = tar.extractfile(member)
+            with f:
+                while chunk := f.read(_CHUNK):
+                    h.update(chunk)
+            if h.hexdigest() != digest:
+                raise BundleError(f"bundle {path}: member objects/{digest} is tampered with or damaged: "
+                                  f"its content hashes to {h.hexdigest()}; refusing the bundle")
+        for key, digest in refs.items():
+            if digest not in objects:
+                raise BundleError(f"bundle {path}: ref {key} names manifest {digest}, which is not in it")
+            data = _read_member(tar, objects[digest])
+            where = f"bundle {path}: manifest {digest} (ref {key})"
+            parts = set(manifest_parts(data, where).values())
+            if manifest_key(data, where) != key:
+                raise BundleError(f"{where} is the manifest of another key; refusing the bundle")
+            missing = sorted(parts - set(objects))
+            if missing:
+                raise BundleError(f"{where} names blobs the bundle lacks: {', '.join(missing[:3])}")
+            manifests[digest] = parts
+        # ---- pass 2: parts, then manifests, then refs; re-hashed on the way in, under the
+        # build locks of the keys (every writer holds its key's lock: gc relies on it)
+        written = total = 0
+        order = [d for d in sorted(objects) if d not in manifests] + sorted(manifests)
+        with contextlib.ExitStack() as locks:
+            for key in sorted(refs):
+                locks.enter_context(store.lock(key))
+            for digest in order:
+                data = _read_member(tar, objects[digest])
+                had = store.has(digest)
+                if store.put(data) != digest:
+                    raise BundleError(f"bundle {path}: member objects/{digest} changed while importing")
+                written += not had
+                total += len(data)
+            for key, digest in sorted(refs.items()):
+                store.set_ref(key, digest)
+    return BundleSummary(str(path), dict(sorted(refs.items())), len(objects), total, written)

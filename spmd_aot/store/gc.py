@@ -1,0 +1,524 @@
+"""Garbage collection of a local cache, and the reader leases that keep it safe.
+
+``collect_garbage(store, max_size=..., max_age=...)`` evicts whole artifacts, least recently
+used first, then removes blobs nothing references any more. Three files under the cache
+root make that safe while jobs are loading and builds are writing::
+
+    leases/<manifest digest>.lock   reader leases: flock(LOCK_SH) while an artifact is loaded
+    leases/gc.lock                  one gc at a time
+    used/<key>                      empty file; its mtime is when the artifact was last loaded
+
+**Reader leases.** A reader wraps the load in ``with reading(store, digest):``, which holds a
+shared ``flock`` on ``leases/<digest>.lock``. gc deletes a manifest only while holding an
+exclusive ``flock`` on the same file, taken without waiting: if any reader holds a lease,
+gc skips that artifact. Part blobs are deleted only when no manifest left on disk names them.
+Together: *inside a lease, if the manifest exists, every part it names exists*. A reader that
+arrives while gc is deleting waits for gc's exclusive lock, then finds the manifest gone and
+gets ``ArtifactGoneError`` (a ``CorruptArtifactError``: the runtime treats it as a miss),
+never a half-deleted artifact. The OS drops a dead reader's lease, so leases never go stale.
+Both sides re-check after locking that the lease file is still the one on disk (gc unlinks
+lease files of deleted artifacts).
+
+**Last use.** ``touch_used(store, key)`` (called after each load) sets ``used/<key>``'s mtime;
+without one the ref file's mtime counts (when it was built or pulled).
+
+**Writers.** Builds write parts, then the manifest, then the ref, under
+``locks/<key>.lock``. gc holds every build lock it can take for its whole run (a build of
+such a key waits) and, if another process holds one (a build is running), keeps every
+unreferenced part blob until the next gc. Unreferenced blobs that no manifest named are also
+kept while younger than ``grace`` (for writers that take no lock), and a blob whose mtime
+changed since gc listed it (rewritten meanwhile) is kept. Residual race: a build that starts
+after gc looked at the locks and re-uses (finds intact, does not rewrite) an old blob gc then
+deletes stores an incomplete artifact; loading it fails verification and the job rebuilds
+it. If ``LocalStore.put`` refreshed the mtime of a blob it re-uses, gc would see that re-use
+too and the window would shrink to the instant between gc's last ``stat`` and its ``unlink``.
+
+Nothing here imports torch; leases need ``fcntl`` (POSIX). Without it ``reading`` is a no-op.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import os
+import pathlib
+import re
+import time
+from typing import Iterator
+
+import filelock
+
+from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError
+from .local import LocalStore, _check_digest, _check_key, _is_digest
+from .transfer import looks_like_manifest, manifest_parts
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+
+__all__ = ["reading", "touch_used", "last_used", "collect_garbage", "GcReport", "Artifact",
+           "ArtifactGoneError", "parse_size", "parse_age", "format_size", "cache_size"]
+
+log = logging.getLogger(__name__)
+
+LEASES, USED = "leases", "used"
+_MANIFEST_MAX = 16 << 20  # blobs larger than this are never read to look for a manifest
+
+
+class ArtifactGoneError(CorruptArtifactError):
+    """The artifact was deleted (by gc or ``spmd-aot rm``) before the lease was taken."""
+
+
+# ---------------------------------------------------------------------------- helpers
+def _local(store) -> LocalStore | None:
+    if isinstance(store, LocalStore):
+        return store
+    local = getattr(store, "local", None)
+    return local if isinstance(local, LocalStore) else None
+
+
+def _require_local(store) -> LocalStore:
+    local = _local(store)
+    if local is None:
+        raise SpmdAotError(f"gc works on a local cache directory, not on {store!r}; run it on the "
+                           "hosts' caches (objects in a bucket are best expired by a lifecycle rule)")
+    return local
+
+
+def _lease_path(local: LocalStore, digest: str) -> pathlib.Path:
+    return local.root / LEASES / f"{digest}.lock"
+
+
+def _flock(path: pathlib.Path, mode: int, timeout: float) -> int | None:
+    """Open (creating) ``path`` and ``flock`` it; the fd, or None if not granted in ``timeout``.
+
+    Re-checks after locking that ``path`` still names the locked file: gc unlinks the lease
+    file of an artifact it deleted, and a lock on an unlinked file protects nothing.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------- readers
+@contextlib.contextmanager
+def reading(store, digest: str, *, timeout: float = 120.0) -> Iterator[None]:
+    """Hold a reader lease on the artifact whose manifest is ``digest`` while loading it::
+
+        with reading(store, digest):
+            artifact = read_artifact(store, digest)
+
+    gc does not delete an artifact while any process holds a lease on it. Raises
+    ``ArtifactGoneError`` if the artifact was deleted before the lease was taken, and
+    ``LockTimeoutError`` if gc kept it locked for ``timeout`` seconds (it holds it only while
+    deleting it). On a read-only cache, or without a local cache, no lease is taken.
+    """
+    _check_digest(digest)
+    local = _local(store)
+    fd = None
+    if local is not None and fcntl is not None:
+        path = _lease_path(local, digest)
+        try:
+            fd = _flock(path, fcntl.LOCK_SH, timeout)
+        except OSError as exc:  # read-only cache: nobody can gc it either
+            log.debug("no reader lease on %s: %s", path, exc)
+        else:
+            if fd is None:
+                raise LockTimeoutError(f"could not take reader lease {path} within {timeout:g} s: "
+                                       "a gc has held it that long; is a gc process stuck?")
+    try:
+        if not store.has(digest):
+            raise ArtifactGoneError(
+                f"artifact {digest[:12]} is no longer in {getattr(store, 'root', store)} (removed "
+                "by gc or `spmd-aot rm`); look its key up again, or rebuild it")
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def touch_used(store, key: str) -> None:
+    """Record that the artifact ``key`` was just loaded (gc evicts least recently used first)."""
+    local = _local(store)
+    if local is None:
+        return
+    path = local.root / USED / _check_key(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab"):
+            pass
+        os.utime(path)
+    except OSError as exc:  # a read-only cache is never collected
+        log.debug("cannot record use of %s: %s", key, exc)
+
+
+def last_used(store, key: str) -> float:
+    """When ``key`` was last loaded (``used/<key>``), else built or pulled (its ref); 0 if unknown."""
+    local = _require_local(store)
+    for path in (local.root / USED / key, local.root / "refs" / key):
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            continue
+    return 0.0
+
+
+# ---------------------------------------------------------------------------- sizes and ages
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b)?\s*$", re.I)
+_AGE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.I)
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+_AGE_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_size(text: str) -> int:
+    """``500M``, ``2G``, ``1.5GiB``, ``100k``, ``0`` -> bytes (binary units: 1K = 1024)."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"expected a size such as 500M, 2G or 1024 (bytes), got {text!r}")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def parse_age(text: str) -> float:
+    """``7d``, ``12h``, ``30m``, ``45s``, ``2w``, ``0`` -> seconds."""
+    m = _AGE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"expected an age such as 7d, 12h, 30m or 45s, got {text!r}")
+    return float(m.group(1)) * _AGE_UNITS[m.group(2).lower()]
+
+
+def format_size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _blob_sizes(local: LocalStore) -> dict[str, tuple[int, float]]:
+    """digest -> (size, mtime) of every blob on disk."""
+    out = {}
+    for digest in local.blobs():
+        try:
+            st = local.blob_path(digest).stat()
+        except OSError:
+            continue
+        out[digest] = (st.st_size, st.st_mtime)
+    return out
+
+
+def cache_size(store) -> int:
+    """Bytes held by the blobs of a local cache (what ``--max-size`` bounds)."""
+    return sum(size for size, _ in _blob_sizes(_require_local(store)).values())
+
+
+# ---------------------------------------------------------------------------- inventory
+@dataclasses.dataclass
+class Artifact:
+    key: str
+    digest: str  # manifest
+    blobs: frozenset  # manifest and parts
+    used: float  # last use (epoch seconds)
+
+
+def _read_manifest_parts(local: LocalStore, digest: str) -> set[str] | None:
+    """The part digests a manifest on disk names; None if it is missing or not a manifest.
+    Reads the file directly (no quarantine side effect: gc must not move things around)."""
+    try:
+        data = local.blob_path(digest).read_bytes()
+    except OSError:
+        return None
+    try:
+        return set(manifest_parts(data, f"manifest {digest}").values())
+    except CorruptArtifactError:
+        return None
+
+
+def _inventory(local: LocalStore) -> list[Artifact]:
+    arts = []
+    for key, digest in local.refs().items():
+        parts = _read_manifest_parts(local, digest) or set()
+        arts.append(Artifact(key, digest, frozenset({digest, *parts}), last_used(local, key)))
+    return arts
+
+
+class _BuildLocks:
+    """Take every build lock (``locks/*.lock``) that is free, without waiting; remember which
+    ones another process holds. ``busy()`` looks again (new builds start at any time)."""
+
+    def __init__(self, local: LocalStore) -> None:
+        self.dir = local.root / "locks"
+        self.held: dict[str, filelock.BaseFileLock] = {}
+        self.busy_names: set[str] = set()
+
+    def __enter__(self):
+        self.busy()
+        return self
+
+    def busy(self) -> set[str]:
+        try:
+            names = sorted(e.name for e in os.scandir(self.dir) if e.name.endswith(".lock"))
+        except FileNotFoundError:
+            names = []
+        busy = set()
+        for name in names:
+            if name in self.held:
+                continue
+            lock = filelock.FileLock(str(self.dir / name), timeout=0)
+            try:
+                lock.acquire()
+            except filelock.Timeout:
+                busy.add(name)
+            except OSError:
+                continue
+            else:
+                self.held[name] = lock
+        self.busy_names = busy
+        return busy
+
+    def __exit__(self, *exc):
+        for lock in self.held.values():
+            with contextlib.suppress(Exception):
+                lock.release()
+
+
+# ---------------------------------------------------------------------------- gc
+@dataclasses.dataclass
+class GcReport:
+    bytes_before: int
+    bytes_after: int
+    artifacts_before: int
+    artifacts_after: int
+    evicted: list[tuple[str, str, str]]  # (key, manifest digest, "age" | "size")
+    skipped_leased: list[str]  # keys gc would have evicted but a reader held a lease on
+    blobs_removed: int
+    bytes_removed: int
+    kept_unreferenced: int  # unreferenced blobs kept (leased, being built, younger than grace)
+    builds_running: list[str]  # build locks held by other processes during the run
+    dry_run: bool
+
+
+def collect_garbage(store, *, max_size: int | None = None, max_age: float | None = None,
+                    grace: float = 0.0, dry_run: bool = False, now: float | None = None,
+                    lock_timeout: float = 60.0) -> GcReport:
+    """Evict artifacts, then remove unreferenced blobs; never touches a leased artifact.
+
+    1. Every artifact not used for more than ``max_age`` seconds is evicted.
+    2. While the blobs the remaining refs reach take more than ``max_size`` bytes, the least
+       recently used artifact is evicted.
+    3. Unreferenced blobs are removed: manifests (under the lease lock) and the parts no
+       remaining manifest names.
+    Evicting deletes the ref and (under an exclusive lease lock, skipped if a reader holds a
+    lease) the manifest. With ``dry_run`` nothing is deleted and the report says what would be.
+    """
+    local = _require_local(store)
+    if fcntl is None:  # pragma: no cover
+        raise SpmdAotError("gc needs POSIX file locks (fcntl), which this platform lacks")
+    now = time.time() if now is None else now
+    gc_lock = filelock.FileLock(str(local.root / LEASES / "gc.lock"), timeout=lock_timeout)
+    (local.root / LEASES).mkdir(parents=True, exist_ok=True)
+    try:
+        gc_lock.acquire()
+    except filelock.Timeout:
+        raise LockTimeoutError(f"another gc of {local.root} has been running for {lock_timeout:g} s "
+                               f"(it holds {local.root / LEASES / 'gc.lock'})") from None
+    try:
+        with _BuildLocks(local) as builds:
+            return _collect(local, builds, max_size, max_age, grace, dry_run, now)
+    finally:
+        gc_lock.release()
+
+
+def _collect(local, builds, max_size, max_age, grace, dry_run, now) -> GcReport:
+    sizes = _blob_sizes(local)
+    bytes_before = sum(s for s, _ in sizes.values())
+    arts = _inventory(local)
+    alive = {a.key: a for a in arts}
+    refcount = collections.Counter(d for a in arts for d in a.blobs)
+    live_bytes = sum(sizes.get(d, (0, 0))[0] for d in refcount)
+    evicted: list[tuple[str, str, str]] = []
+    skipped: list[str] = []
+    gone: dict[str, set[str]] = {}  # manifests evict() deleted (or would, in a dry run) -> parts
+    removed = removed_bytes = 0
+
+    def evict(a: Artifact, reason: str) -> None:
+        nonlocal live_bytes, removed, removed_bytes
+        shared = any(o.digest == a.digest for o in alive.values() if o.key != a.key)
+        fd = None
+        if not shared:  # another ref naming the same manifest keeps it: only this ref goes
+            fd = _flock(_lease_path(local, a.digest), fcntl.LOCK_EX, 0)
+            if fd is None:
+                skipped.append(a.key)
+                return
+        try:
+            if not dry_run:
+                local.delete_ref(a.key)
+                with contextlib.suppress(OSError):
+                    os.unlink(local.root / USED / a.key)
+                if fd is not None:
+                    local.delete(a.digest)
+                    with contextlib.suppress(OSError):
+                        os.unlink(_lease_path(local, a.digest))
+        finally:
+            if fd is not None:
+                os.close(fd)
+        if fd is not None and a.digest in sizes:
+            gone[a.digest] = set(a.blobs) - {a.digest}
+            removed += 1
+            removed_bytes += sizes[a.digest][0]
+        del alive[a.key]
+        evicted.append((a.key, a.digest, reason))
+        for d in a.blobs:
+            refcount[d] -= 1
+            if refcount[d] == 0:
+                del refcount[d]
+                live_bytes -= sizes.get(d, (0, 0))[0]
+
+    by_age = sorted(arts, key=lambda a: (a.used, a.key))
+    if max_age is not None:
+        for a in by_age:
+            if now - a.used > max_age:
+                evict(a, "age")
+    if max_size is not None:
+        for a in by_age:
+            if live_bytes <= max_size:
+                break
+            if a.key in alive:
+                evict(a, "size")
+
+    evicted_keys = {key for key, _, _ in evicted}
+    n, nbytes, kept = _sweep(local, builds, evicted_keys, gone, grace, dry_run, now)
+    removed, removed_bytes = removed + n, removed_bytes + nbytes
+    _tidy(local, dry_run)
+    bytes_after = bytes_before - removed_bytes if dry_run else cache_size(local)
+    return GcReport(bytes_before, bytes_after, len(arts), len(alive), evicted, skipped,
+                    removed, removed_bytes, kept, sorted(n[:-5] for n in builds.busy_names), dry_run)
+
+
+def _sweep(local, builds, evicted_keys, gone, grace, dry_run, now) -> tuple[int, int, int]:
+    """Remove unreferenced blobs; returns (removed, bytes removed, kept).
+
+    Order matters (see the module docstring): list the blobs, then look at the build locks,
+    then read the refs, so a writer that wrote a blob before the listing either still holds
+    its lock (then every unreferenced blob stays) or has set its ref by the time gc reads refs.
+    """
+    listing = {d: v for d, v in _blob_sizes(local).items() if d not in gone}
+    building = bool(builds.busy())
+    referenced = {d for k, d in local.refs().items() if k not in evicted_keys}
+    manifests: dict[str, set[str]] = {}  # every manifest on disk -> the parts it names
+    for digest in referenced & set(listing):
+        parts = _read_manifest_parts(local, digest)
+        if parts is not None:
+            manifests[digest] = parts
+    live_parts = set().union(*manifests.values())
+    for digest, (size, _) in listing.items():  # unreferenced manifests (rm'd, or being written)
+        if (digest not in manifests and digest not in live_parts and size <= _MANIFEST_MAX
+                and _is_manifest_blob(local, digest)):
+            parts = _read_manifest_parts(local, digest)
+            if parts is not None:
+                manifests[digest] = parts
+    freed = set().union(*gone.values())  # parts of manifests deleted in this run
+    removed = removed_bytes = kept = 0
+    # 1. unreferenced manifests, each deleted under an exclusive lease lock
+    for digest in sorted(set(manifests) - referenced):
+        size, mtime = listing[digest]
+        if building or now - mtime < grace or _touched(local, digest, mtime):
+            kept += 1
+            continue
+        fd = _flock(_lease_path(local, digest), fcntl.LOCK_EX, 0)
+        if fd is None:  # a reader holds it: the manifest and its parts stay
+            kept += 1
+            continue
+        try:
+            if not dry_run:
+                local.delete(digest)
+                with contextlib.suppress(OSError):
+                    os.unlink(_lease_path(local, digest))
+        finally:
+            os.close(fd)
+        freed |= manifests.pop(digest)
+        del listing[digest]
+        removed, removed_bytes = removed + 1, removed_bytes + size
+    # 2. blobs that no ref and no remaining manifest names
+    named = referenced | set(manifests)
+    for parts in manifests.values():
+        named |= parts
+    for digest, (size, mtime) in sorted(listing.items()):
+        if digest in named:
+            continue
+        if building or (digest not in freed and now - mtime < grace) or _touched(local, digest, mtime):
+            kept += 1
+            continue
+        if not dry_run:
+            local.delete(digest)
+        removed, removed_bytes = removed + 1, removed_bytes + size
+    return removed, removed_bytes, kept
+
+
+def _touched(local: LocalStore, digest: str, mtime: float) -> bool:
+    """Whether the blob was rewritten (or re-used, if the writer refreshes its mtime) since gc
+    listed it: then a writer wants it, and it stays."""
+    try:
+        return local.blob_path(digest).stat().st_mtime != mtime
+    except OSError:
+        return True  # gone already
+
+
+def _is_manifest_blob(local: LocalStore, digest: str) -> bool:
+    try:
+        with open(local.blob_path(digest), "rb") as f:
+            first = f.read(1)
+            if not first or not (0x80 <= first[0] <= 0x8F or first[0] in (0xDE, 0xDF)):
+                return False
+            data = first + f.read()
+    except OSError:
+        return False
+    return looks_like_manifest(data)
+
+
+def _tidy(local: LocalStore, dry_run: bool) -> None:
+    """Drop ``used/`` files of refs that are gone, lease files of deleted artifacts, old temps."""
+    if dry_run:
+        return
+    refs_dir, used_dir, leases_dir = local.root / "refs", local.root / USED, local.root / LEASES
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(used_dir):
+            if not (refs_dir / entry.name).exists():
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(leases_dir):
+            digest = entry.name[:-5]
+            if not entry.name.endswith(".lock") or not _is_digest(digest) or local.has(digest):
+                continue
+            fd = _flock(pathlib.Path(entry.path), fcntl.LOCK_EX, 0)
+            if fd is not None:
+                try:
+                    if not local.has(digest):
+                        os.unlink(entry.path)
+                finally:
+                    os.close(fd)
+    with contextlib.suppress(OSError):
+        local.clean_tmp()

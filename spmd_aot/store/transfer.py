@@ -1,0 +1,126 @@
+"""Copy whole artifacts (ref + manifest + part blobs) between stores, verifying every digest.
+
+The store is torch-free and treats blobs as opaque bytes; the one thing it has to know about
+the artifact format (cache/README.md) is that a manifest is a msgpack map whose ``blobs``
+field maps part names to the digests of the other blobs, and whose ``key`` field is the key
+its ref is named by. ``manifest_parts`` reads just that, so pushing, pulling, exporting and
+garbage collection work on whole artifacts without importing torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import msgpack
+
+from ..errors import CorruptArtifactError, SpmdAotError
+from .local import LocalStore, _is_digest
+
+__all__ = ["manifest_parts", "manifest_key", "looks_like_manifest", "artifact_blobs", "copy_artifact", "CopyResult"]
+
+
+def _decode_manifest(data: bytes, where: str) -> dict:
+    try:
+        manifest = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise CorruptArtifactError(f"{where} is not a manifest (not valid msgpack: {exc})") from None
+    if not isinstance(manifest, dict):
+        raise CorruptArtifactError(f"{where} is not a manifest (not a msgpack map)")
+    return manifest
+
+
+def manifest_parts(data: bytes, where: str = "manifest") -> dict[str, str]:
+    """Part name -> digest of the blobs a manifest names (``CorruptArtifactError`` if malformed)."""
+    blobs = _decode_manifest(data, where).get("blobs")
+    if not isinstance(blobs, dict) or not blobs:
+        raise CorruptArtifactError(f"{where} names no part blobs")
+    for name, digest in blobs.items():
+        if not isinstance(name, str) or not _is_digest(digest):
+            raise CorruptArtifactError(f"{where}: part {name!r} has invalid digest {str(digest)[:80]!r}")
+    return dict(blobs)
+
+
+def manifest_key(data: bytes, where: str = "manifest") -> str | None:
+    key = _decode_manifest(data, where).get("key")
+    return key if isinstance(key, str) else None
+
+
+def looks_like_manifest(data: bytes) -> bool:
+    """Cheap test used by gc to find manifests among unreferenced blobs."""
+    if not data or data[0] not in range(0x80, 0x90) and data[0] not in (0xDE, 0xDF):
+        return False  # not a msgpack map
+    try:
+        manifest_parts(data)
+    except CorruptArtifactError:
+        return False
+    return True
+
+
+def artifact_blobs(store, digest: str, where: str | None = None) -> dict[str, str]:
+    """``{"manifest": digest, <part>: <digest>, ...}`` of the artifact whose manifest is ``digest``."""
+    data = store.get(digest)
+    return {"manifest": digest, **manifest_parts(data, where or f"manifest {digest}")}
+
+
+@dataclasses.dataclass
+class CopyResult:
+    key: str
+    digest: str
+    blobs: int  # blobs in the artifact, manifest included
+    copied: int  # blobs written to the destination (the others were already there, intact)
+    bytes: int  # bytes written
+
+
+def copy_artifact(src, dst, key: str, digest: str | None = None) -> CopyResult:
+    """Copy the artifact ``key`` (manifest ``digest``, default: ``src``'s ref) from ``src`` to
+    ``dst``: parts first, manifest next, ref last, as ``store_artifact`` writes them.
+
+    Every blob read from ``src`` is re-hashed against its name (``get``), and ``dst.put`` must
+    return that name again; the manifest must say it is the manifest of ``key``. A copy that
+    is already intact in ``dst`` is not written again (a damaged one is replaced).
+    """
+    if digest is None:
+        digest = src.get_ref(key)
+        if digest is None:
+            raise SpmdAotError(f"no ref {key!r} in {getattr(src, 'root', src)}")
+    manifest = src.get(digest)
+    where = f"manifest {digest} (ref {key})"
+    parts = manifest_parts(manifest, where)
+    stored_key = manifest_key(manifest, where)
+    if stored_key != key:
+        raise CorruptArtifactError(
+            f"ref {key!r} in {getattr(src, 'root', src)} points to {where}, which is the manifest of "
+            f"key {stored_key!r}: refusing to copy a ref that names another build's artifact"
+        )
+    copied = written = 0
+    for part_digest, data in [*((d, None) for d in dict.fromkeys(parts.values())), (digest, manifest)]:
+        n = _copy_blob(src, dst, part_digest, data)
+        if n is not None:
+            copied += 1
+            written += n
+    dst.set_ref(key, digest)
+    return CopyResult(key, digest, 1 + len(set(parts.values())), copied, written)
+
+
+def _copy_blob(src, dst, digest: str, data: bytes | None = None) -> int | None:
+    """Make ``dst`` hold an intact copy of blob ``digest``; return the bytes written, or None
+    when ``dst`` already had an intact copy."""
+    if isinstance(dst, LocalStore) and dst.has(digest):
+        try:
+            dst.get(digest)  # re-hashes; a damaged copy is quarantined and rewritten below
+            return None
+        except CorruptArtifactError:
+            pass
+    if data is None:
+        data = src.get(digest)  # re-hashed against ``digest``
+    if hashlib.sha256(data).hexdigest() != digest:  # a source store that does not check
+        raise CorruptArtifactError(f"blob {digest} read from {getattr(src, 'root', src)} does not "
+                                   "hash to its name")
+    holds = getattr(dst, "holds", None)
+    if holds is not None and holds(digest, data):
+        return None
+    stored = dst.put(data)
+    if stored != digest:
+        raise CorruptArtifactError(f"{dst!r} stored blob {digest} under {stored}")
+    return len(data)
