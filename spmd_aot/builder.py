@@ -17,14 +17,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .artifact import read_manifest
 from .errors import SpmdAotError
 from .job import Job
-from .key import compute_key
+from .key import CacheKey, compute_key
 from .pipeline import Transforms, trace_and_store
 from .plan import Plan
 from .state import TrainState, initialize_optimizer_state
-from .store import LocalStore, resolve_cache_dir
+from .store import open_store
 from .trace import device_mesh, fake_world
 
-__all__ = ["build", "BuildResult", "local_batch"]
+__all__ = ["build", "job_key", "BuildResult", "local_batch"]
 
 
 @dataclasses.dataclass
@@ -43,32 +43,14 @@ def build(job: Job, *, world_size: int, placement: str = "replicate", cache_dir=
     """Build ``job`` for one configuration; a no-op (``traced=False``) when already cached.
 
     The options mean what they mean for ``spmd_aot.compile``; pass the same ones to both.
+    ``cache_dir`` may be a path or an ``s3://bucket/prefix`` URL (written through a local cache).
     """
-    if not isinstance(job, Job):
-        raise SpmdAotError(f"build() takes a spmd_aot.Job, got {type(job).__name__}")
     start = time.perf_counter()
     plan = Plan(world_size, placement, device, mesh_shape, param_placements)
-    if device == "cuda" and not torch.backends.cuda.is_built():
-        raise SpmdAotError(
-            "building for device 'cuda' needs a CUDA-enabled torch build (no GPU is needed: "
-            f"everything is traced on fake tensors); this torch {torch.__version__} is CPU-only, and "
-            "its autograd cannot run on fake CUDA tensors. Install the CUDA wheel on the build box."
-        )
     transforms = Transforms(tuple(module_override), gm_transformation)
-    store = store or LocalStore(resolve_cache_dir(cache_dir))
+    store = store or open_store(cache_dir)
     fake_mode = FakeTensorMode()
-    with fake_mode:
-        # Factories run on CPU (their init kernels need no accelerator), then the fake tensors
-        # move to the target device: a CPU-only box builds for CUDA jobs this way.
-        model, batch = job.model(), job.batch()
-        if device != "cpu":
-            model = model.to(device)
-            batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
-        optim = job.optimizer(model)
-        if job.global_batch:
-            batch = local_batch(batch, world_size)
-        initialize_optimizer_state(optim)
-    state = TrainState(model, optim, batch, plan)
+    state = _fake_state(job, plan, fake_mode)
     with fake_world(world_size):
         mesh = device_mesh(plan)
         key = compute_key(job.step, state, plan, transforms.identities(), extra_sources)
@@ -77,6 +59,37 @@ def build(job: Job, *, world_size: int, placement: str = "replicate", cache_dir=
         digest, traced = trace_and_store(store, job.step, state, plan, key, mesh, inputs, transforms)
     stats = read_manifest(store, digest)["stats"]
     return BuildResult(plan, key.key, digest, traced, stats, time.perf_counter() - start)
+
+
+def job_key(job: Job, plan: Plan, transforms: Transforms = Transforms(), extra_sources=()) -> CacheKey:
+    """The key ``build`` would store ``job`` under for ``plan``, without tracing (for explain)."""
+    state = _fake_state(job, plan, FakeTensorMode())
+    return compute_key(job.step, state, plan, transforms.identities(), extra_sources)
+
+
+def _fake_state(job: Job, plan: Plan, fake_mode: FakeTensorMode) -> TrainState:
+    """The job's model, optimizer (with its state) and one rank's batch, all fake."""
+    if not isinstance(job, Job):
+        raise SpmdAotError(f"build() takes a spmd_aot.Job, got {type(job).__name__}")
+    device = plan.device_type
+    if device == "cuda" and not torch.backends.cuda.is_built():
+        raise SpmdAotError(
+            "building for device 'cuda' needs a CUDA-enabled torch build (no GPU is needed: "
+            f"everything is traced on fake tensors); this torch {torch.__version__} is CPU-only, and "
+            "its autograd cannot run on fake CUDA tensors. Install the CUDA wheel on the build box."
+        )
+    with fake_mode:
+        # Factories run on CPU (their init kernels need no accelerator), then the fake tensors
+        # move to the target device: with a CUDA-enabled torch, a GPU-less box builds for CUDA.
+        model, batch = job.model(), job.batch()
+        if device != "cpu":
+            model = model.to(device)
+            batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+        optim = job.optimizer(model)
+        if job.global_batch:
+            batch = local_batch(batch, plan.world_size)
+        initialize_optimizer_state(optim)
+    return TrainState(model, optim, batch, plan)
 
 
 def local_batch(global_batch, world_size: int):

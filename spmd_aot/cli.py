@@ -31,6 +31,7 @@ import traceback
 from typing import Iterable, Sequence
 
 from .errors import CorruptArtifactError, SpmdAotError, TargetError
+from .plan import PLACEMENTS
 
 __all__ = ["main"]
 
@@ -79,7 +80,6 @@ def _parser() -> argparse.ArgumentParser:
         description="Ahead-of-time compile-and-cache for distributed PyTorch train steps.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    from .plan import PLACEMENTS
 
     p = sub.add_parser("build", parents=[common], help="trace a job for some configurations into the cache",
                        description="Build TARGET for every WORLD_SIZE x PLACEMENT; already cached "
@@ -92,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--placement", action="append", choices=sorted(PLACEMENTS),
                    help="placement to build for (repeat for several; default: replicate)")
     p.add_argument("--device", default="cpu", help="device type the job will run on (default: cpu)")
+    _add_shard_options(p)
     p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("ls", parents=[common], help="list the cached artifacts")
@@ -119,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--placement", default="replicate", choices=sorted(PLACEMENTS),
                    help="placement (default: replicate)")
     p.add_argument("--device", default="cpu", help="device type the job will run on (default: cpu)")
+    _add_shard_options(p)
     p.set_defaults(func=cmd_explain)
 
     remote_help = ("s3://bucket/prefix (endpoint from $SPMD_AOT_S3_ENDPOINT, else $AWS_ENDPOINT_URL, "
@@ -213,14 +215,49 @@ def _positive_int(text: str) -> int:
 
 
 # ---------------------------------------------------------------------------- build
+def _add_shard_options(p) -> None:
+    p.add_argument("--mesh-shape", type=_mesh_shape, metavar="RxS",
+                   help="for placement shard: a 2-D mesh of R replicas x S shards (HSDP), e.g. 2x4")
+    p.add_argument("--param-placement", action="append", type=_param_placement, default=[],
+                   metavar="PATTERN=PLACEMENT",
+                   help="for placement shard: keep parameters whose FQN matches PATTERN (fnmatch) "
+                        "whole, e.g. '*.bias=replicate' (repeat for several; first match wins)")
+
+
+def _mesh_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a mesh shape like 2x4, got {text!r}") from None
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected a mesh shape like 2x4, got {text!r}")
+    return shape
+
+
+def _param_placement(text: str) -> tuple[str, str]:
+    pattern, sep, placement = text.rpartition("=")
+    if not sep or not pattern or placement not in PLACEMENTS:
+        raise argparse.ArgumentTypeError(
+            f"expected PATTERN=PLACEMENT with PLACEMENT one of {', '.join(PLACEMENTS)}, got {text!r}")
+    return pattern, placement
+
+
+def _plan(args, world_size: int, placement: str):
+    """One configuration; shard-only options apply to the shard placement."""
+    from .plan import Plan
+
+    shard = placement == "shard"
+    return Plan(world_size, placement, args.device, args.mesh_shape if shard else None,
+                tuple(args.param_placement) if shard else ())
+
+
 def cmd_build(args) -> int:
     """Build the cross product of world sizes x placements and print one row per config."""
     from .builder import build
     from .plan import Plan
     from .progress import Progress
 
-    plans = _unique(Plan(w, p, args.device) for w in args.world_size
-                    for p in (args.placement or ["replicate"]))
+    plans = _unique(_plan(args, w, p) for w in args.world_size for p in (args.placement or ["replicate"]))
     job = _load_job(args.target)
     if _is_url(args.cache_dir):  # a local cache in front of the bucket, written through
         from .store import open_store
@@ -235,7 +272,8 @@ def cmd_build(args) -> int:
             for plan in plans:
                 bar.start(plan.describe())
                 result = build(job, world_size=plan.world_size, placement=plan.placement,
-                               device=plan.device_type, store=store)
+                               device=plan.device_type, mesh_shape=plan.mesh_shape,
+                               param_placements=plan.param_placements, store=store)
                 results.append(result)
                 bar.finish("built" if result.traced else "cached")
     except SpmdAotError as exc:
@@ -457,9 +495,11 @@ def cmd_explain(args) -> int:
     from .explain import explain_miss
     from .plan import Plan
 
-    plan = Plan(args.world_size, args.placement, args.device)
+    plan = _plan(args, args.world_size, args.placement)
     job = _load_job(args.target)
-    key = _job_key(job, plan)
+    from .builder import job_key
+
+    key = job_key(job, plan)
     store = _store(args.cache_dir)
     root = _cache_root(args.cache_dir)
     digest = store.get_ref(key.key) if store is not None else None
@@ -475,38 +515,6 @@ def cmd_explain(args) -> int:
     print(f"  build it with: spmd-aot build {args.target} --world-size {plan.world_size} "
           f"--placement {plan.placement}" + (f" --device {plan.device_type}" if plan.device_type != "cpu" else ""))
     return EXIT_PROBLEMS
-
-
-def _job_key(job, plan):
-    """The cache key ``spmd_aot.build(job, ...)`` computes for ``plan``, without tracing.
-
-    Uses ``builder.job_key`` when the builder has one; otherwise repeats the builder's steps
-    up to the key: the job's objects under ``FakeTensorMode`` (no parameter memory), the
-    optimizer state created, the key computed inside a fake process group. Keep in step with
-    ``builder.build``.
-    """
-    from . import builder
-
-    if hasattr(builder, "job_key"):
-        return builder.job_key(job, plan)
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .key import compute_key
-    from .pipeline import Transforms
-    from .state import TrainState, initialize_optimizer_state
-    from .trace import fake_world
-
-    with FakeTensorMode(), torch.device(plan.device_type):
-        model = job.model()
-        optim = job.optimizer(model)
-        batch = job.batch()
-        if job.global_batch:
-            batch = builder.local_batch(batch, plan.world_size)
-        initialize_optimizer_state(optim)
-    state = TrainState(model, optim, batch, plan)
-    with fake_world(plan.world_size):
-        return compute_key(job.step, state, plan, Transforms().identities(), ())
 
 
 # ---------------------------------------------------------------------------- push / pull

@@ -9,6 +9,7 @@ Later calls only check the batch's shapes and run the graph.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -28,7 +29,8 @@ from .pipeline import Transforms, trace_and_store
 from .plan import Plan
 from .sharding import ensure_sharded_state, shard_model_and_optimizer, sharded_zeros
 from .state import TrainState, initialize_optimizer_state
-from .store import LocalStore, resolve_cache_dir
+from .store import open_store
+from .store.gc import reading, touch_used
 from .store.memory import MemoryStore
 from .trace import device_mesh
 
@@ -87,7 +89,7 @@ class CompiledStep:
     @property
     def store(self):
         if self._store is None:
-            self._store = LocalStore(resolve_cache_dir(self._cache_dir))
+            self._store = open_store(self._cache_dir)
         return self._store
 
     def __call__(self, model, optim, batch):
@@ -116,39 +118,46 @@ class CompiledStep:
         key = compute_key(self.fn, state, plan, self.transforms.identities(), self.extra_sources)
         _check_ranks_agree(key, world)
 
-        status, payload, hit = "ok", "", False
-        if rank == 0:
+        # Reader leases keep gc from deleting the artifact until every rank has loaded it.
+        with contextlib.ExitStack() as leases:
+            status, payload, hit, artifact = "ok", "", False, None
+            if rank == 0:
+                try:
+                    payload, hit, artifact = self._resolve_on_rank0(state, plan, key, mesh, leases)
+                except SpmdAotError as exc:
+                    status, payload = type(exc).__name__, str(exc)
+            status, payload, hit = _broadcast_decision((status, payload, hit), world)
+            if status != "ok":
+                raise _ERRORS.get(status, SpmdAotError)(payload)
+            digest = payload
+            program, failure = None, None
             try:
-                payload, hit = self._resolve_on_rank0(state, plan, key, mesh)
+                artifact = self._read_everywhere(digest, world, artifact, leases)
+                problem = layout_mismatch(artifact.slots, state.slots(), plan)
+                if problem:
+                    raise ArtifactMismatchError(
+                        f"artifact {digest[:12]} (key {key.key[:12]}) does not fit: {problem}")
+                program = artifact.program(_live_groups(mesh), device)
             except SpmdAotError as exc:
-                status, payload = type(exc).__name__, str(exc)
-        status, payload, hit = _broadcast_decision((status, payload, hit), world)
-        if status != "ok":
-            raise _ERRORS.get(status, SpmdAotError)(payload)
-        digest = payload
-        artifact, program, failure = None, None, None
-        try:
-            artifact = self._read_everywhere(digest, world)
-            problem = layout_mismatch(artifact.slots, state.slots(), plan)
-            if problem:
-                raise ArtifactMismatchError(f"artifact {digest[:12]} (key {key.key[:12]}) does not fit: {problem}")
-            program = artifact.program(_live_groups(mesh), device)
-        except SpmdAotError as exc:
-            failure = exc
-        _all_ranks_ok(failure, world)
+                failure = exc
+            _all_ranks_ok(failure, world)
+        if rank == 0:  # for gc's least-recently-used order; rank 0 is the one that has the cache
+            touch_used(self.store, key.key)
         seconds = time.perf_counter() - start
         self.cache_info = CacheInfo(hit, key.key, digest, "cache" if hit else "trace", seconds,
                                     float(artifact.manifest["stats"].get("trace_seconds", 0.0)))
         return _BoundStep(program, state, artifact, sharded)
 
-    def _read_everywhere(self, digest: str, world: int):
-        """Every rank reads the artifact; ranks that cannot (no shared cache, no access, a
-        damaged local copy) get its blobs from rank 0 and verify each digest themselves."""
-        artifact, problem = None, None
-        try:
-            artifact = read_artifact(self.store, digest)
-        except (SpmdAotError, OSError) as exc:
-            problem = exc
+    def _read_everywhere(self, digest: str, world: int, artifact, leases):
+        """Every rank reads the artifact (rank 0 already has); ranks that cannot (no shared
+        cache, no access, a damaged local copy) get its blobs from rank 0 and verify them."""
+        problem = None
+        if artifact is None:
+            try:
+                leases.enter_context(reading(self.store, digest))
+                artifact = read_artifact(self.store, digest)
+            except (SpmdAotError, OSError) as exc:
+                problem = exc
         if world == 1:
             if problem:
                 raise problem
@@ -164,14 +173,14 @@ class CompiledStep:
         log.info("rank %d read artifact %s from rank 0 (%s)", dist.get_rank(), digest[:12], problem)
         return read_artifact(MemoryStore(received), digest)
 
-    def _resolve_on_rank0(self, state, plan, key, mesh) -> tuple[str, bool]:
-        """Rank 0's decision: (manifest digest, hit). Traces and stores on a miss."""
+    def _resolve_on_rank0(self, state, plan, key, mesh, leases) -> tuple[str, bool, Any]:
+        """Rank 0's decision: (manifest digest, hit, verified artifact). Traces on a miss."""
         store = self.store
         try:
             digest = store.get_ref(key.key)
             if digest is not None:
-                read_artifact(store, digest)  # verify every blob before announcing a hit
-                return digest, True
+                leases.enter_context(reading(store, digest))
+                return digest, True, read_artifact(store, digest)  # every blob verified
         except CorruptArtifactError as exc:
             if self.require_hit:
                 raise CorruptArtifactError(
@@ -188,7 +197,8 @@ class CompiledStep:
             )
         digest, _ = trace_and_store(store, self.fn, state, plan, key, mesh, state.graph_inputs(),
                                     self.transforms)
-        return digest, False
+        leases.enter_context(reading(store, digest))
+        return digest, False, read_artifact(store, digest)
 
 
 class _BoundStep:
