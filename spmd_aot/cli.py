@@ -254,7 +254,6 @@ def _plan(args, world_size: int, placement: str):
 def cmd_build(args) -> int:
     """Build the cross product of world sizes x placements and print one row per config."""
     from .builder import build
-    from .plan import Plan
     from .progress import Progress
 
     plans = _unique(_plan(args, w, p) for w in args.world_size for p in (args.placement or ["replicate"]))
@@ -493,7 +492,6 @@ def cmd_verify(args) -> int:
 def cmd_explain(args) -> int:
     """Compute the key of TARGET for one configuration without tracing; say hit or why not."""
     from .explain import explain_miss
-    from .plan import Plan
 
     plan = _plan(args, args.world_size, args.placement)
     job = _load_job(args.target)

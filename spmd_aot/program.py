@@ -121,11 +121,7 @@ def _last_uses(nodes: list[DecodedNode]) -> dict[int, int]:
         if n.op == "call_function":
             visit(n.args, i)
             visit(n.kwargs, i)
-    output_refs: dict[int, int] = {}
-    visit_out = nodes[-1].args
-    last_before = dict(last)
+    calls = dict(last)
     last.clear()
-    visit(visit_out, -1)
-    for v in last:
-        last_before.pop(v, None)  # graph outputs stay alive
-    return last_before
+    visit(nodes[-1].args, -1)  # what the output node reads
+    return {v: user for v, user in calls.items() if v not in last}  # graph outputs stay alive

@@ -95,7 +95,7 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
         leaves = [expander.leaf(x, s.layout, s.requires_grad) for x, s in zip(take("param"), param_slots)]
         buffers = take("buffer")
         if sync_buffers:
-            buffers = [_broadcast_from_rank0(b, mesh) for b in buffers]
+            buffers = [_synced_from_rank0(b, mesh) for b in buffers]
         bindings = {}
         for (names, _), leaf in zip(state.params, leaves):
             bindings.update(dict.fromkeys(names, leaf))
@@ -248,7 +248,7 @@ class _ComputeOnAccess:
         torch.nn.Module.__getattr__ = self.original
 
 
-def _broadcast_from_rank0(buffer: torch.Tensor, mesh) -> torch.Tensor:
+def _synced_from_rank0(buffer: torch.Tensor, mesh) -> torch.Tensor:
     """DDP's ``broadcast_buffers=True``: rank 0's buffers are everyone's before each step."""
     from torch.distributed._functional_collectives import broadcast
 

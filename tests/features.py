@@ -3,14 +3,13 @@ policy), run eagerly (DDP / FSDP2 / HSDP) and compiled, on real gloo ranks."""
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import spmd_aot
-from spmd_aot.examples.models import MLP, Transformer, train_step
+from spmd_aot.examples.models import MLP, train_step
 
 
 # ---------------------------------------------------------------------------- models

@@ -3,7 +3,7 @@
 
 import pytest
 
-from features import FEATURES, VARIANTS
+from features import FEATURES
 from multiproc import run_ranks
 
 STEPS = 5

@@ -1,7 +1,6 @@
 """A step built offline, loaded from the cache and run on real gloo ranks matches eager DDP."""
 
 import pytest
-import torch
 
 import spmd_aot
 from jobs import compiled_run, eager_ddp, make_job

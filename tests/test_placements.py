@@ -96,7 +96,7 @@ def test_after_the_first_call_parameters_are_sharded_dtensors_like_fsdp2(tmp_pat
 # ---------------------------------------------------------------- learning-rate schedules
 def _scheduler_worker(rank, world, cache_dir, placement):
     import spmd_aot.pipeline
-    from features import FEATURES, reference
+    from features import FEATURES
 
     traces = []
     original = spmd_aot.pipeline.trace_to_blobs

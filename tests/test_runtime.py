@@ -1,6 +1,5 @@
 """Job-start behaviour on real processes: hits, misses, agreement, bit-exactness, errors."""
 
-import os
 import pathlib
 
 import pytest
