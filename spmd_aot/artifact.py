@@ -307,6 +307,8 @@ def _check_manifest(m: Any, digest: str) -> None:
         plan_from_manifest(plan)
     except Exception as exc:
         bad(f"invalid plan {plan!r}: {exc}")
+    if not isinstance(plan["device_type"], str):
+        bad(f"invalid device type {str(plan['device_type'])[:40]!r}")
     if not isinstance(m.get("key"), str) or not isinstance(m.get("ingredients"), dict):
         bad("no key or ingredients")
     if not all(isinstance(v, str) for v in m["ingredients"].values()):
