@@ -180,11 +180,37 @@ def read_artifact(store, digest: str) -> Artifact:
     except UnicodeDecodeError:
         raise CorruptArtifactError(f"artifact {digest[:12]}: code blob is not UTF-8") from None
     layout = _unpack(parts["layout"], f"layout of {digest[:12]}")
-    if not (isinstance(layout, dict) and isinstance(layout.get("inputs"), list)
-            and isinstance(layout.get("outputs"), dict)):
-        raise CorruptArtifactError(f"artifact {digest[:12]}: layout is malformed")
-    return Artifact(digest, manifest, parts["graph"], code,
-                    _unpack(parts["schema"], f"schema of {digest[:12]}"), layout, constants)
+    _check_layout(layout, digest)
+    artifact = Artifact(digest, manifest, parts["graph"], code,
+                        _unpack(parts["schema"], f"schema of {digest[:12]}"), layout, constants)
+    artifact.out_spec()  # parse now: a bad spec is a corrupt artifact, not a failure mid-step
+    return artifact
+
+
+def _check_layout(layout, digest: str) -> None:
+    """Every field the runtime reads, with its type (the blob's hash only proves who wrote it)."""
+    def bad(why):
+        raise CorruptArtifactError(f"artifact {digest[:12]}: layout {why}")
+
+    if not isinstance(layout, dict) or not isinstance(layout.get("inputs"), list):
+        bad("has no input list")
+    for i, entry in enumerate(layout["inputs"]):
+        if not isinstance(entry, dict):
+            bad(f"input {i} is not a map")
+        for field, types in _LAYOUT_FIELDS.items():
+            if not isinstance(entry.get(field), types):
+                bad(f"input {i} field {field!r} is {type(entry.get(field)).__name__}")
+    outputs = layout.get("outputs")
+    if not isinstance(outputs, dict) or not isinstance(outputs.get("spec"), str) \
+            or not isinstance(outputs.get("constants"), list):
+        bad("outputs must give a spec and a constants list")
+    for item in outputs["constants"]:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)
+                and isinstance(item[1], (int, float, bool, str, type(None)))):
+            bad(f"output constant {str(item)[:60]!r} is malformed")
+
+
+_LAYOUT_FIELDS = {"kind": str, "fqn": str, "local_shape": list, "dtype": str, "placement": list}
 
 
 def layout_mismatch(stored: list[dict], live: list[Slot], plan: Plan) -> str | None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from typing import Callable, Sequence
 
 import torch
 
-from .artifact import encode_artifact, layout_entries, store_artifact
-from .errors import UnsupportedError
+from .artifact import encode_artifact, layout_entries, read_artifact, store_artifact
+from .errors import CorruptArtifactError, UnsupportedError
 from .key import CacheKey
 from .override import Override, swapped_submodules
 from .passes import collective_stats, dedupe_collectives, strip_profiler_ops
@@ -25,6 +26,8 @@ from .state import TrainState
 from .trace import trace_step
 
 __all__ = ["Transforms", "trace_to_blobs", "trace_and_store"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +93,17 @@ def _check_collectives(stats: dict, slots, plan: Plan) -> None:
 
 def trace_and_store(store, step: Callable, state: TrainState, plan: Plan, key: CacheKey, mesh,
                     inputs: list[torch.Tensor], transforms: Transforms = Transforms()) -> tuple[str, bool]:
-    """Trace and store unless another process stored the key first. Returns (digest, traced)."""
+    """Trace and store unless another process stored the key first. Returns (digest, traced).
+
+    An existing entry counts only if it reads back whole and is the entry for this key; a
+    damaged one (a missing part, a corrupt blob, a ref to another key's manifest) is rebuilt.
+    """
     with store.lock(key.key):
-        existing = store.get_ref(key.key)
-        if existing is not None and store.has(existing):
-            return existing, False
+        try:
+            existing = store.get_ref(key.key)
+            if existing is not None and read_artifact(store, existing).manifest["key"] == key.key:
+                return existing, False
+        except CorruptArtifactError as exc:
+            log.warning("cache entry for key %s is damaged (%s); rebuilding it", key.key[:12], exc)
         blobs = trace_to_blobs(step, state, plan, key, mesh, inputs, transforms)
         return store_artifact(store, key.key, blobs), True

@@ -180,7 +180,12 @@ class CompiledStep:
             digest = store.get_ref(key.key)
             if digest is not None:
                 leases.enter_context(reading(store, digest))
-                return digest, True, read_artifact(store, digest)  # every blob verified
+                artifact = read_artifact(store, digest)  # every blob verified
+                if artifact.manifest["key"] != key.key:
+                    raise CorruptArtifactError(
+                        f"ref {key.key[:12]} points to manifest {digest[:12]} of key "
+                        f"{artifact.manifest['key'][:12]}")
+                return digest, True, artifact
         except CorruptArtifactError as exc:
             if self.require_hit:
                 raise CorruptArtifactError(

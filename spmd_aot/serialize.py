@@ -30,6 +30,13 @@ __all__ = ["encode_graph", "decode_graph", "to_fx_graph", "Ref", "DecodedNode", 
 GRAPH_FORMAT = 1
 ALLOWED_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional"})
 _PYTHON_CALLABLES: dict[str, Callable] = {"operator.getitem": operator.getitem}
+# aten ops with effects outside their tensors; a traced train step never needs them.
+_DENIED_OPS = {
+    "from_file": "opens (and with shared=True creates and writes) a file named in the graph",
+    "save": "writes a file named in the graph",
+    "_print": "prints text from the graph",
+}
+_MAX_DEPTH = 32  # nesting of argument values; traced graphs use 2 or 3
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,200}$")
 _OPCODES = ("placeholder", "call_function", "get_attr", "output")
 _NODE_FIELDS = frozenset({"op", "name", "target", "args", "kwargs"})
@@ -247,9 +254,11 @@ class _Decoder:
             raise UnsafeArtifactError(f"invalid attribute target {str(target)[:80]!r}")
         return target
 
-    def value(self, v):
+    def value(self, v, depth: int = 0):
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
+        if depth > _MAX_DEPTH:
+            raise CorruptArtifactError(f"graph value nested deeper than {_MAX_DEPTH} levels")
         if not isinstance(v, dict) or len(v) != 1:
             raise CorruptArtifactError(f"invalid graph value {str(v)[:80]!r}")
         (tag, payload), = v.items()
@@ -258,10 +267,10 @@ class _Decoder:
                 raise CorruptArtifactError(f"reference to unknown node {str(payload)[:80]!r}")
             return Ref(self.index[payload])
         if tag in ("~tuple", "~list") and isinstance(payload, list):
-            items = [self.value(x) for x in payload]
+            items = [self.value(x, depth + 1) for x in payload]
             return tuple(items) if tag == "~tuple" else items
         if tag == "~slice" and isinstance(payload, list) and len(payload) == 3:
-            return slice(*(self.value(x) for x in payload))
+            return slice(*(self.value(x, depth + 1) for x in payload))
         if tag == "~group":
             if payload == "world":
                 return self.groups["world"]
@@ -296,8 +305,10 @@ def resolve_target(name) -> Callable:
             f"({', '.join(sorted(ALLOWED_NAMESPACES))} operators and operator.getitem)"
         )
     for part in (opname, overload):
-        if not _NAME.match(part) or part.startswith("_") and part.startswith("__"):
+        if not _NAME.match(part) or part.startswith("__"):
             raise UnsafeArtifactError(f"graph calls {name[:80]!r}, which is not an operator name")
+    if opname in _DENIED_OPS:
+        raise UnsafeArtifactError(f"graph calls {name!r}, which is refused: it {_DENIED_OPS[opname]}")
     try:
         packet = getattr(getattr(torch.ops, namespace), opname)
         op = getattr(packet, overload)
