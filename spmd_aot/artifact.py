@@ -19,7 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import signing
-from .errors import ArtifactMismatchError, CorruptArtifactError
+from .errors import CorruptArtifactError
 from .faults import crash_point
 from .key import FORMAT_VERSION, CacheKey
 from .plan import Plan

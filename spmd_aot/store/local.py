@@ -261,6 +261,9 @@ class LocalStore:
         path = self.blob_path(digest)
         try:
             if path.stat().st_size == len(data) and _hash_file(path)[0] == digest:
+                # a fresh mtime tells a concurrent gc this blob was just reused
+                with contextlib.suppress(OSError):
+                    os.utime(path)
                 return digest
         except OSError:
             pass  # missing or unreadable: (re)write it
