@@ -20,7 +20,7 @@ from .artifact import encode_artifact, layout_entries, read_artifact, store_arti
 from .errors import CorruptArtifactError, UnsupportedError
 from .key import CacheKey
 from .override import Override, swapped_submodules
-from .passes import collective_stats, dedupe_collectives, strip_profiler_ops
+from .passes import collective_stats, dedupe_collectives, remove_detach, strip_profiler_ops
 from .plan import Plan
 from .state import TrainState
 from .trace import trace_step
@@ -50,6 +50,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     traced = trace_step(step, state, plan, mesh, inputs, transform_model=swap)
     gm = traced.gm
     strip_profiler_ops(gm)
+    remove_detach(gm)
     dedupe_collectives(gm)
     slots = state.slots()
     layout = layout_entries(slots, plan)

@@ -1,6 +1,6 @@
 """Graph transformations applied between tracing and storing. Each pass is one function."""
 
-from .cleanup import strip_profiler_ops
+from .cleanup import remove_detach, strip_profiler_ops
 from .collectives import collective_stats, dedupe_collectives, is_collective
 
-__all__ = ["strip_profiler_ops", "collective_stats", "dedupe_collectives", "is_collective"]
+__all__ = ["strip_profiler_ops", "remove_detach", "collective_stats", "dedupe_collectives", "is_collective"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["strip_profiler_ops"]
+__all__ = ["strip_profiler_ops", "remove_detach"]
 
 
 def strip_profiler_ops(gm: torch.fx.GraphModule) -> int:
@@ -22,4 +22,22 @@ def strip_profiler_ops(gm: torch.fx.GraphModule) -> int:
             gm.graph.erase_node(node)
             removed += 1
     gm.recompile()
+    return removed
+
+
+def remove_detach(gm: torch.fx.GraphModule) -> int:
+    """Replace ``aten.detach(x)`` by ``x``.
+
+    The stored step runs under ``no_grad``, where a detached alias and its source are the same
+    storage with the same values: in-place updates through either are the same update. Each
+    removed node is one op call less per step. Returns how many were removed.
+    """
+    removed = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            removed += 1
+    if removed:
+        gm.recompile()
     return removed
