@@ -110,16 +110,6 @@ def _token_batch(rank, step, n=4, t=6, vocab=40):
     return x, torch.randint(0, vocab, (n, t), generator=g)
 
 
-def lm_step(model, optim, batch):
-    x, y = batch
-    logits = model(x)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
-
-
 def _groups(model, **kw):
     decay = [p for n, p in model.named_parameters() if p.ndim > 1]
     no_decay = [p for n, p in model.named_parameters() if p.ndim <= 1]
@@ -144,7 +134,7 @@ FEATURES = {
                       clip_step, _class_batch, 1e-5),
     "batchnorm_buffers": (BNNet, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
                           train_step, _class_batch, 1e-5),
-    "tied_parameters": (TiedLM, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), lm_step,
+    "tied_parameters": (TiedLM, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), train_step,
                         _token_batch, 1e-5),
     "dropout": (DropNet, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), train_step, _class_batch, 1e-5),
     "constants_shapes_cat_nll": (KitchenSink, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),

@@ -87,6 +87,15 @@ def _is_digest(digest: object) -> bool:
     return isinstance(digest, str) and _DIGEST_RE.fullmatch(digest) is not None
 
 
+def parse_ref(raw: bytes, where: str, fix: str) -> str:
+    """The digest a ref's bytes name (``"<64 hex>\\n"``), or an error saying ``where`` and ``fix``."""
+    text = raw.decode("ascii", errors="replace").strip()
+    if not _is_digest(text):
+        raise CorruptArtifactError(
+            f"{where} is damaged: expected a sha256 hex digest, found {raw[:100]!r}; {fix}")
+    return text
+
+
 def _check_digest(digest: object) -> str:
     if not _is_digest(digest):
         raise CorruptArtifactError(
@@ -342,13 +351,7 @@ class LocalStore:
             return None
         except OSError as e:
             raise CorruptArtifactError(f"ref {key!r} unreadable at {path}: {e}") from e
-        text = raw.decode("ascii", errors="replace").strip()
-        if not _is_digest(text):
-            raise CorruptArtifactError(
-                f"ref file {path} is damaged: expected a sha256 hex digest, found {raw[:100]!r}; "
-                f"delete it (or rebuild) to fix"
-            )
-        return text
+        return parse_ref(raw, f"ref file {path}", "delete it (or rebuild) to fix")
 
     def delete_ref(self, key: str) -> None:
         """Remove a ref; no error if it is absent."""

@@ -35,7 +35,7 @@ import time
 from typing import Iterator
 
 from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError
-from .local import BlobProblem, _check_digest, _check_key, _is_digest
+from .local import BlobProblem, _check_digest, _check_key, _is_digest, parse_ref
 
 __all__ = ["S3Store", "parse_s3_url", "ENV_S3_ENDPOINT", "is_s3_url"]
 
@@ -286,13 +286,7 @@ class S3Store:
         raw = self._read(object_key)
         if raw is None:
             return None
-        text = raw.decode("ascii", errors="replace").strip()
-        if not _is_digest(text):
-            raise CorruptArtifactError(
-                f"ref {self._url(object_key)} is damaged: expected a sha256 hex digest, found "
-                f"{raw[:100]!r}; delete it (spmd-aot rm) or push the artifact again"
-            )
-        return text
+        return parse_ref(raw, f"ref {self._url(object_key)}", "delete it (spmd-aot rm) or push the artifact again")
 
     def delete_ref(self, key: str) -> None:
         """Remove a ref; no error if it is absent."""
