@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -82,7 +83,7 @@ class CompiledStep:
         self._store = store
         self._cache_dir = cache_dir
         self._bound: _BoundStep | None = None
-        self._prepared_models: set[int] = set()
+        self._prepared_models = weakref.WeakSet()  # broadcast (and sharded) once per model
         self.cache_info: CacheInfo | None = None
         functools.update_wrapper(self, fn)
 
@@ -108,11 +109,11 @@ class CompiledStep:
         plan = Plan(world, self.placement, device.type, self.mesh_shape, self.param_placements)
         mesh = device_mesh(plan)  # collective for 2-D meshes: every rank builds it
         sharded = plan.placement == "shard" and world > 1
-        if world > 1 and id(model) not in self._prepared_models:
+        if world > 1 and model not in self._prepared_models:
             _broadcast_from_rank0(model)  # as DDP does at construction
             if sharded:
                 shard_model_and_optimizer(model, optim, plan, mesh)  # as fully_shard does
-            self._prepared_models.add(id(model))
+            self._prepared_models.add(model)
         initialize_optimizer_state(optim, sharded_zeros if sharded else None)
         state = TrainState(model, optim, batch, plan)
         key = compute_key(self.fn, state, plan, self.transforms.identities(), self.extra_sources)
@@ -120,15 +121,17 @@ class CompiledStep:
 
         # Reader leases keep gc from deleting the artifact until every rank has loaded it.
         with contextlib.ExitStack() as leases:
-            status, payload, hit, artifact = "ok", "", False, None
+            status, payload, hit, artifact, error = "ok", "", False, None, None
             if rank == 0:
                 try:
                     payload, hit, artifact = self._resolve_on_rank0(state, plan, key, mesh, leases)
-                except SpmdAotError as exc:
-                    status, payload = type(exc).__name__, str(exc)
+                except Exception as exc:  # any failure reaches every rank: none is left waiting
+                    status, payload, error = type(exc).__name__, str(exc), exc
             status, payload, hit = _broadcast_decision((status, payload, hit), world)
+            if error is not None:
+                raise error
             if status != "ok":
-                raise _ERRORS.get(status, SpmdAotError)(payload)
+                raise _ERRORS.get(status, SpmdAotError)(f"rank 0 failed: {payload}")
             digest = payload
             program, failure = None, None
             try:
@@ -138,7 +141,7 @@ class CompiledStep:
                     raise ArtifactMismatchError(
                         f"artifact {digest[:12]} (key {key.key[:12]}) does not fit: {problem}")
                 program = artifact.program(_live_groups(mesh), device)
-            except SpmdAotError as exc:
+            except Exception as exc:
                 failure = exc
             _all_ranks_ok(failure, world)
         if rank == 0:  # for gc's least-recently-used order; rank 0 is the one that has the cache
