@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections import defaultdict
 from typing import Any, Callable
 from unittest import mock
@@ -64,12 +65,29 @@ def fake_world(world_size: int):
 
     if dist.is_initialized():
         raise RuntimeError("spmd-aot build needs no process group; one is already initialized")
+    excepthook = sys.excepthook  # init_process_group wraps it (a "[rank0]:" prefix) every time
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:
-        _MESHES.clear()
+        _forget_meshes()
         dist.destroy_process_group()
+        sys.excepthook = excepthook
+
+
+def _forget_meshes() -> None:
+    """Drop every reference to the fake groups about to be destroyed: our meshes and DTensor's
+    caches of sharding and redistribution decisions, which hold meshes (and so their groups)
+    and would hand a later build a destroyed group for an equal mesh."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    _MESHES.clear()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    type(propagator)._propagate_tensor_meta_cached.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
 
 
 def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list[torch.Tensor],

@@ -265,3 +265,19 @@ def test_building_for_cuda_on_a_cpu_only_torch_says_what_to_install(tmp_path):
         pytest.skip("this torch has CUDA support; the refusal applies to CPU-only builds")
     with pytest.raises(spmd_aot.SpmdAotError, match="CUDA-enabled torch build"):
         spmd_aot.build(_job(), world_size=2, device="cuda", cache_dir=tmp_path)
+
+
+def test_builds_in_one_process_leave_no_process_group_residue(tmp_path):
+    """The CLI builds many configurations in one process: each fake process group must go
+    without leaving hooks or cached groups behind (DTensor caches decisions per mesh)."""
+    import sys
+
+    import torch.distributed as dist
+
+    hook = sys.excepthook
+    for world, placement, mesh in [(2, "shard", None), (2, "replicate", None), (4, "shard", (2, 2)),
+                                   (2, "shard", None)]:
+        built = spmd_aot.build(_job("grad_clipping"), world_size=world, placement=placement,
+                               mesh_shape=mesh, cache_dir=tmp_path / f"{world}{placement}{mesh}")
+        assert built.traced
+    assert sys.excepthook is hook and not dist.is_initialized()
