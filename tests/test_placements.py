@@ -275,9 +275,12 @@ def test_builds_in_one_process_leave_no_process_group_residue(tmp_path):
     import torch.distributed as dist
 
     hook = sys.excepthook
-    for world, placement, mesh in [(2, "shard", None), (2, "replicate", None), (4, "shard", (2, 2)),
-                                   (2, "shard", None)]:
+    digests = []
+    for i, (world, placement, mesh) in enumerate([(2, "shard", None), (2, "replicate", None),
+                                                  (4, "shard", (2, 2)), (2, "shard", None)]):
         built = spmd_aot.build(_job("grad_clipping"), world_size=world, placement=placement,
-                               mesh_shape=mesh, cache_dir=tmp_path / f"{world}{placement}{mesh}")
+                               mesh_shape=mesh, cache_dir=tmp_path / str(i))
         assert built.traced
+        digests.append(_artifact(tmp_path / str(i), built).manifest["blobs"]["graph"])
+    assert digests[0] == digests[3]  # the same configuration traced again stores the same graph
     assert sys.excepthook is hook and not dist.is_initialized()
