@@ -73,6 +73,11 @@ class Expander:
         self.plan = plan
         self.mesh = mesh
         self.dtensor_leaves = plan.world_size > 1 and plan.placement == "shard"
+        self.world_mesh = mesh
+        if mesh is not None and mesh.ndim > 1:  # made before tracing: meshes cannot be traced
+            from .trace import device_mesh
+
+            self.world_mesh = device_mesh(Plan(plan.world_size, "replicate", plan.device_type))
 
     def _placements(self, layout: TensorLayout):
         from torch.distributed.tensor import Replicate, Shard
@@ -113,6 +118,7 @@ class Expander:
             return full.narrow(0, 0, rows) if full.shape[0] != rows else full
         if not leaf.requires_grad:
             return leaf.to_local()
-        # Replicate DTensor leaf: one all_reduce when its Partial gradient returns to the leaf.
-        dt = DTensor.from_local(leaf.to_local(), self.mesh, [Replicate()] * ndim, run_check=False)
-        return dt.to_local(grad_placements=avg)
+        # Replicate DTensor leaf: one all_reduce over every rank when its Partial gradient
+        # returns to the leaf (on a 2-D mesh, a 1-D view of the world: one collective, not two).
+        dt = DTensor.from_local(leaf.to_local(), self.world_mesh, [Replicate()], run_check=False)
+        return dt.to_local(grad_placements=[Partial("avg")])

@@ -155,6 +155,8 @@ VARIANTS = {
     "shard_keep_1d_whole": ({"placement": "shard", "param_placements": {"*bias": "replicate",
                                                                          "*bn*": "replicate"}}, "fsdp2"),
     "hsdp": ({"placement": "shard", "mesh_shape": (2, 2)}, "fsdp2"),
+    "hsdp_keep_1d_whole": ({"placement": "shard", "mesh_shape": (2, 2),
+                            "param_placements": {"*bias": "replicate", "*bn*": "replicate"}}, "fsdp2"),
 }
 
 

@@ -33,12 +33,13 @@ def results(tmp_path_factory):
     return {
         2: run_ranks(_all_features_worker, 2, ["replicate", "shard", "shard_keep_1d_whole"], str(cache / "w2"),
                      timeout=600),
-        4: run_ranks(_all_features_worker, 4, ["replicate", "shard", "hsdp"], str(cache / "w4"), timeout=600),
+        4: run_ranks(_all_features_worker, 4, ["replicate", "shard", "hsdp", "hsdp_keep_1d_whole"],
+                     str(cache / "w4"), timeout=600),
     }
 
 
 CASES = [(w, f, v) for w, vs in ((2, ["replicate", "shard", "shard_keep_1d_whole"]),
-                                 (4, ["replicate", "shard", "hsdp"]))
+                                 (4, ["replicate", "shard", "hsdp", "hsdp_keep_1d_whole"]))
          for f in FEATURES for v in vs]
 
 

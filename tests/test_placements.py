@@ -284,3 +284,13 @@ def test_builds_in_one_process_leave_no_process_group_residue(tmp_path):
         digests.append(_artifact(tmp_path / str(i), built).manifest["blobs"]["graph"])
     assert digests[0] == digests[3]  # the same configuration traced again stores the same graph
     assert sys.excepthook is hook and not dist.is_initialized()
+
+
+def test_hsdp_reduces_whole_parameters_with_one_all_reduce_over_the_world(tmp_path):
+    built = spmd_aot.build(_job(), world_size=4, placement="shard", mesh_shape=(2, 2), cache_dir=tmp_path,
+                           param_placements={"*.bias": "replicate"})
+    # 3 sharded weights: gather + scatter + replica all_reduce; 3 whole biases: one all_reduce each
+    assert built.stats["by_kind"] == {"all_gather_into_tensor": 3, "reduce_scatter_tensor": 3, "all_reduce": 6}
+    groups = [e["group"] for e in _artifact(tmp_path, built).schema["nodes"].values()
+              if e.get("collective") == "all_reduce"]
+    assert sorted(groups, key=str) == [0, 0, 0, "world", "world", "world"]
