@@ -94,9 +94,9 @@ def _fake_state(job: Job, plan: Plan, fake_mode: FakeTensorMode) -> TrainState:
 
 def local_batch(global_batch, world_size: int):
     """One rank's share (dim 0) of a global batch; every leaf must divide evenly."""
-    leaves, spec = pytree.tree_flatten(global_batch)
+    with_paths, spec = pytree.tree_flatten_with_path(global_batch)
     local = []
-    for path, leaf in pytree.tree_flatten_with_path(global_batch)[0]:
+    for path, leaf in with_paths:
         name = f"batch{pytree.keystr(path)}"
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
             raise SpmdAotError(f"global batch leaf {name} has no batch dimension to split over ranks")

@@ -103,8 +103,8 @@ def model_code(*, state, **_) -> list:
 def module_structure(*, state, **_) -> list:
     out = []
     for fqn, module in state.model.named_modules(remove_duplicate=False):
-        attrs = {k: _simple(v) for k, v in sorted(vars(module).items())
-                 if not k.startswith("_") and k != "training" and _simple(v) is not _NOT_SIMPLE}
+        attrs = {k: simple for k, v in sorted(vars(module).items())
+                 if not k.startswith("_") and k != "training" and (simple := _simple(v)) is not _NOT_SIMPLE}
         out.append([fqn, type(module).__qualname__, module.training, attrs])
     return out
 
@@ -123,7 +123,7 @@ def optimizer(*, state, **_) -> dict:
     for g in optim.param_groups:
         # The optimizer's own hyperparameters, less the learning rate (a graph input, so
         # schedulers need no rebuild); keys others add to groups (initial_lr, ...) are not ours.
-        hyper = {k: _simple(g[k]) if _simple(g[k]) is not _NOT_SIMPLE else repr(g[k])
+        hyper = {k: simple if (simple := _simple(g[k])) is not _NOT_SIMPLE else repr(g[k])
                  for k in sorted(optim.defaults) if k in g and k not in ("params", "lr")}
         hyper["lr_is_input"] = lr_is_input(g.get("lr"))
         hyper["params"] = [state.param_fqn[id(p)] for p in g["params"]]
@@ -255,8 +255,8 @@ def _cell_filled(cell) -> bool:
 def _values(items) -> str:
     """A stable text for captured values: plain ones by value, code by identity, else type."""
     def one(v):
-        if _simple(v) is not _NOT_SIMPLE:
-            return _simple(v)
+        if (simple := _simple(v)) is not _NOT_SIMPLE:
+            return simple
         if isinstance(v, (tuple, list)):
             return [one(x) for x in v]
         if inspect.isroutine(v) or isinstance(v, (type, functools.partial)):
