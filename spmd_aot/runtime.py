@@ -274,7 +274,13 @@ def _broadcast_bytes(data: bytes | None, world: int) -> bytes:
            else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
     if int(size.item()):
         dist.broadcast(buf, src=0)
-    return bytes(buf.cpu().numpy().tobytes()) if int(size.item()) else b""
+    return _tensor_bytes(buf) if int(size.item()) else b""
+
+
+def _tensor_bytes(buf: torch.Tensor) -> bytes:
+    """A uint8 tensor's bytes without numpy (not a dependency): its own exact-size storage."""
+    buf = buf.cpu().contiguous()
+    return bytes(buf.untyped_storage())[buf.storage_offset(): buf.storage_offset() + buf.numel()]
 
 
 def _artifact_blobs(store, digest: str) -> dict[str, bytes]:
