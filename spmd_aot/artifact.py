@@ -125,9 +125,7 @@ def encode_artifact(traced, key: CacheKey, plan: Plan, slots: list[Slot], stats:
         "key": key.key,
         "ingredients": key.ingredients,
         "ingredient_values": key.values,
-        "plan": {"world_size": plan.world_size, "placement": plan.placement,
-                 "device_type": plan.device_type, "mesh_shape": list(plan.mesh_shape),
-                 "param_placements": [list(p) for p in plan.param_placements]},
+        "plan": plan.to_dict(),
         "blobs": {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()},
         "stats": stats,
     }
@@ -230,8 +228,7 @@ def layout_mismatch(stored: list[dict], live: list[Slot], plan: Plan) -> str | N
 
 # ---------------------------------------------------------------------------- helpers
 def plan_from_manifest(p: dict) -> Plan:
-    return Plan(p["world_size"], p["placement"], p["device_type"], tuple(p["mesh_shape"]),
-                tuple(tuple(x) for x in p.get("param_placements", [])))
+    return Plan.from_dict(p)
 
 
 @contextlib.contextmanager

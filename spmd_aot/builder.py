@@ -37,16 +37,23 @@ class BuildResult:
     seconds: float
 
 
-def build(job: Job, *, world_size: int, placement: str = "replicate", cache_dir=None,
+def build(job: Job, *, world_size: int | None = None, placement: str = "replicate", cache_dir=None,
           device: str = "cpu", mesh_shape=None, param_placements=(), module_override=(),
-          gm_transformation=None, extra_sources=(), store=None) -> BuildResult:
+          gm_transformation=None, extra_sources=(), store=None, plan: Plan | None = None,
+          **comm_options) -> BuildResult:
     """Build ``job`` for one configuration; a no-op (``traced=False``) when already cached.
 
     The options mean what they mean for ``spmd_aot.compile``; pass the same ones to both.
+    ``comm_options`` are ``Plan``'s communication fields (``bucket_cap_mb``, ``shard_groups``,
+    ...); ``plan`` replaces every placement option at once.
     ``cache_dir`` may be a path or an ``s3://bucket/prefix`` URL (written through a local cache).
     """
     start = time.perf_counter()
-    plan = Plan(world_size, placement, device, mesh_shape, param_placements)
+    if plan is None:
+        if world_size is None:
+            raise TypeError("build() needs world_size (or a plan)")
+        plan = Plan(world_size, placement, device, mesh_shape, param_placements, **comm_options)
+    world_size = plan.world_size
     transforms = Transforms(tuple(module_override), gm_transformation)
     store = store or open_store(cache_dir)
     fake_mode = FakeTensorMode()

@@ -222,6 +222,27 @@ def _add_shard_options(p) -> None:
                    metavar="PATTERN=PLACEMENT",
                    help="for placement shard: keep parameters whose FQN matches PATTERN (fnmatch) "
                         "whole, e.g. '*.bias=replicate' (repeat for several; first match wins)")
+    p.add_argument("--shard-group", action="append", default=[], metavar="PATTERN",
+                   help="for placement shard: parameters whose FQN matches PATTERN (fnmatch) form one "
+                        "communication group (repeat for several; default: one group per block of "
+                        "every ModuleList/Sequential)")
+    p.add_argument("--keep-params-after-forward", action="store_true",
+                   help="for placement shard: keep gathered parameters from forward to backward "
+                        "(more memory, fewer all_gathers) instead of gathering them again")
+    p.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, metavar="MIB",
+                   help="for placement replicate: gradient bucket size (default 25, as DDP)")
+    p.add_argument("--first-bucket-cap-mb", type=_positive_float, default=1.0, metavar="MIB",
+                   help="for placement replicate: size of the first gradient bucket (default 1, as DDP)")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
 
 
 def _mesh_shape(text: str) -> tuple[int, ...]:
@@ -248,7 +269,9 @@ def _plan(args, world_size: int, placement: str):
 
     shard = placement == "shard"
     return Plan(world_size, placement, args.device, args.mesh_shape if shard else None,
-                tuple(args.param_placement) if shard else ())
+                tuple(args.param_placement) if shard else (), args.bucket_cap_mb,
+                args.first_bucket_cap_mb, tuple(args.shard_group) if shard else (),
+                not args.keep_params_after_forward)
 
 
 def cmd_build(args) -> int:
@@ -270,9 +293,7 @@ def cmd_build(args) -> int:
         with Progress(len(plans)) as bar:
             for plan in plans:
                 bar.start(plan.describe())
-                result = build(job, world_size=plan.world_size, placement=plan.placement,
-                               device=plan.device_type, mesh_shape=plan.mesh_shape,
-                               param_placements=plan.param_placements, store=store)
+                result = build(job, plan=plan, store=store)
                 results.append(result)
                 bar.finish("built" if result.traced else "cached")
     except SpmdAotError as exc:
@@ -408,8 +429,7 @@ def _describe(store, entry) -> str:
     if entry.error:
         return f"CORRUPT: {entry.error}"
     try:
-        p = read_manifest(store, entry.digest)["plan"]
-        return Plan(p["world_size"], p["placement"], p["device_type"], tuple(p["mesh_shape"])).describe()
+        return Plan.from_dict(read_manifest(store, entry.digest)["plan"]).describe()
     except SpmdAotError as exc:
         return f"CORRUPT: {exc}"
 
@@ -417,8 +437,8 @@ def _describe(store, entry) -> str:
 def _print_manifest(store, key: str, digest: str, m: dict) -> None:
     from .plan import Plan
 
-    p, stats = m["plan"], m["stats"]
-    plan = Plan(p["world_size"], p["placement"], p["device_type"], tuple(p["mesh_shape"]))
+    stats = m["stats"]
+    plan = Plan.from_dict(m["plan"])
     by_kind = ", ".join(f"{k} {v}" for k, v in sorted((stats.get("by_kind") or {}).items()))
     print(f"key:          {key}")
     if m["key"] != key:
@@ -426,6 +446,8 @@ def _print_manifest(store, key: str, digest: str, m: dict) -> None:
     print(f"digest:       {digest}")
     print(f"format:       {m['format']}")
     print(f"plan:         {plan.describe()}")
+    for field, value in plan.to_dict().items():
+        print(f"  {field + ':':<22}{value}")
     print(f"nodes:        {stats.get('nodes', '?')}")
     print(f"collectives:  {stats.get('collectives', '?')}" + (f" ({by_kind})" if by_kind else ""))
     print(f"bytes/step:   {stats.get('bytes_per_step', '?')} (each rank sends into collectives)")

@@ -137,8 +137,7 @@ def batch(*, state, **_) -> dict:
 
 
 def parallel(*, plan, **_) -> dict:
-    return {"world_size": plan.world_size, "mesh_shape": list(plan.mesh_shape), "placement": plan.placement,
-            "param_placements": [list(p) for p in plan.param_placements]}
+    return {k: v for k, v in plan.to_dict().items() if k != "device_type"}  # device: its own ingredient
 
 
 def device_type(*, plan, **_) -> str:

@@ -29,6 +29,18 @@ class Plan:
     device_type: str = "cpu"
     mesh_shape: tuple[int, ...] | None = None
     param_placements: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
+    # Communication layout (see README "Communication"). replicate: gradients are averaged in
+    # flat buckets of at most ``bucket_cap_mb`` MiB, the first one ``first_bucket_cap_mb``
+    # (DDP's defaults), so the first all_reduce starts early in backward. shard: parameters are
+    # gathered and their gradients reduce-scattered per group: ``shard_groups`` are FQN
+    # patterns, one group each (a parameter joins the first group that matches); empty means
+    # one group per child of every ModuleList/Sequential plus one for the remaining
+    # parameters (as ``fully_shard`` per block). ``reshard_after_forward`` frees gathered
+    # parameters after forward and gathers them again for backward (FSDP2's default).
+    bucket_cap_mb: float = 25.0
+    first_bucket_cap_mb: float = 1.0
+    shard_groups: tuple[str, ...] = ()
+    reshard_after_forward: bool = True
 
     def __post_init__(self):
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -64,8 +76,19 @@ class Plan:
                     f"param_placements[{pattern!r}] asks for 'shard' under placement 'replicate'; use "
                     "placement='shard' and mark the parameters to keep whole as 'replicate'"
                 )
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1 << 20:
+                raise SpmdAotError(f"{name} must be a positive number of MiB, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        groups = (self.shard_groups,) if isinstance(self.shard_groups, str) else tuple(self.shard_groups)
+        if not all(isinstance(g, str) and g for g in groups):
+            raise SpmdAotError(f"shard_groups must be non-empty FQN patterns, got {groups!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise SpmdAotError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
         object.__setattr__(self, "mesh_shape", mesh)
         object.__setattr__(self, "param_placements", overrides)
+        object.__setattr__(self, "shard_groups", groups)
 
     @property
     def shards(self) -> int:
@@ -79,7 +102,33 @@ class Plan:
                 return placement if len(shape) else "replicate"
         return self.placement if len(shape) else "replicate"
 
+    def to_dict(self) -> dict:
+        """The plan's one text form: stored in manifests, hashed into the key, shown by the CLI."""
+        return {"world_size": self.world_size, "placement": self.placement,
+                "device_type": self.device_type, "mesh_shape": list(self.mesh_shape),
+                "param_placements": [list(p) for p in self.param_placements],
+                "bucket_cap_mb": self.bucket_cap_mb, "first_bucket_cap_mb": self.first_bucket_cap_mb,
+                "shard_groups": list(self.shard_groups),
+                "reshard_after_forward": self.reshard_after_forward}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Plan":
+        """Inverse of ``to_dict``; raises ``SpmdAotError`` on anything it would not have written."""
+        if not isinstance(d, Mapping) or set(d) != set(_FIELDS):
+            raise SpmdAotError(f"a plan has exactly the fields {', '.join(_FIELDS)}")
+        lists = ("mesh_shape", "param_placements", "shard_groups")
+        if not all(isinstance(d[f], list) for f in lists) or \
+                not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+                        for p in d["param_placements"]) or not isinstance(d["device_type"], str):
+            raise SpmdAotError("a plan's mesh_shape, param_placements and shard_groups are lists")
+        return cls(d["world_size"], d["placement"], d["device_type"], tuple(d["mesh_shape"]),
+                   tuple(tuple(p) for p in d["param_placements"]), d["bucket_cap_mb"],
+                   d["first_bucket_cap_mb"], tuple(d["shard_groups"]), d["reshard_after_forward"])
+
     def describe(self) -> str:
         mesh = "x".join(map(str, self.mesh_shape))
         extra = f" +{len(self.param_placements)} overrides" if self.param_placements else ""
         return f"world={self.world_size} mesh={mesh} {self.placement}{extra} {self.device_type}"
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))

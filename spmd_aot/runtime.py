@@ -52,18 +52,19 @@ class CacheInfo:
 
 def compile(fn: Callable | None = None, *, placement: str = "replicate", cache_dir=None,
             require_hit: bool = False, mesh_shape=None, param_placements=(), module_override=(),
-            gm_transformation=None, extra_sources=(), store=None):
+            gm_transformation=None, extra_sources=(), store=None, **comm_options):
     """Wrap a train step ``fn(model, optim, batch)``; also usable as ``@spmd_aot.compile(...)``.
 
     The returned step returns what ``fn`` returns, computed on this rank: for the usual
     ``return loss`` that is the rank-local loss, exactly what eager DDP returns.
-    ``placement``/``mesh_shape``/``param_placements``: see ``Plan``. ``module_override``,
+    ``placement``/``mesh_shape``/``param_placements`` and ``comm_options`` (``bucket_cap_mb``,
+    ``first_bucket_cap_mb``, ``shard_groups``, ``reshard_after_forward``): see ``Plan``. ``module_override``,
     ``gm_transformation``: build-time hooks (``override.py``); pass the same ones as the build.
     """
     options = dict(placement=placement, cache_dir=cache_dir, require_hit=require_hit,
                    mesh_shape=mesh_shape, param_placements=param_placements,
                    module_override=module_override, gm_transformation=gm_transformation,
-                   extra_sources=extra_sources, store=store)
+                   extra_sources=extra_sources, store=store, **comm_options)
     if fn is None:
         return functools.partial(compile, **options)
     return CompiledStep(fn, **options)
@@ -72,8 +73,10 @@ def compile(fn: Callable | None = None, *, placement: str = "replicate", cache_d
 class CompiledStep:
     def __init__(self, fn, *, placement="replicate", cache_dir=None, require_hit=False,
                  mesh_shape=None, param_placements=(), module_override=(), gm_transformation=None,
-                 extra_sources=(), store=None):
+                 extra_sources=(), store=None, **comm_options):
+        Plan(1, placement, mesh_shape=None, **comm_options)  # unknown or invalid options fail here
         self.fn = fn
+        self.comm_options = comm_options
         self.placement = placement
         self.require_hit = require_hit
         self.mesh_shape = mesh_shape
@@ -106,7 +109,8 @@ class CompiledStep:
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         device = _local_device(model)
-        plan = Plan(world, self.placement, device.type, self.mesh_shape, self.param_placements)
+        plan = Plan(world, self.placement, device.type, self.mesh_shape, self.param_placements,
+                    **self.comm_options)
         mesh = device_mesh(plan)  # collective for 2-D meshes: every rank builds it
         sharded = plan.placement == "shard" and world > 1
         if world > 1 and model not in self._prepared_models:
