@@ -285,16 +285,18 @@ _COLLECTIVE_PLACEMENTS = {  # what each collective does to a DTensor placement
 
 def _schema_map(gm, placeholders, inputs, traced_groups) -> dict:
     from .passes import is_collective
+    from .passes.collectives import collective_kind
 
     mesh = {}
     for p, s in zip(placeholders, inputs):
         mesh[p.name] = {"placements": s["placement"], "fqn": s["fqn"]}
     for node in gm.graph.nodes:
         if is_collective(node):
-            op = node.target.__name__.split(".")[0]
+            op = collective_kind(node)
             reduce = node.args[1] if op in ("all_reduce", "reduce_scatter_tensor") else None
+            label = (node.meta.get("comm") or {}).get("label", "")
             mesh[node.name] = {"collective": op, "reduce": reduce, "group": traced_groups.get(node.args[-1]),
-                               "placements": _COLLECTIVE_PLACEMENTS.get(op, [])}
+                               "placements": _COLLECTIVE_PLACEMENTS.get(op, []), "label": label}
     return mesh
 
 

@@ -447,11 +447,12 @@ def _print_manifest(store, key: str, digest: str, m: dict) -> None:
     print(f"format:       {m['format']}")
     print(f"plan:         {plan.describe()}")
     for field, value in plan.to_dict().items():
-        print(f"  {field + ':':<22}{value}")
+        print(f"  {field + ':':<24}{value}")
     print(f"nodes:        {stats.get('nodes', '?')}")
     print(f"collectives:  {stats.get('collectives', '?')}" + (f" ({by_kind})" if by_kind else ""))
     print(f"bytes/step:   {stats.get('bytes_per_step', '?')} (each rank sends into collectives)")
     print(f"trace time:   {stats.get('trace_seconds', '?')} s")
+    _print_communication(stats.get("comm"))
     print("blobs:")
     for name, d in [("manifest", digest), *m["blobs"].items()]:
         blob_size = _blob_size(store, d)
@@ -461,6 +462,36 @@ def _print_manifest(store, key: str, digest: str, m: dict) -> None:
     width = max((len(n) for n in m["ingredients"]), default=0) + 2
     for name, d in m["ingredients"].items():
         print(f"  {name:<{width}}{d}")
+
+
+def _print_communication(comm) -> None:
+    """One row per collective of a step, in issue order: buckets (replicate) and groups (shard).
+
+    The stats are manifest content, so anything malformed is shown as such, not trusted."""
+    if not isinstance(comm, list) or not comm:
+        return
+    print(f"communication per step ({len(comm)} collectives, in issue order):")
+    rows = []
+    for entry in comm:
+        if not isinstance(entry, dict):
+            rows.append(["?", "(malformed entry)", "", ""])
+            continue
+        params = entry.get("params") if isinstance(entry.get("params"), list) else []
+        shown = ", ".join(str(p) for p in params[:4]) + (f", ... (+{len(params) - 4})" if len(params) > 4 else "")
+        rows.append([str(entry.get("kind", "?"))[:40], str(entry.get("label", ""))[:60],
+                     _human_bytes(entry.get("bytes")), f"{len(params)}: {shown}" if params else ""])
+    _print_table(["  KIND", "BUCKET/GROUP", "BYTES", "PARAMS"], [["  " + r[0]] + r[1:] for r in rows],
+                 right={2})
+
+
+def _human_bytes(n) -> str:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return "?"
 
 
 # ---------------------------------------------------------------------------- verify

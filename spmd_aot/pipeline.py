@@ -20,7 +20,8 @@ from .artifact import encode_artifact, layout_entries, read_artifact, store_arti
 from .errors import CorruptArtifactError, UnsupportedError
 from .key import CacheKey
 from .override import Override, swapped_submodules
-from .passes import collective_stats, dedupe_collectives, remove_detach, strip_profiler_ops
+from .passes import (bucket_gradient_all_reduces, collective_stats, dedupe_collectives, remove_detach,
+                     sink_waits, strip_profiler_ops)
 from .plan import Plan
 from .state import TrainState
 from .trace import trace_step
@@ -52,14 +53,18 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     strip_profiler_ops(gm)
     remove_detach(gm)
     dedupe_collectives(gm)
+    if plan.placement == "replicate" and plan.world_size > 1:
+        bucket_gradient_all_reduces(gm, plan.bucket_cap_mb, plan.first_bucket_cap_mb,
+                                    traced.gradient_collectives)
     slots = state.slots()
     layout = layout_entries(slots, plan)
     for override in transforms.module_override:
         gm = _checked(override.transform(gm, layout), gm, type(override).__qualname__)
     if transforms.gm_transformation is not None:
         gm = _checked(transforms.gm_transformation(gm), gm, "gm_transformation")
+    sink_waits(gm)  # after user transformations too: they may add collectives
     traced.gm = gm
-    stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm)}
+    stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm, traced.gradient_collectives)}
     _check_collectives(stats, slots, plan)
     stats["trace_seconds"] = round(time.perf_counter() - start, 4)
     return encode_artifact(traced, key, plan, slots, stats)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 from collections import defaultdict
 from typing import Any, Callable
@@ -34,6 +35,7 @@ class TracedStep:
     out_spec: pytree.TreeSpec
     out_constants: dict[int, Any]  # output leaf index -> non-tensor value returned by the step
     group_names: dict[str, int | str]  # traced process-group name -> mesh dimension or "world"
+    gradient_collectives: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> param FQN
 
 
 _MESHES: dict[tuple, Any] = {}
@@ -111,6 +113,9 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
     def flat_step(*flat):
         take = lambda kind: [flat[i] for i in by_kind.get(kind, [])]  # noqa: E731
         leaves = [expander.leaf(x, s.layout, s.requires_grad) for x, s in zip(take("param"), param_slots)]
+        for (names, _), leaf in zip(state.params, leaves):
+            if leaf.requires_grad:
+                leaf.register_hook(functools.partial(_note_gradient_collectives, names[0], gradient_collectives))
         buffers = take("buffer")
         if sync_buffers:
             buffers = [_synced_from_rank0(b, mesh) for b in buffers]
@@ -153,6 +158,7 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
         return [v.to_local() if hasattr(v, "to_local") else v for v in tensors]
 
     where = _ModuleStack()
+    gradient_collectives: dict[str, str] = {}
     try:
         gm = make_fx(flat_step, tracing_mode="fake")(*inputs)
     except UnsupportedError:
@@ -162,7 +168,30 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
             f"tracing the step failed for {plan.describe()}{where.describe()}: {type(exc).__name__}: "
             f"{_first_lines(str(exc))}"
         ) from exc
-    return TracedStep(gm, out_info["spec"], out_info["constants"], _group_names(gm, mesh, plan))
+    return TracedStep(gm, out_info["spec"], out_info["constants"], _group_names(gm, mesh, plan),
+                      gradient_collectives)
+
+
+_VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default,
+             torch.ops.aten.reshape.default, torch.ops.aten.detach.default}
+
+
+def _note_gradient_collectives(fqn: str, found: dict[str, str], grad) -> None:
+    """Leaf gradient hook while tracing: name the collectives that produced ``fqn``'s gradient
+    (walking back through views and waits), so buckets and groups can list their parameters."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    mode = get_proxy_mode()
+    local = getattr(grad, "_local_tensor", grad)
+    slot = get_proxy_slot(local, mode.tracer, None) if mode is not None else None
+    node = getattr(getattr(slot, "proxy", None), "node", None)
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args:
+        namespace = getattr(node.target, "namespace", None)
+        if namespace == "_c10d_functional" and not node.target.__name__.startswith("wait_tensor"):
+            found.setdefault(node.name, fqn)
+        elif namespace != "_c10d_functional" and node.target not in _VIEW_OPS:
+            break
+        node = node.args[0]
 
 
 def _group_names(gm, mesh, plan: Plan) -> dict[str, int | str]:

@@ -63,6 +63,16 @@ def compiled_run(model_name, optim_name, rank, world, steps, cache_dir, seed=0, 
     return model, optim, losses, step.cache_info
 
 
+def ddp_bucket_count(model, cap_mb: float = 25.0, first_cap_mb: float = 1.0) -> int:
+    """How many gradient buckets torch's DDP makes for ``model`` with these caps."""
+    import torch.distributed as dist
+
+    params = list(reversed([p for p in model.parameters() if p.requires_grad]))
+    caps = [int(first_cap_mb * (1 << 20)), int(cap_mb * (1 << 20))]
+    buckets, _ = dist._compute_bucket_assignment_by_size(params, caps, [False] * len(params))
+    return len(buckets)
+
+
 def state_of(model, optim):
     return ({k: v.detach().clone() for k, v in model.state_dict().items()},
             copy.deepcopy(optim.state_dict()["state"]))

@@ -3,7 +3,7 @@
 import pytest
 
 import spmd_aot
-from jobs import compiled_run, eager_ddp, make_job
+from jobs import compiled_run, ddp_bucket_count, eager_ddp, make_job
 from multiproc import run_ranks
 
 STEPS = 5
@@ -31,7 +31,10 @@ def test_offline_build_matches_eager_ddp(tmp_path, world, model_name, optim_name
     built = spmd_aot.build(make_job(model_name, optim_name), world_size=world, cache_dir=tmp_path)
     assert built.traced
     if world > 1:
-        assert built.stats["by_kind"] == {"all_reduce": len(list(make_job(model_name, optim_name).model().parameters()))}
+        # gradients travel in buckets, never more of them than DDP makes for the same caps
+        buckets = built.stats["by_kind"]["all_reduce"]
+        assert set(built.stats["by_kind"]) == {"all_reduce"}
+        assert 1 <= buckets <= ddp_bucket_count(make_job(model_name, optim_name).model())
     # world 1 runs with no process group at all, as a plain single-process job does
     results = run_ranks(_parity_worker, world if world > 1 else 0, model_name, optim_name, str(tmp_path))
     for r in results:

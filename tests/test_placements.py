@@ -58,9 +58,13 @@ def test_param_placements_keep_matching_parameters_whole(tmp_path):
     assert bias["placement"] == ["Replicate()"] and bias["local_shape"] == [5]
 
 
-def test_replicate_graph_has_one_all_reduce_per_gradient_even_with_adamw(tmp_path):
-    built = spmd_aot.build(_job("param_groups"), world_size=4, cache_dir=tmp_path)
+def test_replicate_graph_has_one_all_reduce_per_bucket_even_with_adamw(tmp_path):
+    # caps so small that every gradient closes its own bucket: one all_reduce per gradient
+    built = spmd_aot.build(_job("param_groups"), world_size=4, cache_dir=tmp_path,
+                           bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
     assert built.stats["by_kind"] == {"all_reduce": 6}
+    whole = spmd_aot.build(_job("param_groups"), world_size=4, cache_dir=tmp_path)
+    assert whole.stats["by_kind"] == {"all_reduce": 1}  # 6 small gradients: one bucket, as DDP
 
 
 # ---------------------------------------------------------------- the model after the first call

@@ -1,6 +1,9 @@
 """Graph transformations applied between tracing and storing. Each pass is one function."""
 
+from .buckets import bucket_gradient_all_reduces
 from .cleanup import remove_detach, strip_profiler_ops
 from .collectives import collective_stats, dedupe_collectives, is_collective
+from .schedule import sink_waits
 
-__all__ = ["strip_profiler_ops", "remove_detach", "collective_stats", "dedupe_collectives", "is_collective"]
+__all__ = ["strip_profiler_ops", "remove_detach", "collective_stats", "dedupe_collectives", "is_collective",
+           "bucket_gradient_all_reduces", "sink_waits"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["is_collective", "collective_stats", "dedupe_collectives"]
+__all__ = ["is_collective", "collective_kind", "collective_stats", "dedupe_collectives"]
 
 
 def is_collective(node: torch.fx.Node) -> bool:
@@ -63,16 +63,31 @@ def _mutated_between(nodes, start: int, end: int, collective: torch.fx.Node) -> 
     return False
 
 
-def collective_stats(gm: torch.fx.GraphModule) -> dict:
-    """Count collectives by kind and the bytes each rank sends into them per step."""
+def collective_kind(node: torch.fx.Node) -> str:
+    """``all_reduce`` for both ``all_reduce`` and its in-place form ``all_reduce_``."""
+    return node.target.__name__.split(".")[0].rstrip("_")
+
+
+def collective_stats(gm: torch.fx.GraphModule, names: dict[str, str] | None = None) -> dict:
+    """Count collectives by kind, the bytes each rank sends into them per step, and list each
+    one in graph order (``comm``: kind, label, bytes, the parameters it serves) for ``show``.
+
+    Labels come from ``node.meta["comm"]`` (set by the bucket and group passes); ``names``
+    maps a collective's node name to a parameter FQN for collectives no pass labelled."""
     by_kind: dict[str, int] = {}
     total_bytes = 0
+    comm = []
     for node in gm.graph.nodes:
         if not is_collective(node):
             continue
-        kind = node.target.__name__.split(".")[0]
+        kind = collective_kind(node)
         by_kind[kind] = by_kind.get(kind, 0) + 1
         val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-        if isinstance(val, torch.Tensor):
-            total_bytes += val.numel() * val.element_size()
-    return {"collectives": sum(by_kind.values()), "by_kind": by_kind, "bytes_per_step": total_bytes}
+        nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+        total_bytes += nbytes
+        meta = node.meta.get("comm") or {}
+        param = (names or {}).get(node.name)
+        comm.append({"kind": kind, "label": str(meta.get("label", param or "")), "bytes": nbytes,
+                     "params": [str(p) for p in meta.get("params", [param] if param else [])]})
+    return {"collectives": sum(by_kind.values()), "by_kind": by_kind, "bytes_per_step": total_bytes,
+            "comm": comm}

@@ -1,0 +1,34 @@
+"""Let communication overlap computation: wait for a collective only where its result is read.
+
+A functional collective starts when its node runs and ``wait_tensor`` blocks until it is done
+(gloo and NCCL both run the work asynchronously). Traced graphs wait right after issuing, which
+serialises communication with computation; moving each wait to just before the first node that
+reads its result lets backward (or forward) go on computing while the collective runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["sink_waits"]
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def sink_waits(gm: torch.fx.GraphModule) -> int:
+    """Move every ``wait_tensor`` to just before its first user. Returns how many moved."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    moved = 0
+    for node in nodes:
+        if node.target is not _WAIT or not node.users:
+            continue
+        first = min(node.users, key=order.__getitem__)
+        if first.op == "output" or first is node.next:
+            continue
+        first.prepend(node)  # data dependencies hold: its only input was already computed
+        moved += 1
+    if moved:
+        gm.graph.lint()
+        gm.recompile()
+    return moved
