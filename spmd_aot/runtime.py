@@ -226,6 +226,7 @@ class _BoundStep:
         self.baked = state.baked_hyperparameters()
         self.out_spec = artifact.out_spec()
         self.out_constants = dict((int(i), v) for i, v in artifact.layout["outputs"]["constants"])
+        self._cached_state = None  # (optimizer state dict, watched entries, state inputs)
 
     def fits(self, model, optim, leaves, spec) -> bool:
         """Same objects, batch signature and baked hyperparameters; else the step is re-resolved."""
@@ -235,11 +236,24 @@ class _BoundStep:
                         for t, sig in zip(leaves, self.batch_sig))
                 and self.state.baked_hyperparameters() == self.baked)
 
+    def _inputs(self, batch_leaves) -> list[torch.Tensor]:
+        """The graph's inputs. The state part is reused while the optimizer holds the very same
+        state tensors (checked by identity every step: ``load_state_dict`` or a replaced entry
+        rebuilds it), which spares small models a walk over every parameter per step."""
+        state, cached = self.state, self._cached_state
+        optim_state = state.optim.state
+        if cached is None or cached[0] is not optim_state or \
+                not all(entries.get(k) is t for entries, k, t in cached[1]):
+            if self.sharded:
+                ensure_sharded_state(state.optim)
+            tensors = [t for _, t in state.params] + [b for _, b in state.buffers]
+            n_state = len(tensors) + len(state.optimizer_slots())
+            watched = [(optim_state[p], k, optim_state[p][k]) for p, k in state.optimizer_slots()]
+            cached = self._cached_state = (optim_state, watched, state.graph_inputs(self.slots, [])[:n_state])
+        return cached[2] + state.hyper_tensors() + list(batch_leaves)
+
     def run(self, batch_leaves):
-        state = self.state
-        if self.sharded:
-            ensure_sharded_state(state.optim)
-        inputs = state.graph_inputs(self.slots, batch_leaves)
+        inputs = self._inputs(batch_leaves)
         with torch.no_grad():
             outs = iter(self.program(*inputs))
         n = self.out_spec.num_leaves
