@@ -221,7 +221,9 @@ def run_world(world: int, configs: list[Config], s: Settings, cache_dir: str, ti
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, configs, s, cache_dir, results))
              for r in range(world)]
-    child_env = dict(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONWARNINGS=QUIET)
+    # A fresh inductor cache per world: "compile s" is a cold first step, not a disk-cache hit.
+    child_env = dict(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONWARNINGS=QUIET,
+                     TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, f"inductor-world{world}"))
     saved = {k: os.environ.get(k) for k in child_env}
     os.environ.update(child_env)
     try:
