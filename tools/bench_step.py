@@ -172,7 +172,7 @@ def _measure(cfg: Config, s: Settings, cache_dir: str, rank: int, world: int) ->
             _sync(world)
             times[name].append((time.perf_counter() - start) / s.steps * 1000)
             losses[name] = float(loss.detach().float())
-    program = getattr(step._bound, "program", None)
+    program = getattr(getattr(step, "_bound", None), "program", None)  # op count, if exposed
     row = dict(world=world, placement=cfg.placement, layers=cfg.layers, d_model=cfg.d_model,
                eager_kind=EAGER_NAME[cfg.placement], ops=getattr(program, "n_ops", None),
                load_s=step.cache_info.seconds, cache_hit=step.cache_info.hit,
@@ -199,6 +199,11 @@ def _rank_main(rank, world, port, configs, s, cache_dir, results):
         rows = []
         for cfg in configs:
             rows.append(_measure(cfg, s, cache_dir, rank, world))
+            if rank == 0:
+                r = rows[-1]
+                print(f"  measured world {world} {cfg.placement} L{cfg.layers} d{cfg.d_model}: loaded "
+                      f"{r['loaded_ms']:.1f} ms, {r['eager_kind']} {r['eager_ms']:.1f} ms, "
+                      f"ratio {r['loaded_ratio']:.2f}", file=sys.stderr, flush=True)
             gc.collect()
         results.put((rank, "ok", rows if rank == 0 else None))
     except BaseException as exc:  # report, never hang the parent
