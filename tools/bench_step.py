@@ -276,10 +276,10 @@ def table(rows: list[dict], with_compile: bool) -> str:
     for r in rows:
         ok = "yes" if r["loaded_ratio"] <= _target(r["world"]) else "no"
         cells = [r["world"], r["placement"], r["layers"], r["d_model"], r["ops"] if r["ops"] is not None else "-",
-                 f"{r['loaded_ms']:.2f}", r["eager_kind"], f"{r['eager_ms']:.2f}", f"{r['loaded_ratio']:.2f}",
+                 f"{r['loaded_ms']:.2f}", r["eager_kind"], f"{r['eager_ms']:.2f}", f"{r['loaded_ratio']:.3f}",
                  f"<={_target(r['world']):.2f} {ok}", f"{r['delta_loss']:.0e}"]
         if with_compile:
-            cells += [f"{r['compiled_ms']:.2f}", f"{r['compiled_ratio']:.2f}", f"{r['compile_s']:.1f}"]
+            cells += [f"{r['compiled_ms']:.2f}", f"{r['compiled_ratio']:.3f}", f"{r['compile_s']:.1f}"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
