@@ -86,7 +86,7 @@ def _by_name(items: list):
     parameter entry by its FQN (first element, or the first of its list of names); else None."""
     out = {}
     for item in items:
-        if _is_code(item):
+        if isinstance(item, dict) and isinstance(item.get("name"), str):  # code, or a torch class
             name = item["name"]
         elif isinstance(item, list) and item and isinstance(item[0], str):
             name = item[0]
@@ -109,7 +109,7 @@ def _named_difference(stored: dict, live: dict, where: str) -> str:
         if old is None or old == item:
             continue
         path = f"{where}.{name}" if name else where
-        if _is_code(old):
+        if isinstance(old, dict):
             parts.append(first_difference(old, item, path))
         elif len(old) == len(item):  # [fqn, fields...]: name the differing field
             for i, (a, b) in enumerate(zip(old, item)):
