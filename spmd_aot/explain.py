@@ -101,23 +101,29 @@ def _by_name(items: list):
     return out
 
 
-def _named_difference(stored: dict, live: dict, where: str) -> str:
-    parts = [f"{n or '<root>'} only in the stored entry" for n in stored if n not in live]
-    parts += [f"{n or '<root>'} only in the live job" for n in live if n not in stored]
+def _named_difference(stored: dict, live: dict, where: str, limit: int = 4) -> str:
+    parts = []
+    for names, side in (([n for n in stored if n not in live], "stored entry"),
+                        ([n for n in live if n not in stored], "live job")):
+        if names:
+            shown = ", ".join(n or "<root>" for n in names[:limit])
+            parts.append(f"{shown}{f' and {len(names) - limit} more' if len(names) > limit else ''} "
+                         f"only in the {side}")
+    changed = []
     for name, item in live.items():
         old = stored.get(name)
         if old is None or old == item:
             continue
-        path = f"{where}.{name}" if name else where
+        path = f"{where}.{name or '<root>'}"
         if isinstance(old, dict):
-            parts.append(first_difference(old, item, path))
+            changed.append(first_difference(old, item, path))
         elif len(old) == len(item):  # [fqn, fields...]: name the differing field
-            for i, (a, b) in enumerate(zip(old, item)):
-                if a != b:
-                    parts.append(first_difference(a, b, path))
+            changed += [first_difference(a, b, path) for a, b in zip(old, item) if a != b]
         else:
-            parts.append(f"at {path.lstrip('.')}: stored {_short(old)}, live {_short(item)}")
-    return ", ".join(parts)
+            changed.append(f"at {path.lstrip('.')}: stored {_short(old)}, live {_short(item)}")
+    if len(changed) > limit:
+        changed = changed[:limit] + [f"{len(changed) - limit} more changed"]
+    return ", ".join(parts + changed)
 
 
 def _short(value, limit: int = 160) -> str:
