@@ -52,9 +52,9 @@ def first_difference(stored, live, where: str = "") -> str:
         keys = [k for k in sorted(set(stored) | set(live), key=str) if stored.get(k) != live.get(k)]
         return ", ".join(first_difference(stored.get(k), live.get(k), f"{where}.{k}") for k in keys)
     if isinstance(stored, list) and isinstance(live, list):
-        named = _by_name(stored), _by_name(live)
-        if None not in named:
-            return _named_difference(*named, where)
+        stored_named, live_named = _by_name(stored), _by_name(live)
+        if stored_named is not None and live_named is not None:
+            return _named_difference(stored_named, live_named, where)
         if len(stored) == len(live) and any(isinstance(x, (list, dict)) for x in stored):
             for i, (a, b) in enumerate(zip(stored, live)):  # shapes (flat lists) are shown whole
                 if a != b:
