@@ -69,8 +69,9 @@ def test_the_package_imports_only_declared_dependencies():
     assert problems == [], "undeclared imports (add them to pyproject.toml or remove them):\n" + "\n".join(problems)
 
 
-# Each rank is its own interpreter with numpy made unimportable before torch loads. Rank 1's cache is empty, so it gets the artifact's bytes
-# from rank 0 over gloo (the path that once called Tensor.numpy()).
+# Each rank is its own interpreter with numpy made unimportable before torch loads. Rank 1's
+# cache is empty, so it gets the artifact's bytes from rank 0 over gloo (the path that once
+# called Tensor.numpy()).
 _RANK = """
 import sys
 sys.modules["numpy"] = None  # importing it fails; importlib.util.find_spec says it is not there
