@@ -122,3 +122,15 @@ def test_build_command_parses_back_to_the_same_plan(plan):
     args = cli._parser().parse_args(words[1:])
     assert args.cache_dir == "/tmp/a cache"
     assert cli._plan(args, args.world_size[0], args.placement[0]) == plan
+
+
+def test_verbose_logs_info_lines(built, caplog, capsys):
+    import logging
+
+    job_file, cache = built
+    try:
+        assert main(["build", "-v", f"{job_file}:job", "-w", "1", "--cache-dir", str(cache)]) == 0
+    finally:
+        logging.getLogger("spmd_aot").setLevel(logging.NOTSET)
+    assert [r.getMessage().split(":")[0] for r in caplog.records
+            if r.levelno == logging.INFO and "already cached" in r.getMessage()] == ["build world=1 mesh=1 replicate cpu"]
