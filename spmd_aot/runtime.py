@@ -210,6 +210,10 @@ class CompiledStep:
         command = build_command(plan, cache_dir=cache_location(store))
         build_it = (f"Build it ahead of time with `{command}`, where {TARGET_PLACEHOLDER} names your "
                     "spmd_aot.Job ('pkg.module:job' or 'path/to/train.py:job').")
+        if self.transforms.identities() or self.extra_sources:  # Python hooks: no CLI flags for them
+            build_it = (f"Build it ahead of time with spmd_aot.build(job, world_size={plan.world_size}, "
+                        f"placement={plan.placement!r}, ...) passing the same module_override, "
+                        "gm_transformation and extra_sources as this compile (the command line cannot).")
         if self.require_hit:
             raise CacheMissError(
                 f"no artifact for key {key.key[:12]} ({plan.describe()}) in {store.root} and "
