@@ -45,3 +45,12 @@ def test_miss_warns_with_a_build_command_then_hit_logs_one_info_line(tmp_path, c
     args = cli._parser().parse_args(words[1:])
     assert (args.world_size, args.placement, args.cache_dir) == ([1], ["replicate"], str(tmp_path))
     assert capsys.readouterr() == ("", "")  # library code prints nothing itself
+
+
+def test_miss_hint_for_a_job_with_python_hooks_names_spmd_aot_build(tmp_path):
+    """Hooks cannot be passed on the command line, so the hint is the Python call instead."""
+    with pytest.raises(spmd_aot.CacheMissError) as exc:
+        compiled_run("mlp", "sgd", 0, 1, 1, tmp_path, require_hit=True, gm_transformation=lambda gm: gm)
+    message = str(exc.value)
+    assert "spmd_aot.build(job, world_size=1, placement='replicate', ...)" in message
+    assert "gm_transformation" in message and "spmd-aot build" not in message
