@@ -5,7 +5,17 @@
     print(step.cache_info)
 """
 
-from .builder import BuildResult, build
+import warnings
+
+with warnings.catch_warnings():
+    # Importing torch (its functional tensors) warns "Failed to initialize NumPy" on a machine
+    # without numpy. spmd-aot never uses numpy (it is not a dependency), so the warning would
+    # only be noise in every build and on every rank; the filter ends with this block.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch
+    import torch._subclasses.functional_tensor  # noqa: F401
+
+from .builder import BuildResult, build  # noqa: E402
 from .errors import (ArtifactMismatchError, CacheMissError, CorruptArtifactError, LockTimeoutError,
                      SpmdAotError, TargetError, UnsafeArtifactError, UnsupportedError)
 from .job import Job, load_target

@@ -8,6 +8,7 @@ world size and for a CUDA target.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import torch
@@ -25,6 +26,8 @@ from .store import open_store
 from .trace import device_mesh, fake_world
 
 __all__ = ["build", "job_key", "BuildResult", "local_batch"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -65,7 +68,10 @@ def build(job: Job, *, world_size: int | None = None, placement: str = "replicat
             inputs = state.graph_inputs()
         digest, traced = trace_and_store(store, job.step, state, plan, key, mesh, inputs, transforms)
     stats = read_manifest(store, digest)["stats"]
-    return BuildResult(plan, key.key, digest, traced, stats, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    log.info("build %s: key %s, digest %s, %s, %.2f s", plan.describe(), key.key[:12], digest[:12],
+             "traced and stored" if traced else "already cached", seconds)
+    return BuildResult(plan, key.key, digest, traced, stats, seconds)
 
 
 def job_key(job: Job, plan: Plan, transforms: Transforms = Transforms(), extra_sources=()) -> CacheKey:

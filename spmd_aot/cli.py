@@ -15,8 +15,15 @@ $XDG_CACHE_HOME/spmd_aot, else ~/.cache/spmd_aot; the same rule the training job
 ``s3://bucket/prefix`` URL there works too: ``build`` then writes through a local cache
 ($SPMD_AOT_LOCAL_CACHE) into the bucket, the other subcommands inspect the bucket itself.
 
-Exit status: 0 success; 1 ``verify`` found problems, or an unexpected internal failure (with a
-traceback); 2 a usage error or an spmd-aot error, printed as ``error: <message>`` on stderr.
+Exit status (the README's table):
+  0    success (``explain``: the configuration is cached)
+  1    the answer is no: ``verify`` found problems, ``explain`` found a miss
+  2    a usage error or an spmd-aot error, printed as ``error: <message>`` on stderr; a cache
+       directory that does not exist is one for every command that reads a cache (``explain``
+       answers "miss" instead)
+  3    an unexpected internal failure (a bug: the traceback is printed)
+  130  interrupted (Ctrl-C)
+  141  stdout was closed early (``spmd-aot show REF --code | head``); nothing is printed
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import logging
 import os
 import pathlib
+import shlex
 import sys
 import traceback
 from typing import Iterable, Sequence
@@ -35,7 +44,8 @@ from .plan import PLACEMENTS
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
+EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR, EXIT_BUG = 0, 1, 2, 3
+EXIT_INTERRUPTED, EXIT_PIPE = 130, 141  # 128 + SIGINT, 128 + SIGPIPE: what a shell reports
 
 
 class _Failed(Exception):
@@ -52,10 +62,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, or a usage error argparse already printed
+    except SystemExit as exc:  # --help, --version, or a usage error argparse already printed
         return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+    _configure_logging(args.verbose)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not as a traceback at interpreter exit
+        return status
+    except BrokenPipeError:
+        return _stdout_closed()
     except _Failed as exc:
         return exc.status
     except SpmdAotError as exc:
@@ -63,11 +78,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         _error("interrupted")
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as exc:  # a bug: keep the traceback, still exit cleanly
         traceback.print_exc()
         _error(f"unexpected {type(exc).__name__}: {exc}")
-        return EXIT_PROBLEMS
+        return EXIT_BUG
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``| head``): stop quietly, as Unix tools do. Later
+    writes, including Python's own flush at exit, go to /dev/null instead of raising."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return EXIT_PIPE
+
+
+def _configure_logging(verbose: bool) -> None:
+    """Library code logs under ``spmd_aot``; the CLI shows its warnings (with -v, INFO too)."""
+    logger = logging.getLogger("spmd_aot")
+    if verbose:
+        logger.setLevel(logging.INFO)
+    if not logging.getLogger().handlers:  # the program's own root config wins (and pytest's)
+        logging.basicConfig(format="spmd-aot: %(levelname)s: %(message)s", stream=sys.stderr)
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    import torch
+
+    try:
+        mine = importlib.metadata.version("spmd-aot")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        mine = "(not installed)"
+    return f"spmd-aot {mine} (torch {torch.__version__})"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,9 +121,15 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--cache-dir", metavar="DIR", default=None,
                         help="cache directory (default: $SPMD_AOT_CACHE_DIR, else "
                              "$XDG_CACHE_HOME/spmd_aot, else ~/.cache/spmd_aot)")
+    common.add_argument("-v", "--verbose", action="store_true",
+                        help="also log INFO lines (keys, hits, misses, timings) to stderr")
     parser = argparse.ArgumentParser(
         prog="spmd-aot",
-        description="Ahead-of-time compile-and-cache for distributed PyTorch train steps.")
+        description="Ahead-of-time compile-and-cache for distributed PyTorch train steps.",
+        epilog="Exit status: 0 success; 1 `verify` found problems or `explain` found a miss; 2 a usage "
+               "or spmd-aot error (also: the cache directory does not exist); 3 an internal error; "
+               "130 interrupted; 141 stdout closed early.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
 
@@ -322,6 +374,7 @@ def _load_job(target: str):
     """``load_target``; when the user's own code raised, show its traceback too."""
     from .job import load_target
 
+    _cwd_importable()
     try:
         return load_target(target)
     except TargetError as exc:
@@ -329,6 +382,14 @@ def _load_job(target: str):
         if cause is not None and not isinstance(cause, (SpmdAotError, ModuleNotFoundError)):
             traceback.print_exception(type(cause), cause, cause.__traceback__)
         raise
+
+
+def _cwd_importable() -> None:
+    """Make 'module:job' targets importable from the current directory, as under `python -m`
+    (the `spmd-aot` script's own sys.path starts with its bin directory instead)."""
+    cwd = os.getcwd()
+    if not any(entry in ("", ".") or os.path.abspath(entry) == cwd for entry in sys.path):
+        sys.path.insert(0, cwd)
 
 
 def _unique(items: Iterable) -> list:
@@ -341,12 +402,12 @@ def _unique(items: Iterable) -> list:
 # ---------------------------------------------------------------------------- ls
 def cmd_ls(args) -> int:
     """One row per ref: key, digest, plan, stats and total blob size (damaged ones flagged)."""
-    store = _store(args.cache_dir)
-    entries = _refs(store) if store else []
+    store = _existing_store(args.cache_dir)
+    entries = _refs(store)
     root = _cache_root(args.cache_dir)
     if not entries:
-        where = root if store else f"{root} (it does not exist)"
-        print(f"no artifacts in {where}; build some with: spmd-aot build TARGET --world-size N")
+        print(f"no artifacts in {root}; build some with: "
+              f"spmd-aot build TARGET --world-size N --cache-dir {shlex.quote(str(root))}")
         return EXIT_OK
     rows = []
     for entry in entries:
@@ -382,10 +443,7 @@ def cmd_show(args) -> int:
     """Print one artifact's manifest summary, and with ``--code`` its readable graph code."""
     from .artifact import read_artifact, read_manifest
 
-    store = _store(args.cache_dir)
-    if store is None:
-        raise SpmdAotError(f"no artifact matches {args.ref!r}: cache directory "
-                           f"{_cache_root(args.cache_dir)} does not exist")
+    store = _existing_store(args.cache_dir)
     key, digest = _resolve_ref(store, args.ref)
     manifest = read_manifest(store, digest)
     _print_manifest(store, key, digest, manifest)
@@ -503,11 +561,7 @@ def cmd_verify(args) -> int:
     """
     from .artifact import read_artifact, read_manifest
 
-    store = _store(args.cache_dir)
-    if store is None:
-        print(f"cache directory {_cache_root(args.cache_dir)} does not exist: nothing to verify")
-        print("0 blobs, 0 artifacts checked, 0 problems")
-        return EXIT_OK
+    store = _existing_store(args.cache_dir)
     n_blobs = sum(1 for _ in store.blobs())
     blob_problems = store.verify()
     problems = [f"blob {p.digest}: {p.reason} ({p.path})" if p.digest else f"{p.reason} ({p.path})"
@@ -545,6 +599,7 @@ def cmd_verify(args) -> int:
 def cmd_explain(args) -> int:
     """Compute the key of TARGET for one configuration without tracing; say hit or why not."""
     from .explain import explain_miss
+    from .hints import build_command
 
     plan = _plan(args, args.world_size, args.placement)
     job = _load_job(args.target)
@@ -563,8 +618,7 @@ def cmd_explain(args) -> int:
     print(f"  key     {key.key}")
     why = explain_miss(store, key) if store is not None else f"The cache directory {root} does not exist."
     print(f"  {why}")
-    print(f"  build it with: spmd-aot build {args.target} --world-size {plan.world_size} "
-          f"--placement {plan.placement}" + (f" --device {plan.device_type}" if plan.device_type != "cpu" else ""))
+    print(f"  build it with: {build_command(plan, target=args.target, cache_dir=root)}")
     return EXIT_PROBLEMS
 
 
@@ -626,9 +680,12 @@ def _select(store, refs: list[str]) -> list[tuple[str, str]]:
 
 
 def _existing_store(cache_dir):
+    """The store at ``cache_dir``; a directory that does not exist is an error (exit 2) for every
+    command that reads a cache, so a mistyped path never looks like an empty, healthy cache."""
     store = _store(cache_dir)
     if store is None:
-        raise SpmdAotError(f"cache directory {_cache_root(cache_dir)} does not exist")
+        raise SpmdAotError(f"cache directory {_cache_root(cache_dir)} does not exist; check "
+                           "--cache-dir (or $SPMD_AOT_CACHE_DIR), or build into it with `spmd-aot build`")
     return store
 
 

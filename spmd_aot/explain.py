@@ -39,17 +39,91 @@ def explain_miss(store, key: CacheKey) -> str:
 
 
 def first_difference(stored, live, where: str = "") -> str:
-    """'at <path>: stored X, live Y' for where two JSON values differ (every key of a map)."""
+    """'at <path>: stored X, live Y' for where two JSON values differ (every key of a map).
+
+    Code is named, not shown as hashes: 'the file defining train_step changed'. Lists of
+    per-module or per-parameter entries are matched by FQN, so a changed attribute reads
+    'at blocks.0.attn.n_heads: stored 4, live 8' and an added parameter is named.
+    """
+    at = f"at {where.lstrip('.')}: " if where else ""
+    if _is_code(stored) and _is_code(live) and stored.get("name") == live.get("name"):
+        return at + _code_difference(stored, live)
     if isinstance(stored, dict) and isinstance(live, dict):
         keys = [k for k in sorted(set(stored) | set(live), key=str) if stored.get(k) != live.get(k)]
         return ", ".join(first_difference(stored.get(k), live.get(k), f"{where}.{k}") for k in keys)
-    if (isinstance(stored, list) and isinstance(live, list) and len(stored) == len(live)
-            and any(isinstance(x, (list, dict)) for x in stored)):  # shapes are shown whole
-        for i, (a, b) in enumerate(zip(stored, live)):
-            if a != b:
-                return first_difference(a, b, f"{where}[{i}]")
-    at = f"at {where.lstrip('.')}: " if where else ""
+    if isinstance(stored, list) and isinstance(live, list):
+        stored_named, live_named = _by_name(stored), _by_name(live)
+        if stored_named is not None and live_named is not None:
+            return _named_difference(stored_named, live_named, where)
+        if len(stored) == len(live) and any(isinstance(x, (list, dict)) for x in stored):
+            for i, (a, b) in enumerate(zip(stored, live)):  # shapes (flat lists) are shown whole
+                if a != b:
+                    return first_difference(a, b, f"{where}[{i}]")
     return f"{at}stored {_short(stored)}, live {_short(live)}"
+
+
+def _is_code(value) -> bool:
+    """A code identity from the key: a qualified name with digests of its file and own code."""
+    return isinstance(value, dict) and isinstance(value.get("name"), str) and "file" in value
+
+
+def _code_difference(stored: dict, live: dict) -> str:
+    name = live["name"]
+    parts = []
+    if stored.get("code") != live.get("code"):
+        parts.append(f"the code of {name} changed")
+    elif stored.get("file") != live.get("file"):
+        parts.append(f"the file defining {name} changed ({name} itself did not: code beside it did)")
+    rest = {k: stored.get(k) for k in set(stored) | set(live) if k not in ("name", "code", "file")}
+    other = {k: live.get(k) for k in rest}
+    if rest != other:
+        parts.append(first_difference(rest, other))
+    return "; ".join(parts)
+
+
+def _by_name(items: list):
+    """{name: item} when every item is named: a code identity by its qualified name, a module or
+    parameter entry by its FQN (first element, or the first of its list of names); else None."""
+    out = {}
+    for item in items:
+        if isinstance(item, dict) and isinstance(item.get("name"), str):  # code, or a torch class
+            name = item["name"]
+        elif isinstance(item, list) and item and isinstance(item[0], str):
+            name = item[0]
+        elif isinstance(item, list) and item and isinstance(item[0], list) and item[0] \
+                and all(isinstance(n, str) for n in item[0]):
+            name = item[0][0]
+        else:
+            return None
+        if name in out:
+            return None
+        out[name] = item
+    return out
+
+
+def _named_difference(stored: dict, live: dict, where: str, limit: int = 4) -> str:
+    parts = []
+    for names, side in (([n for n in stored if n not in live], "stored entry"),
+                        ([n for n in live if n not in stored], "live job")):
+        if names:
+            shown = ", ".join(n or "<root>" for n in names[:limit])
+            parts.append(f"{shown}{f' and {len(names) - limit} more' if len(names) > limit else ''} "
+                         f"only in the {side}")
+    changed = []
+    for name, item in live.items():
+        old = stored.get(name)
+        if old is None or old == item:
+            continue
+        path = f"{where}.{name or '<root>'}"
+        if isinstance(old, dict):
+            changed.append(first_difference(old, item, path))
+        elif len(old) == len(item):  # [fqn, fields...]: name the differing field
+            changed += [first_difference(a, b, path) for a, b in zip(old, item) if a != b]
+        else:
+            changed.append(f"at {path.lstrip('.')}: stored {_short(old)}, live {_short(item)}")
+    if len(changed) > limit:
+        changed = changed[:limit] + [f"{len(changed) - limit} more changed"]
+    return ", ".join(parts + changed)
 
 
 def _short(value, limit: int = 160) -> str:

@@ -25,6 +25,7 @@ from .artifact import layout_mismatch, read_artifact, read_manifest
 from .errors import (ArtifactMismatchError, CacheMissError, CorruptArtifactError, SpmdAotError,
                      UnsupportedError)
 from .explain import explain_miss
+from .hints import TARGET_PLACEHOLDER, build_command, cache_location
 from .key import compute_key
 from .pipeline import Transforms, trace_and_store
 from .plan import Plan
@@ -151,6 +152,9 @@ class CompiledStep:
         if rank == 0:  # for gc's least-recently-used order; rank 0 is the one that has the cache
             touch_used(self.store, key.key)
         seconds = time.perf_counter() - start
+        log.info("%s: cache %s on rank %d, key %s, digest %s, %s, %.2f s", _name(self.fn),
+                 "hit" if hit else "miss, traced by rank 0", rank, key.key[:12], digest[:12],
+                 plan.describe(), seconds)
         self.cache_info = CacheInfo(hit, key.key, digest, "cache" if hit else "trace", seconds,
                                     float(artifact.manifest["stats"].get("trace_seconds", 0.0)))
         return _BoundStep(program, state, artifact, sharded)
@@ -201,12 +205,21 @@ class CompiledStep:
                 ) from None
             log.warning("cached artifact for key %s is corrupt (%s); rebuilding", key.key[:12], exc)
             store.delete_ref(key.key)
+        # reading every stored manifest to explain costs little beside the trace that follows
+        why = explain_miss(store, key) if self.require_hit or log.isEnabledFor(logging.WARNING) else ""
+        command = build_command(plan, cache_dir=cache_location(store))
+        build_it = (f"Build it ahead of time with `{command}`, where {TARGET_PLACEHOLDER} names your "
+                    "spmd_aot.Job ('pkg.module:job' or 'path/to/train.py:job').")
+        if self.transforms.identities() or self.extra_sources:  # Python hooks: no CLI flags for them
+            build_it = (f"Build it ahead of time with spmd_aot.build(job, world_size={plan.world_size}, "
+                        f"placement={plan.placement!r}, ...) passing the same module_override, "
+                        "gm_transformation and extra_sources as this compile (the command line cannot).")
         if self.require_hit:
             raise CacheMissError(
                 f"no artifact for key {key.key[:12]} ({plan.describe()}) in {store.root} and "
-                f"require_hit=True. {explain_miss(store, key)} Build it with `spmd-aot build ... "
-                f"--world-size {plan.world_size} --placement {plan.placement}`."
-            )
+                f"require_hit=True. {why} {build_it}")
+        log.warning("%s: cache miss for key %s (%s) in %s; tracing the step now, the other ranks "
+                    "wait. %s %s", _name(self.fn), key.key[:12], plan.describe(), store.root, why, build_it)
         digest, _ = trace_and_store(store, self.fn, state, plan, key, mesh, state.graph_inputs(),
                                     self.transforms)
         leases.enter_context(reading(store, digest))
@@ -264,6 +277,10 @@ class _BoundStep:
 # ---------------------------------------------------------------------------- collectives
 _ERRORS = {cls.__name__: cls for cls in (SpmdAotError, CacheMissError, CorruptArtifactError,
                                           ArtifactMismatchError, UnsupportedError)}
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
 def _local_device(model) -> torch.device:

@@ -104,8 +104,11 @@ def test_build_table_then_cached(built, job_file, capsys):
 
 
 def test_build_accepts_module_target_and_callable(tmp_path, capsys, monkeypatch):
+    """'module:func' imports from the current directory, as `python -m` does (the installed
+    `spmd-aot` script's sys.path starts with its bin directory, not the current directory)."""
     (tmp_path / "cli_mod_job.py").write_text(JOB_FILE)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
     rc = main(["build", "cli_mod_job:make_job", "-w", "2", "--cache-dir", str(tmp_path / "c")])
     out, err = capsys.readouterr()
     assert rc == 0, err
@@ -155,8 +158,8 @@ def test_ls_lists_every_ref(built, capsys):
 
 
 def test_ls_empty_and_missing_cache(tmp_path, capsys, monkeypatch):
-    assert main(["ls", "--cache-dir", str(tmp_path / "nope")]) == 0
-    assert "no artifacts" in capsys.readouterr().out
+    assert main(["ls", "--cache-dir", str(tmp_path / "nope")]) == 2  # as show, rm, gc, verify
+    assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "nope").exists()  # listing does not create a cache
     monkeypatch.setenv("SPMD_AOT_CACHE_DIR", str(tmp_path / "empty"))
     LocalStore(tmp_path / "empty")

@@ -89,3 +89,58 @@ def test_missing_cache_is_a_miss_and_creates_nothing(built, tmp_path, capsys):
 def test_bad_target_exits_2(tmp_path, capsys):
     assert main(["explain", "no_such_module_xyz:job", "-w", "2", "--cache-dir", str(tmp_path)]) == 2
     assert "error: TARGET" in capsys.readouterr().err
+
+
+# A job whose step and model live in the job file, so edits to that file change the key.
+EDITABLE = '''\
+import torch
+
+import spmd_aot
+
+
+def helper():
+    return {helper!r}
+
+
+class Net(torch.nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+        self.drop = torch.nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(self.fc(x))
+
+
+def step(model, optim, batch):
+    loss = model(batch).sum(){step_extra}
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def job(p={p}):
+    return spmd_aot.Job(step=step, model=lambda: Net(p),
+                        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        batch=lambda: torch.randn(2, 8))
+'''
+
+
+@pytest.mark.parametrize("edit, expect", [
+    (dict(helper="changed"), "step_code (the file defining step changed (step itself did not"),
+    (dict(helper="changed"), "model_code (at Net: the file defining Net changed"),
+    (dict(step_extra=" * 1.0"), "step_code (the code of step changed)"),
+    (dict(p=0.25), 'module_structure (at drop.p: stored "0.5", live "0.25")'),
+], ids=["helper-beside-the-step", "helper-beside-the-model", "the-step-itself", "a-module-attribute"])
+def test_miss_names_the_changed_code_or_attribute(edit, expect, tmp_path, capsys):
+    values = dict(helper="original", step_extra="", p=0.5)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "editable_job.py").write_text(EDITABLE.format(**values))
+    (tmp_path / "b" / "editable_job.py").write_text(EDITABLE.format(**{**values, **edit}))
+    cache = tmp_path / "cache"
+    assert main(["build", f"{tmp_path / 'a' / 'editable_job.py'}:job", "-w", "1", "--cache-dir", str(cache)]) == 0
+    rc, out = _explain(capsys, f"{tmp_path / 'b' / 'editable_job.py'}:job", "-w", 1, "--cache-dir", cache)
+    assert rc == 1
+    assert expect in out, out

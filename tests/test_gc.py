@@ -89,11 +89,9 @@ def test_size_bound_evicts_least_recently_used_first(cache, capsys):
     before = cache_size(store)
     capsys.readouterr()
     assert main(["gc", "--max-size", str(bound), "--cache-dir", str(store.root)]) == 0
-    out = capsys.readouterr().out
+    out = capsys.readouterr().out  # shown by pytest only if the test fails
     after = cache_size(store)
-    with capsys.disabled():
-        print(f"\nLRU gc: {before} -> {after} bytes, bound {bound}\n{out}")
-    assert after <= bound
+    assert after <= bound < before, f"LRU gc: {before} -> {after} bytes, bound {bound}\n{out}"
     assert set(store.refs()) == {keys[3], keys[1]}
     evicted_lines = [line.split()[0] for line in out.splitlines() if line.split()[2:3] == ["size"]]
     assert evicted_lines == [keys[2][:12], keys[0][:12]]  # oldest first

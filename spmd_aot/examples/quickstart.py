@@ -86,7 +86,10 @@ def main(argv=None) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "spmd_aot.examples.quickstart", "--train-rank", "--cache-dir", os.path.abspath(args.cache_dir),
            "--steps", str(args.steps)]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    # torchrun's own import of torch warns when numpy is absent (spmd-aot never needs numpy)
+    quiet = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"),
+                                   "ignore:Failed to initialize NumPy:UserWarning"]))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS=quiet)
     return subprocess.call(cmd, env=env)
 
 

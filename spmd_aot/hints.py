@@ -1,0 +1,54 @@
+"""The ``spmd-aot build`` command line that builds one configuration.
+
+Every hint that tells a user to build something (a job's cache miss, ``spmd-aot explain``) is
+made here, so it is a complete command that can be pasted as printed: the target when it is
+known, the world size, placement, device, mesh, every non-default communication option and the
+cache location. ``tests/test_hints.py`` parses it back with the CLI's own parser.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+from .plan import Plan
+
+__all__ = ["build_command", "cache_location", "TARGET_PLACEHOLDER"]
+
+#: Stands for the user's ``module:function`` where the code giving the hint cannot know it.
+TARGET_PLACEHOLDER = "TARGET"
+
+
+def build_command(plan: Plan, *, target: str | None = None, cache_dir: str | os.PathLike | None = None) -> str:
+    """``spmd-aot build TARGET --world-size N --placement P ...`` for exactly ``plan``."""
+    default = Plan(plan.world_size, plan.placement)
+    args = ["spmd-aot", "build", target or TARGET_PLACEHOLDER,
+            "--world-size", str(plan.world_size), "--placement", plan.placement]
+    if plan.device_type != default.device_type:
+        args += ["--device", plan.device_type]
+    if plan.placement == "shard":  # the CLI applies these options to the shard placement only
+        if len(plan.mesh_shape) > 1:
+            args += ["--mesh-shape", "x".join(map(str, plan.mesh_shape))]
+        for pattern, placement in plan.param_placements:
+            args += ["--param-placement", f"{pattern}={placement}"]
+        for group in plan.shard_groups:
+            args += ["--shard-group", group]
+        if not plan.reshard_after_forward:
+            args.append("--keep-params-after-forward")
+    if plan.bucket_cap_mb != default.bucket_cap_mb:
+        args += ["--bucket-cap-mb", repr(plan.bucket_cap_mb)]
+    if plan.first_bucket_cap_mb != default.first_bucket_cap_mb:
+        args += ["--first-bucket-cap-mb", repr(plan.first_bucket_cap_mb)]
+    if cache_dir is not None:
+        args += ["--cache-dir", str(cache_dir)]
+    return shlex.join(args)
+
+
+def cache_location(store) -> str | None:
+    """What ``--cache-dir`` must say to reach ``store``: the bucket URL of an s3:// cache, the
+    absolute path of a local one, None for an in-memory store."""
+    remote = getattr(store, "remote", None)  # LayeredStore: local cache in front of a bucket
+    root = getattr(remote if remote is not None else store, "root", None)
+    if root is None or str(root).startswith("<"):
+        return None
+    return str(root)
