@@ -1,4 +1,5 @@
-"""Say why a lookup missed: which key ingredients differ from the nearest stored entry."""
+"""Say why a lookup missed: which key ingredients differ from the nearest stored entry, or,
+for an entry of the same key, which guard (a file, a distribution, a tensor value) failed."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from .artifact import read_manifest
 from .errors import SpmdAotError
 from .key import CacheKey
+from .lookup import find_entry
 
 __all__ = ["explain_miss", "nearest_entry", "first_difference"]
 
@@ -32,6 +34,13 @@ def explain_miss(store, key: CacheKey) -> str:
         return "The cache holds no artifacts."
     stored_key, manifest, differ = best
     if not differ:
+        try:
+            found = find_entry(store, key)
+        except SpmdAotError as exc:
+            return f"Entry {stored_key[:12]} has the same ingredients but is unusable: {exc}."
+        if found.misses:
+            return (f"Entry {stored_key[:12]} has the same ingredients, but what its trace depended "
+                    f"on differs here: {found.explain()}.")
         return f"Entry {stored_key[:12]} has the same ingredients."
     values = manifest.get("ingredient_values", {})
     parts = [f"{name} ({first_difference(values.get(name), key.values.get(name))})" for name in differ]
