@@ -62,6 +62,10 @@ def _observer_codes() -> frozenset:
                                               warnings._showwarnmsg))  # live functions: ids stay valid
 
 
+class _Depth(threading.local):
+    depth = 0
+
+
 @contextlib.contextmanager
 def recording_sources() -> Iterator[set[str]]:
     """Collect ``co_filename`` of every Python function called in this block (and in threads
@@ -71,23 +75,21 @@ def recording_sources() -> Iterator[set[str]]:
     previous = sys.gettrace()
     previous_threads = threading.gettrace()
     observers = _observer_codes()
-    inside = threading.local()  # depth of observer frames on this thread
+    inside = _Depth()  # observer frames open on this thread
+    record = files.add
 
     def leave(frame, event, arg):
         if event == "return":
             inside.depth -= 1
         return leave
 
-    def trace(frame, event, arg):
-        depth = getattr(inside, "depth", 0)
-        if depth == 0:
-            if id(frame.f_code) in observers:
-                inside.depth = 1
-                return leave
-            files.add(frame.f_code.co_filename)
-        elif id(frame.f_code) in observers:
-            inside.depth = depth + 1
+    def trace(frame, event, arg):  # runs on every call: keep it short
+        code = frame.f_code
+        if id(code) in observers:
+            inside.depth += 1
             return leave
+        if not inside.depth:
+            record(code.co_filename)
         return previous(frame, event, arg) if previous is not None else None
 
     sys.settrace(trace)
