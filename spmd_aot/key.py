@@ -58,6 +58,7 @@ ENVIRONMENT_NOT_IN_KEY = {
     "AWS_ENDPOINT_URL": "where a remote cache is",
     "SPMD_AOT_SIGNING_KEY": "authenticates manifests (and is a secret); graphs do not depend on it",
     "SPMD_AOT_CRASH_AT": "test-only fault injection in the store",
+    "OMP_NUM_THREADS": "set by the quickstart for its ranks: how many threads, not which ops",
 }
 
 
