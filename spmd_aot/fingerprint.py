@@ -174,8 +174,9 @@ class Fingerprinter:
     """One walk: objects met twice (shared or cyclic) become ``{"ref": first path}``."""
 
     def __init__(self, tensors: dict[str, torch.Tensor] | None = None,
-                 model_modules: dict[int, str] | None = None):
+                 model_modules: dict[int, str] | None = None, inputs: frozenset = frozenset()):
         self.tensors = tensors if tensors is not None else {}
+        self.inputs = inputs  # ids of parameters and buffers: graph inputs, never constants
         self.model_modules = model_modules or {}
         self._seen: dict[int, str] = {}
         self._alive: list = []  # keeps walked objects alive so their ids stay unique
@@ -246,13 +247,13 @@ class Fingerprinter:
             out["full_backward"] = bool(m._is_full_backward_hook)
         return out
 
-    def callable_identity(self, fn, path: str):
-        """A step, a transformation or a hook: its full fingerprint."""
-        return self.of(fn, path)
-
     # ------------------------------------------------------------------ kinds
     def _tensor(self, t: torch.Tensor, path: str) -> dict:
-        self.tensors.setdefault(path, t)
+        """Shape, dtype, device type, requires_grad; the same for a fake, a real and (at job
+        start, sharded) a DTensor parameter. Tensors that may be baked in as constants (not
+        parameters or buffers, not our DTensors) are collected for value guards."""
+        if id(t) not in self.inputs and not hasattr(t, "to_local"):
+            self.tensors.setdefault(path, t)
         return {"tensor": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
                 "device": t.device.type, "requires_grad": bool(t.requires_grad)}
 

@@ -75,8 +75,9 @@ class CacheKey:
 def compute_key(step: Callable, state: TrainState, plan: Plan,
                 transformations: Iterable[Callable] = (), extra_sources: Iterable[Any] = ()) -> CacheKey:
     tensors: dict[str, torch.Tensor] = {}
+    inputs = frozenset(id(t) for _, t in state.params + state.buffers)
     values = {name: fn(step=step, state=state, plan=plan, transformations=list(transformations),
-                       extra_sources=list(extra_sources), tensors=tensors)
+                       extra_sources=list(extra_sources), tensors=tensors, inputs=inputs)
               for name, fn in INGREDIENTS}
     digests = {name: _digest(value) for name, value in values.items()}
     for name, d in digests.items():
@@ -98,12 +99,12 @@ def torch_release(**_) -> str:
     return torch.__version__.split("+")[0]
 
 
-def global_state(*, tensors, **_) -> dict:
+def global_state(*, tensors, inputs, **_) -> dict:
     """Process-wide settings that change what make_fx records."""
     import torch.nn.modules.module as nn_module
     import torch.optim.optimizer as optim_module
 
-    fp = Fingerprinter(tensors)
+    fp = Fingerprinter(tensors, inputs=inputs)
     autocast = {dev: [torch.is_autocast_enabled(dev), dtype_name(torch.get_autocast_dtype(dev))]
                 for dev in ("cpu", "cuda")}
     module_hooks = {name: [fp.of(h, f"torch.nn.modules.module.{name}[{i}]")
@@ -148,13 +149,13 @@ def spmd_aot_code(**_) -> str:
     return h.hexdigest()
 
 
-def step_code(*, step, tensors, **_) -> dict:
-    return Fingerprinter(tensors).of(step, "step")
+def step_code(*, step, tensors, inputs, **_) -> dict:
+    return Fingerprinter(tensors, inputs=inputs).of(step, "step")
 
 
-def model_code(*, state, tensors, **_) -> list:
+def model_code(*, state, tensors, inputs, **_) -> list:
     """Every model class in full (methods, the globals they read, class attributes)."""
-    fp = Fingerprinter(tensors)
+    fp = Fingerprinter(tensors, inputs=inputs)
     classes = {}
     for module in state.model.modules():
         classes.setdefault(id(type(module)), type(module))
@@ -162,10 +163,10 @@ def model_code(*, state, tensors, **_) -> list:
                   key=lambda c: json.dumps(c, sort_keys=True))
 
 
-def module_structure(*, state, tensors, **_) -> list:
+def module_structure(*, state, tensors, inputs, **_) -> list:
     """Per module: FQN, class, train/eval, every attribute (deeply) and its hooks."""
     named = list(state.model.named_modules(remove_duplicate=False))
-    fp = Fingerprinter(tensors, {id(m): fqn for fqn, m in reversed(named)})
+    fp = Fingerprinter(tensors, {id(m): fqn for fqn, m in reversed(named)}, inputs)
     out = []
     for fqn, module in named:
         path = f"model.{fqn}" if fqn else "model"
@@ -185,7 +186,7 @@ def buffers(*, state, **_) -> list:
     return [[list(names), list(b.shape), dtype_name(b.dtype)] for names, b in state.buffers]
 
 
-def optimizer(*, state, tensors, **_) -> dict:
+def optimizer(*, state, tensors, inputs, **_) -> dict:
     optim = state.optim
     groups = []
     for g in optim.param_groups:
@@ -196,7 +197,7 @@ def optimizer(*, state, tensors, **_) -> dict:
         hyper["lr_is_input"] = lr_is_input(g.get("lr"))
         hyper["params"] = [state.param_fqn[id(p)] for p in g["params"]]
         groups.append(hyper)
-    fp = Fingerprinter(tensors)
+    fp = Fingerprinter(tensors, inputs=inputs)
     hooks = [[fp.of(h, f"optimizer.<{kind} hook {i}>") for i, h in enumerate(table.values())]
              for kind, table in (("step_pre", optim._optimizer_step_pre_hooks),
                                  ("step_post", optim._optimizer_step_post_hooks))]
@@ -220,8 +221,8 @@ def device_type(*, plan, **_) -> str:
     return plan.device_type
 
 
-def transformations(*, transformations, extra_sources, tensors, **_) -> list:
-    fp = Fingerprinter(tensors)
+def transformations(*, transformations, extra_sources, tensors, inputs, **_) -> list:
+    fp = Fingerprinter(tensors, inputs=inputs)
     return ([fp.of(t, f"transformations[{i}]") for i, t in enumerate(transformations)]
             + [fp.of(s, f"extra_sources[{i}]") for i, s in enumerate(extra_sources)])
 

@@ -3,7 +3,8 @@ objects to artifact blobs.
 
 Both the offline builder and a job-start cache miss go through ``trace_to_blobs``, so what a
 job traces for itself is the graph ``spmd-aot build`` would have stored (the blobs are
-identical; the manifest differs only in the measured ``trace_seconds``).
+identical; the manifest differs only in the measured ``trace_seconds`` and in its guards,
+which record what ran in the tracing process).
 """
 
 from __future__ import annotations

@@ -892,3 +892,20 @@ def test_every_environment_variable_the_package_reads_is_classified():
               "AWS_REGION"}  # read by boto3 for the remote store, not by us
     unclassified = names - set(key_mod.ENVIRONMENT_NOT_IN_KEY)
     assert not unclassified, f"classify these in key.ENVIRONMENT_NOT_IN_KEY (or key them): {unclassified}"
+
+
+def test_plain_references_to_parameters_are_not_value_guarded_and_fake_equals_real():
+    def make():
+        model = Net()
+        model.cfg = PlainCfg(tied=model.fc1.weight, table=torch.zeros(3))
+        optim = adamw(model)
+        initialize_optimizer_state(optim)
+        return model, optim, net_batch()
+
+    with FakeTensorMode(), torch.device("cpu"):
+        fake = make()
+    real = make()
+    k_fake = compute_key(train_step, TrainState(*fake, Plan(2)), Plan(2))
+    k_real = compute_key(train_step, TrainState(*real, Plan(2)), Plan(2))
+    assert_same(k_fake, k_real)
+    assert sorted(k_real.tensors) == ["model.cfg.table"]  # a parameter is an input, never a constant
