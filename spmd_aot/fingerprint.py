@@ -110,7 +110,8 @@ _CODE_MEMO: dict[types.CodeType, tuple[str, tuple, tuple]] = {}
 
 
 def _code_facts(code: types.CodeType) -> tuple[str, tuple, tuple]:
-    """(digest of the bytecode and constants, global names loaded, (global, attribute) pairs).
+    """(digest of the bytecode and constants, global names loaded, (global, attribute chain)
+    pairs: ``pkg.config.WINDOW`` is ``("pkg", ("config", "WINDOW"))``).
 
     Bytecode rather than source text: it covers code without a file, and the Python version
     (which changes bytecode) is in the key anyway. Line numbers are left out.
@@ -125,14 +126,19 @@ def _code_facts(code: types.CodeType) -> tuple[str, tuple, tuple]:
         h.update(part if isinstance(part, bytes) else part.encode())
         h.update(b"\0")
     names, pairs = set(), set()
-    previous = None
+    chain: list | None = None  # [global, attr, attr, ...] while LOAD_ATTRs follow a global
     for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and chain is not None:
+            chain.append(ins.argval)
+            continue
+        if chain is not None and len(chain) > 1:
+            pairs.add((chain[0], tuple(chain[1:])))
+        chain = None
         if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
             names.add(ins.argval)
-        elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is not None \
-                and previous.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-            pairs.add((previous.argval, ins.argval))
-        previous = ins
+            chain = [ins.argval]
+    if chain is not None and len(chain) > 1:
+        pairs.add((chain[0], tuple(chain[1:])))
     for const in code.co_consts:
         h.update(_const_text(const).encode())
         h.update(b"\0")
@@ -407,9 +413,18 @@ class Fingerprinter:
         the code reads from it (``helpers.scale``, ``config.WINDOW``)."""
         name = "<own>" if module.__dict__ is own_globals else module.__name__
         out = {"pymodule": name}
-        if origin(module.__name__) == "user" and attrs:
-            out["attrs"] = {a: self.of(getattr(module, a), f"{path}.{a}", depth)
-                            for a in attrs if hasattr(module, a) and a not in _GLOBAL_SKIP}
+        read = {}
+        for chain in attrs:  # follow user modules down the chain; describe what it reaches
+            value, where = module, path
+            for attr in chain:
+                if not (isinstance(value, types.ModuleType) and origin(value.__name__) == "user") \
+                        or attr in _GLOBAL_SKIP or not hasattr(value, attr):
+                    break
+                value, where = getattr(value, attr), f"{where}.{attr}"
+            if value is not module:
+                read[where[len(path) + 1:]] = self.of(value, where, depth)
+        if read:
+            out["attrs"] = read
         return out
 
     def _cell(self, cell, path: str, depth: int):

@@ -844,6 +844,29 @@ def test_step_globals_and_user_module_attributes_change_key(tmp_path, monkeypatc
     monkeypatch.setattr(mod, "SCALE", 1.0)
     monkeypatch.setattr(sys.modules["cfg_mod_for_key"], "WEIGHT", 3.0)
     assert_only(base, mlp_key(step=mod.step), "step_code")
+    monkeypatch.setattr(sys.modules["cfg_mod_for_key"], "WEIGHT", 1.0)
+    assert_same(base, mlp_key(step=mod.step))
+    # a dotted import: pkg.sub.VALUE
+    (tmp_path / "cfgpkg_for_key").mkdir()
+    (tmp_path / "cfgpkg_for_key" / "__init__.py").write_text("")
+    (tmp_path / "cfgpkg_for_key" / "sub.py").write_text("VALUE = 1.0\n")
+    g = tmp_path / "steps_dotted.py"
+    g.write_text(textwrap.dedent("""
+        from torch.nn import functional as F
+        import cfgpkg_for_key.sub
+
+        def step(model, optim, batch):
+            x, y = batch
+            loss = F.cross_entropy(model(x), y) * cfgpkg_for_key.sub.VALUE
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            return loss
+    """))
+    dotted = import_file(monkeypatch, g)
+    base = mlp_key(step=dotted.step)
+    monkeypatch.setattr(sys.modules["cfgpkg_for_key.sub"], "VALUE", 2.0)
+    assert_only(base, mlp_key(step=dotted.step), "step_code")
 
 
 def test_too_deep_or_opaque_values_stop_the_key_naming_their_path():
