@@ -223,6 +223,8 @@ class Fingerprinter:
             described = custom(v)
             return {"custom": type(v).__qualname__,
                     "value": None if described is None else self.of(described, path, depth + 1)}
+        if type(v) in (tuple, frozenset):  # immutable: described by value, whoever shares it
+            return self._compound(v, path, depth + 1)  # (a cycle needs a mutable object, met below)
         if id(v) in self._seen:
             return {"ref": self._seen[id(v)]}
         self._seen[id(v)] = path
