@@ -410,3 +410,81 @@ def test_guard_check_is_memoized_but_sees_same_size_edits(project, tmp_path):
     path.write_text(HELPERS_SRC.replace("1.0", "2.0"))  # same size
     assert guards.file_digest(str(path)) != before
     json.dumps(guards.empty())
+
+
+# ---------------------------------------------------------------------------- as a new user would
+TRAIN_SRC = '''
+import sys
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import spmd_aot
+import helpers
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        act = getattr(helpers, "act")  # invisible to any fingerprint: only the record of what ran sees it
+        return self.fc2(act(self.fc1(x)))
+
+
+def step(model, optim, batch):
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+
+
+def job():
+    return spmd_aot.Job(step=step, model=Net, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        batch=batch)
+
+
+if __name__ == "__main__":
+    model = Net()
+    compiled = spmd_aot.compile(step, cache_dir=sys.argv[1], require_hit=True)
+    try:
+        compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), batch())
+        print("HIT", compiled.cache_info.key)
+    except spmd_aot.CacheMissError as exc:
+        print("MISS", exc)
+'''
+
+
+def test_cli_build_then_script_run_elsewhere_hits_and_a_helper_edit_is_a_named_miss(tmp_path):
+    import os
+    import subprocess
+
+    project, build_cwd, run_cwd, cache = (tmp_path / n for n in ("project", "a", "b", "cache"))
+    for d in (project, build_cwd, run_cwd):
+        d.mkdir()
+    (project / "train.py").write_text(TRAIN_SRC)
+    (project / "helpers.py").write_text("import torch\n\n\ndef act(x):\n    return torch.relu(x)\n")
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(spmd_aot.__file__).parent.parent)}
+
+    def run(args, cwd):
+        proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    out = run(["-m", "spmd_aot", "build", f"{project / 'train.py'}:job", "-w", "1", "--cache-dir", str(cache)], build_cwd)
+    key = open_store(cache).refs()
+    assert len(key) == 1, out
+    assert run([str(project / "train.py"), str(cache)], run_cwd).split() == ["HIT", next(iter(key))]
+    (project / "helpers.py").write_text("import torch\n\n\ndef act(x):\n    return torch.tanh(x)\n")
+    out = run([str(project / "train.py"), str(cache)], run_cwd)
+    assert out.startswith("MISS") and "helpers.py changed since the entry was traced" in out, out
