@@ -224,8 +224,14 @@ def _loaded_files() -> dict[str, list[str]]:
 
 
 def _locate(rel: str) -> list[str]:
-    """The live files ``rel`` can name: loaded modules' files ending in it, else the first
-    ``sys.path`` entry that holds it (where an import would find it)."""
+    """The live files ``rel`` can name: the module an import of that name gives (usually
+    loaded already), else every loaded module's file ending in it, else the first ``sys.path``
+    entry that holds it (where an import would find it)."""
+    name = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None)
+    if isinstance(path, str) and os.path.abspath(path).endswith(os.sep + rel):
+        return [os.path.abspath(path)]
     found = sorted({p for p in _loaded_files().get(os.path.basename(rel), ())
                     if p == rel or p.endswith(os.sep + rel)})
     if found:
