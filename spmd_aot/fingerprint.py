@@ -29,6 +29,7 @@ import functools
 import hashlib
 import inspect
 import logging
+import os
 import pathlib
 import re
 import sys
@@ -95,14 +96,29 @@ def origin(module_name: str | None) -> str:
     return "user"
 
 
+_DIGESTS: dict[str, tuple[tuple, str]] = {}
+
+
 def file_digest(path: str | None) -> str | None:
-    """sha256 of a source file's bytes (None for code without a file: a REPL, ``exec``)."""
+    """sha256 of a source file's bytes (None for code without a file: a REPL, ``exec``),
+    re-read only when its inode, size, mtime or ctime moved (an edit always moves ctime)."""
     if not path or path.startswith("<"):
         return None
     try:
-        return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+        st = os.stat(path)
     except OSError:
         return None
+    stamp = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    cached = _DIGESTS.get(path)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+    _DIGESTS[path] = (stamp, digest)
+    return digest
 
 
 # ---------------------------------------------------------------------------- code objects

@@ -34,7 +34,7 @@ from typing import Iterator
 
 import torch
 
-from .fingerprint import is_installed_path
+from .fingerprint import file_digest, is_installed_path
 
 __all__ = ["recording_sources", "record", "check", "empty"]
 
@@ -166,28 +166,6 @@ def check(guards: dict, key) -> str | None:
 
 
 # ---------------------------------------------------------------------------- files
-_DIGESTS: dict[str, tuple[tuple, str]] = {}
-
-
-def file_digest(path: str) -> str | None:
-    """sha256 of a file's bytes, re-read only when its inode, size, mtime or ctime moved."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    stamp = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    cached = _DIGESTS.get(path)
-    if cached is not None and cached[0] == stamp:
-        return cached[1]
-    try:
-        with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-    except OSError:
-        return None
-    _DIGESTS[path] = (stamp, digest)
-    return digest
-
-
 def _roots() -> list[str]:
     return [os.path.abspath(p or os.curdir) + os.sep for p in sys.path if isinstance(p, str)]
 
