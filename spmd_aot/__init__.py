@@ -18,13 +18,14 @@ with warnings.catch_warnings():
 from .builder import BuildResult, build  # noqa: E402
 from .errors import (ArtifactMismatchError, CacheMissError, CorruptArtifactError, LockTimeoutError,
                      SpmdAotError, TargetError, UnsafeArtifactError, UnsupportedError)
+from .fingerprint import register_fingerprint
 from .job import Job, load_target
 from .override import Override
 from .plan import Plan
 from .runtime import CacheInfo, CompiledStep, compile
 
 __all__ = [
-    "Job", "build", "compile", "load_target", "Override",
+    "Job", "build", "compile", "load_target", "Override", "register_fingerprint",
     "BuildResult", "CacheInfo", "CompiledStep", "Plan",
     "SpmdAotError", "TargetError", "UnsupportedError", "CacheMissError", "ArtifactMismatchError",
     "CorruptArtifactError", "UnsafeArtifactError", "LockTimeoutError",

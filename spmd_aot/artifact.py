@@ -82,8 +82,13 @@ class Artifact:
             raise CorruptArtifactError(f"artifact {self.digest[:12]}: bad output spec: {exc}") from None
 
 
-def encode_artifact(traced, key: CacheKey, plan: Plan, slots: list[Slot], stats: dict) -> dict[str, bytes]:
-    """All blobs of one build, ``"manifest"`` last (it names the others by digest)."""
+def encode_artifact(traced, key: CacheKey, plan: Plan, slots: list[Slot], stats: dict,
+                    guards: dict | None = None, previous: str | None = None) -> dict[str, bytes]:
+    """All blobs of one build, ``"manifest"`` last (it names the others by digest).
+
+    ``guards`` (see ``guards.record``) must hold at load for the entry to serve; ``previous``
+    is the manifest this entry replaces under the same key (older entries stay reachable).
+    """
     import hashlib
 
     from safetensors.torch import save as save_safetensors
@@ -128,6 +133,8 @@ def encode_artifact(traced, key: CacheKey, plan: Plan, slots: list[Slot], stats:
         "plan": plan.to_dict(),
         "blobs": {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()},
         "stats": stats,
+        "guards": guards if guards is not None else {"files": [], "distributions": [], "tensors": []},
+        "previous": previous,
     }
     blobs["manifest"] = _pack(manifest)
     return blobs
@@ -340,6 +347,10 @@ def _check_manifest(m: Any, digest: str) -> None:
         bad("ingredients must map names to digests")
     if not isinstance(m.get("ingredient_values", {}), dict):
         bad("ingredient_values must be a map")
+    _check_guards(m.get("guards"), bad)
+    previous = m.get("previous", False)
+    if previous is not None and not (isinstance(previous, str) and _DIGEST.fullmatch(previous)):
+        bad(f"previous must be a manifest digest or nil, got {str(previous)[:80]!r}")
     stats = m.get("stats")
     if not isinstance(stats, dict):
         bad("no stats")
@@ -351,3 +362,22 @@ def _check_manifest(m: Any, digest: str) -> None:
               else isinstance(value, (int, float)) and not isinstance(value, bool))
         if not ok:
             bad(f"stats field {name!r} has invalid value {str(value)[:80]!r}")
+
+
+_GUARD_KINDS = ("files", "distributions", "tensors")  # each a list of [name, value] string pairs
+
+
+def _check_guards(guards, bad) -> None:
+    """Guards decide whether an entry may serve: every field typed, digests well formed."""
+    if not isinstance(guards, dict) or set(guards) != set(_GUARD_KINDS):
+        bad(f"guards must be a map of exactly {list(_GUARD_KINDS)}")
+    for kind in _GUARD_KINDS:
+        entries = guards[kind]
+        if not isinstance(entries, list):
+            bad(f"guards.{kind} must be a list")
+        for entry in entries:
+            if not (isinstance(entry, list) and len(entry) == 2
+                    and all(isinstance(x, str) and 0 < len(x) <= 4096 for x in entry)):
+                bad(f"guards.{kind} entry {str(entry)[:80]!r} must be two non-empty strings")
+            if kind != "distributions" and not _DIGEST.fullmatch(entry[1]):
+                bad(f"guards.{kind} entry {entry[0][:80]!r} has invalid digest {entry[1][:80]!r}")

@@ -608,7 +608,15 @@ def cmd_explain(args) -> int:
     key = job_key(job, plan)
     store = _store(args.cache_dir)
     root = _cache_root(args.cache_dir)
-    digest = store.get_ref(key.key) if store is not None else None
+    digest = None
+    if store is not None:  # a hit needs an entry whose guards hold here, not only a ref
+        from .errors import SpmdAotError
+        from .lookup import find_entry
+
+        try:
+            digest = find_entry(store, key).digest
+        except SpmdAotError:
+            digest = None
     if digest is not None:
         print(f"hit: {plan.describe()} is cached in {root}")
         print(f"  key     {key.key}")

@@ -1,4 +1,5 @@
-"""Say why a lookup missed: which key ingredients differ from the nearest stored entry."""
+"""Say why a lookup missed: which key ingredients differ from the nearest stored entry, or,
+for an entry of the same key, which guard (a file, a distribution, a tensor value) failed."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from .artifact import read_manifest
 from .errors import SpmdAotError
 from .key import CacheKey
+from .lookup import find_entry
 
 __all__ = ["explain_miss", "nearest_entry", "first_difference"]
 
@@ -32,10 +34,28 @@ def explain_miss(store, key: CacheKey) -> str:
         return "The cache holds no artifacts."
     stored_key, manifest, differ = best
     if not differ:
+        try:
+            found = find_entry(store, key)
+        except SpmdAotError as exc:
+            return f"Entry {stored_key[:12]} has the same ingredients but is unusable: {exc}."
+        if found.misses:
+            return (f"Entry {stored_key[:12]} has the same ingredients, but what its trace depended "
+                    f"on differs here: {found.explain()}.")
         return f"Entry {stored_key[:12]} has the same ingredients."
     values = manifest.get("ingredient_values", {})
     parts = [f"{name} ({first_difference(values.get(name), key.values.get(name))})" for name in differ]
     return f"Nearest stored entry {stored_key[:12]} differs in: " + "; ".join(parts) + "."
+
+
+_SCALAR_TAGS = ("float", "int", "str", "enum", "dtype", "device")  # the key's scalar forms
+
+
+def _tag(v) -> str | None:
+    """The scalar tag of a fingerprinted value ({"float": "0.5"} -> "float"), else None."""
+    if isinstance(v, dict):
+        tags = [t for t in _SCALAR_TAGS if t in v]
+        return tags[0] if len(tags) == 1 and set(v) <= {tags[0], "type"} else None
+    return None
 
 
 def first_difference(stored, live, where: str = "") -> str:
@@ -45,6 +65,8 @@ def first_difference(stored, live, where: str = "") -> str:
     per-module or per-parameter entries are matched by FQN, so a changed attribute reads
     'at blocks.0.attn.n_heads: stored 4, live 8' and an added parameter is named.
     """
+    if _tag(stored) is not None and _tag(stored) == _tag(live):  # {"float": "0.5"}: show the value
+        stored, live = stored[_tag(stored)], live[_tag(live)]
     at = f"at {where.lstrip('.')}: " if where else ""
     if _is_code(stored) and _is_code(live) and stored.get("name") == live.get("name"):
         return at + _code_difference(stored, live)

@@ -1,47 +1,66 @@
 """The cache key: an ordered list of named ingredients, one function each.
 
-In the key: everything that changes the traced graph (code of the step, the model classes and
-the optimizer, module structure and attributes, parameter/buffer/optimizer-state shapes and
-dtypes, optimizer hyperparameters, batch structure, world size, mesh, placement, device type,
-torch release, artifact format, spmd-aot's own graph-producing code, user transformations).
+In the key: everything that can change the traced graph and is known before tracing: the
+artifact format, the torch release, global state that changes the trace (Python version,
+default dtype, grad/inference mode, autocast, deterministic algorithms, the backend flags that
+choose attention paths, global module and optimizer hooks), spmd-aot's own graph-producing
+code (every module of the package but the few listed in ``_NOT_GRAPH_PRODUCING``), the step
+and every object it reaches (code, closures, globals, module attributes it reads), the model
+classes, a deep fingerprint of every module's attributes and hooks (config objects included,
+see ``fingerprint``), parameter/buffer/optimizer-state shapes and dtypes, optimizer class,
+hyperparameters and hooks, batch structure, world size, mesh, placement, device type, user
+transformations.
+
+What only the trace can know (which files' code ran, which real tensors it read) is recorded
+while tracing and checked at load (``guards``): a cache hit needs the key *and* the guards.
 
 Left out, on purpose (each would make ranks or machines disagree about one job):
 - rank, hostname, pid, wall time, process-group names, device *index*: per process, not per job;
 - file paths and module ``__name__`` (``__main__`` vs ``train``): where code lives, not what it is;
-- tensor values: parameters are inputs, not constants;
-- torch's local version suffix (``+cpu`` / ``+cu130``): a CPU box builds for CUDA jobs.
-
-Source code is hashed per *file* (the whole file defining the step, each model class and a
-custom optimizer), so an edit to a helper in the same file changes the key too. Code in other
-files that the model calls is not hashed: list such functions in ``extra_sources``.
+- tensor values: parameters are inputs, not constants (real tensors the trace may bake in are
+  guarded by value instead);
+- torch's local version suffix (``+cpu`` / ``+cu130``): a CPU box builds for CUDA jobs;
+- environment variables spmd-aot reads (``ENVIRONMENT_NOT_IN_KEY``): none changes the trace.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-import inspect
 import json
 import logging
 import pathlib
+import sys
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.utils._pytree as pytree
 
+from .fingerprint import Fingerprinter
 from .plan import Plan
 from .state import TrainState, dtype_name, lr_is_input
 
-__all__ = ["CacheKey", "compute_key", "FORMAT_VERSION", "INGREDIENTS"]
+__all__ = ["CacheKey", "compute_key", "FORMAT_VERSION", "INGREDIENTS", "ENVIRONMENT_NOT_IN_KEY"]
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _PACKAGE_DIR = pathlib.Path(__file__).parent
-# spmd-aot's own modules whose code decides what graph gets stored.
-_GRAPH_PRODUCING_MODULES = ("trace.py", "expand.py", "state.py", "serialize.py", "passes", "override.py",
-                            "pipeline.py", "sharding.py")
+# Parts of the package that never decide what graph is stored (they talk to people or move
+# bytes); every other module is hashed, so a new one is in the key by default.
+_NOT_GRAPH_PRODUCING = ("__main__.py", "cli.py", "progress.py", "explain.py", "store", "examples")
+# Environment variables spmd-aot reads, and why none belongs in the key.
+ENVIRONMENT_NOT_IN_KEY = {
+    "SPMD_AOT_CACHE_DIR": "where the cache is, not what it holds",
+    "SPMD_AOT_LOCAL_CACHE": "where the local copy of a remote cache is",
+    "XDG_CACHE_HOME": "where the default cache is",
+    "SPMD_AOT_S3_ENDPOINT": "where a remote cache is",
+    "AWS_ENDPOINT_URL": "where a remote cache is",
+    "SPMD_AOT_SIGNING_KEY": "authenticates manifests (and is a secret); graphs do not depend on it",
+    "SPMD_AOT_CRASH_AT": "test-only fault injection in the store",
+    "OMP_NUM_THREADS": "set by the quickstart for its ranks: how many threads, not which ops",
+    "PYTHONWARNINGS": "the quickstart passes its ranks a filter for torch's no-numpy warning",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,18 +68,23 @@ class CacheKey:
     key: str
     ingredients: dict[str, str]  # name -> sha256 of its canonical JSON
     values: dict[str, Any]  # name -> the JSON value itself (kept in the manifest to explain misses)
+    # path -> tensor met while fingerprinting (not parameters or buffers): their values are not
+    # in the key; a trace records the ones it could have baked in as guards (``guards``).
+    tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 def compute_key(step: Callable, state: TrainState, plan: Plan,
                 transformations: Iterable[Callable] = (), extra_sources: Iterable[Any] = ()) -> CacheKey:
+    tensors: dict[str, torch.Tensor] = {}
+    inputs = frozenset(id(t) for _, t in state.params + state.buffers)
     values = {name: fn(step=step, state=state, plan=plan, transformations=list(transformations),
-                       extra_sources=list(extra_sources))
+                       extra_sources=list(extra_sources), tensors=tensors, inputs=inputs)
               for name, fn in INGREDIENTS}
     digests = {name: _digest(value) for name, value in values.items()}
     for name, d in digests.items():
         log.debug("key ingredient %s = %s", name, d)
     key = hashlib.sha256("".join(f"{n}={d}\n" for n, d in digests.items()).encode()).hexdigest()
-    return CacheKey(key, digests, values)
+    return CacheKey(key, digests, values, tensors)
 
 
 def _digest(value) -> str:
@@ -76,36 +100,82 @@ def torch_release(**_) -> str:
     return torch.__version__.split("+")[0]
 
 
+def global_state(*, tensors, inputs, **_) -> dict:
+    """Process-wide settings that change what make_fx records."""
+    import torch.nn.modules.module as nn_module
+    import torch.optim.optimizer as optim_module
+
+    fp = Fingerprinter(tensors, inputs=inputs)
+    autocast = {dev: [torch.is_autocast_enabled(dev), dtype_name(torch.get_autocast_dtype(dev))]
+                for dev in ("cpu", "cuda")}
+    module_hooks = {name: [fp.of(h, f"torch.nn.modules.module.{name}[{i}]")
+                           for i, h in enumerate(getattr(nn_module, name).values())]
+                    for name in ("_global_forward_pre_hooks", "_global_forward_hooks",
+                                 "_global_backward_pre_hooks", "_global_backward_hooks")}
+    optimizer_hooks = {name: [fp.of(h, f"torch.optim.optimizer.{name}[{i}]")
+                              for i, h in enumerate(getattr(optim_module, name).values())]
+                       for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")}
+    return {
+        "python": f"{sys.implementation.name} {sys.version_info.major}.{sys.version_info.minor}",
+        "default_dtype": dtype_name(torch.get_default_dtype()),
+        "grad_enabled": torch.is_grad_enabled(),
+        "inference_mode": torch.is_inference_mode_enabled(),
+        "autocast": autocast,
+        "autocast_cache": torch.is_autocast_cache_enabled(),
+        "deterministic": [torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled()],
+        # flags that choose between decompositions or attention kernels in the graph
+        "backends": {"flash_sdp": torch.backends.cuda.flash_sdp_enabled(),
+                     "mem_efficient_sdp": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                     "math_sdp": torch.backends.cuda.math_sdp_enabled(),
+                     "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(),
+                     "cudnn": bool(torch.backends.cudnn.enabled),
+                     "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+                     "mkldnn": bool(torch.backends.mkldnn.enabled),
+                     "mha_fastpath": torch.backends.mha.get_fastpath_enabled()},
+        "module_hooks": {k: v for k, v in module_hooks.items() if v},
+        "optimizer_hooks": {k: v for k, v in optimizer_hooks.items() if v},
+    }
+
+
 def spmd_aot_code(**_) -> str:
+    """Every module of the package that can change a stored graph, found by walking it."""
     h = hashlib.sha256()
-    for name in _GRAPH_PRODUCING_MODULES:
-        path = _PACKAGE_DIR / name
-        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            h.update(f.relative_to(_PACKAGE_DIR).as_posix().encode())
-            h.update(f.read_bytes())
+    for f in sorted(_PACKAGE_DIR.rglob("*.py")):
+        rel = f.relative_to(_PACKAGE_DIR)
+        if rel.parts[0] in _NOT_GRAPH_PRODUCING:
+            continue
+        h.update(rel.as_posix().encode() + b"\0")
+        h.update(f.read_bytes())
     return h.hexdigest()
 
 
-def step_code(*, step, **_) -> dict:
-    return code_identity(step)
+def step_code(*, step, tensors, inputs, **_) -> dict:
+    return Fingerprinter(tensors, inputs=inputs).of(step, "step")
 
 
-def model_code(*, state, **_) -> list:
+def model_code(*, state, tensors, inputs, **_) -> list:
+    """Every model class in full (methods, the globals they read, class attributes)."""
+    fp = Fingerprinter(tensors, inputs=inputs)
     classes = {}
     for module in state.model.modules():
-        for cls in type(module).__mro__:
-            if cls is torch.nn.Module or cls is object:
-                break
-            classes.setdefault(f"{cls.__module__}.{cls.__qualname__}", cls)
-    return sorted((code_identity(cls) for cls in classes.values()), key=lambda c: json.dumps(c, sort_keys=True))
+        classes.setdefault(id(type(module)), type(module))
+    return sorted((fp.of(cls, f"<class {cls.__qualname__}>") for cls in classes.values()),
+                  key=lambda c: json.dumps(c, sort_keys=True))
 
 
-def module_structure(*, state, **_) -> list:
+def module_structure(*, state, tensors, inputs, **_) -> list:
+    """Per module: FQN, class, train/eval, every attribute (deeply) and its hooks."""
+    named = list(state.model.named_modules(remove_duplicate=False))
+    fp = Fingerprinter(tensors, {id(m): fqn for fqn, m in reversed(named)}, inputs)
     out = []
-    for fqn, module in state.model.named_modules(remove_duplicate=False):
-        attrs = {k: simple for k, v in sorted(vars(module).items())
-                 if not k.startswith("_") and k != "training" and (simple := _simple(v)) is not _NOT_SIMPLE}
-        out.append([fqn, type(module).__qualname__, module.training, attrs])
+    for fqn, module in named:
+        path = f"model.{fqn}" if fqn else "model"
+        entry = [fqn, type(module).__qualname__, module.training, fp.module_attributes(module, path)]
+        hooks = fp.hooks(module, path)
+        if hooks:
+            entry.append(hooks)
+        out.append(entry)
     return out
 
 
@@ -117,7 +187,7 @@ def buffers(*, state, **_) -> list:
     return [[list(names), list(b.shape), dtype_name(b.dtype)] for names, b in state.buffers]
 
 
-def optimizer(*, state, **_) -> dict:
+def optimizer(*, state, tensors, inputs, **_) -> dict:
     optim = state.optim
     groups = []
     for g in optim.param_groups:
@@ -128,7 +198,15 @@ def optimizer(*, state, **_) -> dict:
         hyper["lr_is_input"] = lr_is_input(g.get("lr"))
         hyper["params"] = [state.param_fqn[id(p)] for p in g["params"]]
         groups.append(hyper)
-    return {"class": code_identity(type(optim)), "groups": groups, "state": state.optimizer_state_structure()}
+    fp = Fingerprinter(tensors, inputs=inputs)
+    hooks = [[fp.of(h, f"optimizer.<{kind} hook {i}>") for i, h in enumerate(table.values())]
+             for kind, table in (("step_pre", optim._optimizer_step_pre_hooks),
+                                 ("step_post", optim._optimizer_step_post_hooks))]
+    out = {"class": fp.of(type(optim), "<optimizer class>"), "groups": groups,
+           "state": state.optimizer_state_structure()}
+    if any(hooks):
+        out["hooks"] = hooks
+    return out
 
 
 def batch(*, state, **_) -> dict:
@@ -144,13 +222,16 @@ def device_type(*, plan, **_) -> str:
     return plan.device_type
 
 
-def transformations(*, transformations, extra_sources, **_) -> list:
-    return [code_identity(t) for t in transformations] + [code_identity(s) for s in extra_sources]
+def transformations(*, transformations, extra_sources, tensors, inputs, **_) -> list:
+    fp = Fingerprinter(tensors, inputs=inputs)
+    return ([fp.of(t, f"transformations[{i}]") for i, t in enumerate(transformations)]
+            + [fp.of(s, f"extra_sources[{i}]") for i, s in enumerate(extra_sources)])
 
 
 INGREDIENTS: list[tuple[str, Callable[..., Any]]] = [
     ("format_version", format_version),
     ("torch_release", torch_release),
+    ("global_state", global_state),
     ("spmd_aot_code", spmd_aot_code),
     ("step_code", step_code),
     ("model_code", model_code),
@@ -181,91 +262,3 @@ def _simple(v):
     if isinstance(v, (torch.dtype, torch.device)):
         return str(v) if isinstance(v, torch.dtype) else v.type
     return _NOT_SIMPLE
-
-
-def code_identity(obj) -> dict:
-    """What a piece of user code is: qualified name, defining file's hash, and its own code.
-
-    The file hash catches edits to helpers beside it; the object's own bytecode (and a
-    function's defaults and closure values) tells apart two lambdas or closures from one file,
-    and covers code with no source file (a REPL, ``python -c``, a notebook). Classes and
-    functions from torch itself are identified by name only: the torch release is its own
-    ingredient.
-    """
-    obj = inspect.unwrap(obj) if callable(obj) else obj
-    if isinstance(obj, functools.partial):
-        return {"partial": code_identity(obj.func), "args": _values(obj.args),
-                "kwargs": _values(sorted(obj.keywords.items()))}
-    if not isinstance(obj, type) and not inspect.isroutine(obj):  # a callable instance
-        return {"instance": code_identity(type(obj)), "state": _values(sorted(vars(obj).items()))
-                if hasattr(obj, "__dict__") else repr(obj)}
-    qualname = getattr(obj, "__qualname__", type(obj).__qualname__)
-    module = getattr(obj, "__module__", "") or ""
-    if module == "torch" or module.startswith("torch."):
-        return {"name": f"{module}.{qualname}"}
-    return {"name": qualname, "file": _file_digest(obj), "code": _own_code_digest(obj)}
-
-
-def _file_digest(obj) -> str | None:
-    try:
-        path = inspect.getsourcefile(obj)
-    except TypeError:
-        return None
-    if path and pathlib.Path(path).is_file():
-        return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
-    return None
-
-
-def _own_code_digest(obj) -> str:
-    """Source text when there is a file (stable across Python versions), else bytecode."""
-    h = hashlib.sha256()
-    try:
-        h.update(inspect.getsource(obj).encode())
-        has_source = True
-    except (OSError, TypeError):
-        has_source = False
-    if isinstance(obj, type):
-        if not has_source:
-            for name, attr in sorted(vars(obj).items()):
-                fn = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
-                fn = fn.fget if isinstance(fn, property) else fn
-                h.update(name.encode())
-                if hasattr(fn, "__code__"):
-                    h.update(_code_bytes(fn.__code__))
-                elif _simple(fn) is not _NOT_SIMPLE:
-                    h.update(repr(_simple(fn)).encode())
-    elif hasattr(obj, "__code__"):
-        # names and constants tell apart two lambdas that share a source line
-        h.update(_code_bytes(obj.__code__, with_bytecode=not has_source))
-        h.update(_values(obj.__defaults__ or ()).encode())
-        cells = [c.cell_contents for c in (obj.__closure__ or ()) if _cell_filled(c)]
-        h.update(_values(cells).encode())
-    return h.hexdigest()
-
-
-def _cell_filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
-
-
-def _values(items) -> str:
-    """A stable text for captured values: plain ones by value, code by identity, else type."""
-    def one(v):
-        if (simple := _simple(v)) is not _NOT_SIMPLE:
-            return simple
-        if isinstance(v, (tuple, list)):
-            return [one(x) for x in v]
-        if inspect.isroutine(v) or isinstance(v, (type, functools.partial)):
-            return code_identity(v)
-        return f"<{type(v).__qualname__}>"
-    return json.dumps([one(v) for v in items], sort_keys=True, default=str)
-
-
-def _code_bytes(code, with_bytecode: bool = True) -> bytes:
-    parts = [code.co_code if with_bytecode else b"", repr(code.co_names).encode()]
-    for const in code.co_consts:
-        parts.append(_code_bytes(const, with_bytecode) if inspect.iscode(const) else repr(const).encode())
-    return b"\0".join(parts)

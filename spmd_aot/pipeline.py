@@ -3,7 +3,8 @@ objects to artifact blobs.
 
 Both the offline builder and a job-start cache miss go through ``trace_to_blobs``, so what a
 job traces for itself is the graph ``spmd-aot build`` would have stored (the blobs are
-identical; the manifest differs only in the measured ``trace_seconds``).
+identical; the manifest differs only in the measured ``trace_seconds`` and in its guards,
+which record what ran in the tracing process).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import guards
 from .artifact import encode_artifact, layout_entries, read_artifact, store_artifact
 from .errors import CorruptArtifactError, UnsupportedError
 from .key import CacheKey
+from .lookup import find_entry
 from .override import Override, swapped_submodules
 from .passes import (bucket_gradient_all_reduces, collective_stats, dedupe_collectives, remove_detach,
                      sink_waits, strip_profiler_ops)
@@ -44,30 +47,36 @@ class Transforms:
 
 
 def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey, mesh,
-                   inputs: list[torch.Tensor], transforms: Transforms = Transforms()) -> dict[str, bytes]:
+                   inputs: list[torch.Tensor], transforms: Transforms = Transforms(),
+                   previous: str | None = None) -> dict[str, bytes]:
+    """``previous``: the manifest this entry replaces under the same key (see ``lookup``)."""
     start = time.perf_counter()
     swap = functools.partial(swapped_submodules, state.model, transforms.module_override) \
         if transforms.module_override else None
-    traced = trace_step(step, state, plan, mesh, inputs, transform_model=swap)
-    gm = traced.gm
-    strip_profiler_ops(gm)
-    remove_detach(gm)
-    dedupe_collectives(gm)
-    if plan.placement == "replicate" and plan.world_size > 1:
-        bucket_gradient_all_reduces(gm, plan.bucket_cap_mb, plan.first_bucket_cap_mb,
-                                    traced.gradient_collectives)
-    slots = state.slots()
-    layout = layout_entries(slots, plan)
-    for override in transforms.module_override:
-        gm = _checked(override.transform(gm, layout), gm, type(override).__qualname__)
-    if transforms.gm_transformation is not None:
-        gm = _checked(transforms.gm_transformation(gm), gm, "gm_transformation")
+    with guards.recording_sources() as ran:  # every file whose code runs: guarded at load
+        traced = trace_step(step, state, plan, mesh, inputs, transform_model=swap)
+        gm = traced.gm
+        strip_profiler_ops(gm)
+        remove_detach(gm)
+        dedupe_collectives(gm)
+        if plan.placement == "replicate" and plan.world_size > 1:
+            bucket_gradient_all_reduces(gm, plan.bucket_cap_mb, plan.first_bucket_cap_mb,
+                                        traced.gradient_collectives)
+        slots = state.slots()
+        layout = layout_entries(slots, plan)
+        for override in transforms.module_override:
+            gm = _checked(override.transform(gm, layout), gm, type(override).__qualname__)
+        if transforms.gm_transformation is not None:
+            gm = _checked(transforms.gm_transformation(gm), gm, "gm_transformation")
     sink_waits(gm)  # after user transformations too: they may add collectives
     traced.gm = gm
     stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm, traced.gradient_collectives)}
     _check_collectives(stats, slots, plan)
     stats["trace_seconds"] = round(time.perf_counter() - start, 4)
-    return encode_artifact(traced, key, plan, slots, stats)
+    recorded = guards.record(ran, key)
+    log.debug("key %s: guarding %d files, %d distributions, %d tensor values", key.key[:12],
+              len(recorded["files"]), len(recorded["distributions"]), len(recorded["tensors"]))
+    return encode_artifact(traced, key, plan, slots, stats, recorded, previous)
 
 
 def _checked(result, gm, who: str) -> torch.fx.GraphModule:
@@ -99,17 +108,22 @@ def _check_collectives(stats: dict, slots, plan: Plan) -> None:
 
 def trace_and_store(store, step: Callable, state: TrainState, plan: Plan, key: CacheKey, mesh,
                     inputs: list[torch.Tensor], transforms: Transforms = Transforms()) -> tuple[str, bool]:
-    """Trace and store unless another process stored the key first. Returns (digest, traced).
+    """Trace and store unless an entry for the key whose guards hold here exists (another
+    process may have stored it while this one waited for the lock). Returns (digest, traced).
 
     An existing entry counts only if it reads back whole and is the entry for this key; a
     damaged one (a missing part, a corrupt blob, a ref to another key's manifest) is rebuilt.
+    An entry whose guards fail stays reachable behind the new one (``previous``).
     """
     with store.lock(key.key):
+        previous = None
         try:
-            existing = store.get_ref(key.key)
-            if existing is not None and read_artifact(store, existing).manifest["key"] == key.key:
-                return existing, False
+            found = find_entry(store, key)
+            previous = found.head
+            if found.digest is not None:
+                read_artifact(store, found.digest)  # every part present and intact
+                return found.digest, False
         except CorruptArtifactError as exc:
             log.warning("cache entry for key %s is damaged (%s); rebuilding it", key.key[:12], exc)
-        blobs = trace_to_blobs(step, state, plan, key, mesh, inputs, transforms)
+        blobs = trace_to_blobs(step, state, plan, key, mesh, inputs, transforms, previous)
         return store_artifact(store, key.key, blobs), True

@@ -21,12 +21,14 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from . import guards
 from .artifact import layout_mismatch, read_artifact, read_manifest
 from .errors import (ArtifactMismatchError, CacheMissError, CorruptArtifactError, SpmdAotError,
                      UnsupportedError)
 from .explain import explain_miss
 from .hints import TARGET_PLACEHOLDER, build_command, cache_location
 from .key import compute_key
+from .lookup import find_entry
 from .pipeline import Transforms, trace_and_store
 from .plan import Plan
 from .sharding import ensure_sharded_state, shard_model_and_optimizer, sharded_zeros
@@ -43,12 +45,13 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class CacheInfo:
-    hit: bool  # rank 0 found the artifact in the cache
+    hit: bool  # rank 0's lookup found a serving entry (no build was needed)
     key: str
     digest: str  # manifest digest every rank loaded
-    source: str  # "cache" or "trace"
+    source: str  # "trace": rank 0 traced it for this call; "cache": stored before (by anyone)
     seconds: float  # first-call cost on this rank: key, agreement, trace if any, load, bind
     trace_seconds: float  # what tracing this step cost (measured when it was built)
+    traces: int = 0  # traces this process has performed for this compiled step so far
 
 
 def compile(fn: Callable | None = None, *, placement: str = "replicate", cache_dir=None,
@@ -89,6 +92,7 @@ class CompiledStep:
         self._bound: _BoundStep | None = None
         self._prepared_models = weakref.WeakSet()  # broadcast (and sharded) once per model
         self.cache_info: CacheInfo | None = None
+        self._traces = 0
         functools.update_wrapper(self, fn)
 
     @property
@@ -126,13 +130,14 @@ class CompiledStep:
 
         # Reader leases keep gc from deleting the artifact until every rank has loaded it.
         with contextlib.ExitStack() as leases:
-            status, payload, hit, artifact, error = "ok", "", False, None, None
+            status, payload, hit, traced, artifact, error = "ok", "", False, False, None, None
             if rank == 0:
                 try:
-                    payload, hit, artifact = self._resolve_on_rank0(state, plan, key, mesh, leases)
+                    payload, hit, traced, artifact = self._resolve_on_rank0(state, plan, key, mesh, leases)
                 except Exception as exc:  # any failure reaches every rank: none is left waiting
                     status, payload, error = type(exc).__name__, str(exc), exc
-            status, payload, hit = _broadcast_decision((status, payload, hit), world)
+                self._traces += int(traced)
+            status, payload, hit, traced = _broadcast_decision((status, payload, hit, traced), world)
             if error is not None:
                 raise error
             if status != "ok":
@@ -145,6 +150,11 @@ class CompiledStep:
                 if problem:
                     raise ArtifactMismatchError(
                         f"artifact {digest[:12]} (key {key.key[:12]}) does not fit: {problem}")
+                problem = guards.check(artifact.manifest["guards"], key)
+                if problem:  # rank 0 checked its own files; this rank runs something else
+                    raise ArtifactMismatchError(
+                        f"rank {rank}: artifact {digest[:12]} (key {key.key[:12]}) serves rank 0 but "
+                        f"not this rank: {problem}. Every rank must run the same code and libraries.")
                 program = artifact.program(_live_groups(mesh), device)
             except Exception as exc:
                 failure = exc
@@ -153,10 +163,11 @@ class CompiledStep:
             touch_used(self.store, key.key)
         seconds = time.perf_counter() - start
         log.info("%s: cache %s on rank %d, key %s, digest %s, %s, %.2f s", _name(self.fn),
-                 "hit" if hit else "miss, traced by rank 0", rank, key.key[:12], digest[:12],
-                 plan.describe(), seconds)
-        self.cache_info = CacheInfo(hit, key.key, digest, "cache" if hit else "trace", seconds,
-                                    float(artifact.manifest["stats"].get("trace_seconds", 0.0)))
+                 "hit" if hit else ("miss, traced by rank 0" if traced else "miss, built by another process"),
+                 rank, key.key[:12], digest[:12], plan.describe(), seconds)
+        self.cache_info = CacheInfo(hit, key.key, digest, "trace" if traced else "cache", seconds,
+                                    float(artifact.manifest["stats"].get("trace_seconds", 0.0)),
+                                    self._traces)
         return _BoundStep(program, state, artifact, sharded)
 
     def _read_everywhere(self, digest: str, world: int, artifact, leases):
@@ -184,11 +195,17 @@ class CompiledStep:
         log.info("rank %d read artifact %s from rank 0 (%s)", dist.get_rank(), digest[:12], problem)
         return read_artifact(MemoryStore(received), digest)
 
-    def _resolve_on_rank0(self, state, plan, key, mesh, leases) -> tuple[str, bool, Any]:
-        """Rank 0's decision: (manifest digest, hit, verified artifact). Traces on a miss."""
+    def _resolve_on_rank0(self, state, plan, key, mesh, leases) -> tuple[str, bool, bool, Any]:
+        """Rank 0's decision: (manifest digest, hit, traced here, verified artifact).
+
+        A hit needs an entry for the key whose guards hold here (``lookup``); on a miss rank 0
+        traces, unless another process stored a serving entry while it waited for the lock.
+        """
         store = self.store
+        found = None
         try:
-            digest = store.get_ref(key.key)
+            found = find_entry(store, key)
+            digest = found.digest
             if digest is not None:
                 leases.enter_context(reading(store, digest))
                 artifact = read_artifact(store, digest)  # every blob verified
@@ -196,7 +213,7 @@ class CompiledStep:
                     raise CorruptArtifactError(
                         f"ref {key.key[:12]} points to manifest {digest[:12]} of key "
                         f"{artifact.manifest['key'][:12]}")
-                return digest, True, artifact
+                return digest, True, False, artifact
         except CorruptArtifactError as exc:
             if self.require_hit:
                 raise CorruptArtifactError(
@@ -215,15 +232,17 @@ class CompiledStep:
                         f"placement={plan.placement!r}, ...) passing the same module_override, "
                         "gm_transformation and extra_sources as this compile (the command line cannot).")
         if self.require_hit:
+            why = (f"The key's entries were traced from other code or values: {found.explain()}."
+                   if found is not None and found.misses else explain_miss(store, key))
             raise CacheMissError(
-                f"no artifact for key {key.key[:12]} ({plan.describe()}) in {store.root} and "
-                f"require_hit=True. {why} {build_it}")
+                f"no artifact for key {key.key[:12]} ({plan.describe()}) in {store.root} serves "
+                f"this job and require_hit=True. {why} {build_it}")
         log.warning("%s: cache miss for key %s (%s) in %s; tracing the step now, the other ranks "
                     "wait. %s %s", _name(self.fn), key.key[:12], plan.describe(), store.root, why, build_it)
-        digest, _ = trace_and_store(store, self.fn, state, plan, key, mesh, state.graph_inputs(),
-                                    self.transforms)
+        digest, traced = trace_and_store(store, self.fn, state, plan, key, mesh, state.graph_inputs(),
+                                         self.transforms)
         leases.enter_context(reading(store, digest))
-        return digest, False, read_artifact(store, digest)
+        return digest, False, traced, read_artifact(store, digest)
 
 
 class _BoundStep:
@@ -338,13 +357,13 @@ def _broadcast_blobs(blobs: dict[str, bytes] | None, world: int) -> dict[str, by
 
 
 def _broadcast_decision(decision, world):
-    """Rank 0's (status, payload, hit) to every rank, as bytes (no pickle)."""
+    """Rank 0's (status, payload, hit, traced) to every rank, as bytes (no pickle)."""
     if world == 1:
         return decision
-    status, payload, hit = decision
-    data = f"{status}\n{int(hit)}\n{payload}".encode() if dist.get_rank() == 0 else None
-    status, hit, payload = _broadcast_bytes(data, world).decode().split("\n", 2)
-    return status, payload, hit == "1"
+    status, payload, hit, traced = decision
+    data = f"{status}\n{int(hit)}{int(traced)}\n{payload}".encode() if dist.get_rank() == 0 else None
+    status, flags, payload = _broadcast_bytes(data, world).decode().split("\n", 2)
+    return status, payload, flags[0] == "1", flags[1] == "1"
 
 
 def _check_ranks_agree(key, world) -> None:

@@ -129,7 +129,7 @@ def job(p={p}):
 
 @pytest.mark.parametrize("edit, expect", [
     (dict(helper="changed"), "step_code (the file defining step changed (step itself did not"),
-    (dict(helper="changed"), "model_code (at Net: the file defining Net changed"),
+    (dict(helper="changed"), "model_code (at [0]: the code of Net changed"),
     (dict(step_extra=" * 1.0"), "step_code (the code of step changed)"),
     (dict(p=0.25), 'module_structure (at drop.p: stored "0.5", live "0.25")'),
 ], ids=["helper-beside-the-step", "helper-beside-the-model", "the-step-itself", "a-module-attribute"])

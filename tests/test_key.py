@@ -205,9 +205,13 @@ class TinyNet(nn.Module):
         self.drop = nn.Dropout(0.1)
         self.fc2 = nn.Linear(32, 4)
         self.register_buffer("scale", torch.ones(4))
+        self.names = {"alpha", "beta", "gamma", "delta", "epsilon"}  # set order follows the hash seed
+        self.fc1.register_forward_hook(lambda m, a, out: out)  # hook ids are per process
 
     def forward(self, x):
-        return self.fc2(self.drop(torch.relu(self.fc1(x)))) * self.scale
+        if "relu" in {"relu", "gelu", "silu", "tanh"}:  # a frozenset constant in the bytecode
+            x = torch.relu(self.fc1(x))
+        return self.fc2(self.drop(x)) * self.scale
 
 
 def step(model, optim, batch):
@@ -723,3 +727,208 @@ def test_same_size_edit_with_same_mtime_changes_key(tmp_path, monkeypatch):
     path.write_text(edited)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # e.g. a coarse-timestamp filesystem
     assert_only(k1, _edited_key(monkeypatch, path), "model_code")
+
+
+# ---------------------------------------------------------------------------- deep fingerprint
+class PlainCfg:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _cfg_key(**cfg):
+    torch.manual_seed(0)
+    model = Net()
+    model.cfg = PlainCfg(**cfg)
+    model.fc1.parent_cfg = model.cfg  # shared: met twice, described once
+    return key_of(model, adamw(model), net_batch())
+
+
+def test_config_objects_private_attributes_and_nested_values_change_key():
+    base = _cfg_key(window=4, inner=PlainCfg(kind="a"), table={"x": [1, 2.5]}, tags={"b", "a"})
+    assert_same(base, _cfg_key(window=4, inner=PlainCfg(kind="a"), table={"x": [1, 2.5]}, tags={"a", "b"}))
+    for change in ({"window": 8}, {"inner": PlainCfg(kind="b")}, {"table": {"x": [1, 2.0]}},
+                   {"tags": {"a"}}, {"table": {"y": [1, 2.5]}}):
+        cfg = dict(window=4, inner=PlainCfg(kind="a"), table={"x": [1, 2.5]}, tags={"b", "a"}, **{})
+        cfg.update(change)
+        assert_only(base, _cfg_key(**cfg), "module_structure")
+    torch.manual_seed(0)
+    model = Net()
+    model._window = 4  # private attributes count too
+    other = Net()
+    other._window = 8
+    assert_only(key_of(model, adamw(model), net_batch()), key_of(other, adamw(other), net_batch()),
+                "module_structure")
+
+
+def test_cycles_bound_methods_and_partials_are_fingerprinted():
+    def key_with(scale):
+        torch.manual_seed(0)
+        model = Net()
+        model.fc2.helper = PlainCfg(scale=scale, back=model.fc2, root=model)  # cycles back
+        model.fc2.fn = model.fc2.helper.__dict__.get  # a bound builtin method of a dict
+        model.fc1.act = functools.partial(torch.clamp, min=scale)
+        return key_of(model, adamw(model), net_batch())
+
+    assert_same(key_with(0.0), key_with(0.0))
+    assert_only(key_with(0.0), key_with(1.0), "module_structure")
+
+
+def test_hooks_change_key_but_hook_ids_do_not():
+    def hook(module, args, out):
+        return out
+
+    torch.manual_seed(0)
+    a = Net()
+    a.fc1.register_forward_hook(hook)
+    for _ in range(3):
+        nn.Linear(1, 1).register_forward_hook(hook)  # moves the global hook id counter
+    b = Net()
+    b.fc1.register_forward_hook(hook)
+    assert_same(key_of(a, adamw(a), net_batch()), key_of(b, adamw(b), net_batch()))
+    b.fc1.register_forward_pre_hook(lambda m, args: None)
+    assert_only(key_of(a, adamw(a), net_batch()), key_of(b, adamw(b), net_batch()), "module_structure")
+    c = Net()
+    c.fc2.register_full_backward_hook(lambda m, gi, go: None)
+    assert_only(net_key(), key_of(c, adamw(c), net_batch()), "module_structure")
+
+
+def test_global_module_and_optimizer_hooks_and_modes_change_key():
+    from torch.nn.modules.module import register_module_forward_hook
+
+    base = net_key()
+    handle = register_module_forward_hook(lambda m, a, out: out)
+    try:
+        assert_only(base, net_key(), "global_state")
+    finally:
+        handle.remove()
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: None)
+    try:
+        assert_only(base, net_key(), "global_state")
+    finally:
+        handle.remove()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert_only(base, net_key(), "global_state")
+    with torch.no_grad():
+        assert_only(base, net_key(), "global_state")
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert_only(base, net_key(), "global_state")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert_same(base, net_key())
+
+
+def test_step_globals_and_user_module_attributes_change_key(tmp_path, monkeypatch):
+    (tmp_path / "cfg_mod_for_key.py").write_text("WEIGHT = 1.0\n")
+    f = tmp_path / "steps_reading_globals.py"
+    f.write_text(textwrap.dedent("""
+        from torch.nn import functional as F
+        import cfg_mod_for_key as cfg
+        SCALE = 1.0
+
+        def step(model, optim, batch):
+            x, y = batch
+            loss = F.cross_entropy(model(x), y) * SCALE * cfg.WEIGHT
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            return loss
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = import_file(monkeypatch, f)
+    base = mlp_key(step=mod.step)
+    monkeypatch.setattr(mod, "SCALE", 2.0)
+    assert_only(base, mlp_key(step=mod.step), "step_code")
+    monkeypatch.setattr(mod, "SCALE", 1.0)
+    monkeypatch.setattr(sys.modules["cfg_mod_for_key"], "WEIGHT", 3.0)
+    assert_only(base, mlp_key(step=mod.step), "step_code")
+    monkeypatch.setattr(sys.modules["cfg_mod_for_key"], "WEIGHT", 1.0)
+    assert_same(base, mlp_key(step=mod.step))
+    # a dotted import: pkg.sub.VALUE
+    (tmp_path / "cfgpkg_for_key").mkdir()
+    (tmp_path / "cfgpkg_for_key" / "__init__.py").write_text("")
+    (tmp_path / "cfgpkg_for_key" / "sub.py").write_text("VALUE = 1.0\n")
+    g = tmp_path / "steps_dotted.py"
+    g.write_text(textwrap.dedent("""
+        from torch.nn import functional as F
+        import cfgpkg_for_key.sub
+
+        def step(model, optim, batch):
+            x, y = batch
+            loss = F.cross_entropy(model(x), y) * cfgpkg_for_key.sub.VALUE
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            return loss
+    """))
+    dotted = import_file(monkeypatch, g)
+    base = mlp_key(step=dotted.step)
+    monkeypatch.setattr(sys.modules["cfgpkg_for_key.sub"], "VALUE", 2.0)
+    assert_only(base, mlp_key(step=dotted.step), "step_code")
+
+
+def test_too_deep_or_opaque_values_stop_the_key_naming_their_path():
+    import threading
+
+    torch.manual_seed(0)
+    model = Net()
+    deep = []
+    for _ in range(100):
+        deep = [deep]
+    model.fc1.deep = deep
+    with pytest.raises(SpmdAotError, match=r"model\.fc1\.deep\[0\].*deeper than"):
+        key_of(model, adamw(model), net_batch())
+    del model.fc1.deep
+    model.drop.cfg = PlainCfg(lock=threading.Lock())
+    with pytest.raises(SpmdAotError, match=r"model\.drop\.cfg\.lock: cannot fingerprint _thread\.lock.*register_fingerprint"):
+        key_of(model, adamw(model), net_batch())
+
+
+def test_spmd_aot_code_walks_the_package(tmp_path, monkeypatch):
+    copy = tmp_path / "spmd_aot"
+    shutil.copytree(pathlib.Path(key_mod.__file__).parent, copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(key_mod, "_PACKAGE_DIR", copy)
+    base = key_mod.spmd_aot_code()
+    assert base == key_mod.spmd_aot_code()
+    (copy / "cli.py").write_text((copy / "cli.py").read_text() + "\n# a comment\n")
+    assert key_mod.spmd_aot_code() == base  # talks to people only
+    for graph_producing in ("plan.py", "passes/cleanup.py", "new_module.py"):
+        path = copy / graph_producing
+        path.write_text((path.read_text() if path.exists() else "") + "\n# edited\n")
+        assert key_mod.spmd_aot_code() != base, graph_producing
+        base = key_mod.spmd_aot_code()
+
+
+def test_every_environment_variable_the_package_reads_is_classified():
+    import re
+
+    names = set()
+    for f in pathlib.Path(key_mod.__file__).parent.rglob("*.py"):
+        text = f.read_text()
+        names.update(re.findall(r'"((?:SPMD_AOT|AWS|XDG)_[A-Z0-9_]+)"', text))
+        names.update(re.findall(r'environ(?:\.get)?\(\s*"([A-Z0-9_]+)"', text))
+        names.update(re.findall(r'environ\[\s*"([A-Z0-9_]+)"', text))
+    names -= {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION",
+              "AWS_REGION"}  # read by boto3 for the remote store, not by us
+    unclassified = names - set(key_mod.ENVIRONMENT_NOT_IN_KEY)
+    assert not unclassified, f"classify these in key.ENVIRONMENT_NOT_IN_KEY (or key them): {unclassified}"
+
+
+def test_plain_references_to_parameters_are_not_value_guarded_and_fake_equals_real():
+    def make():
+        model = Net()
+        model.cfg = PlainCfg(tied=model.fc1.weight, table=torch.zeros(3))
+        optim = adamw(model)
+        initialize_optimizer_state(optim)
+        return model, optim, net_batch()
+
+    with FakeTensorMode(), torch.device("cpu"):
+        fake = make()
+    real = make()
+    k_fake = compute_key(train_step, TrainState(*fake, Plan(2)), Plan(2))
+    k_real = compute_key(train_step, TrainState(*real, Plan(2)), Plan(2))
+    assert_same(k_fake, k_real)
+    assert sorted(k_real.tensors) == ["model.cfg.table"]  # a parameter is an input, never a constant

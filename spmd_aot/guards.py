@@ -1,0 +1,241 @@
+"""Guards: what only the trace can know, recorded while tracing and checked before a hit.
+
+The key is computed before tracing, from live objects. Two things it cannot know:
+
+- **which code ran.** A model calls helpers in other files and installed libraries; while
+  tracing, a profile hook records every Python source file whose code ran. Outside the
+  standard library, torch (the torch release is in the key) and spmd-aot's own modules (the
+  ``spmd_aot_code`` ingredient), each file is stored with the sha256 of its bytes, and each
+  installed distribution it belongs to with its version;
+- **which real tensors the graph baked in.** A plain tensor attribute or global read in forward
+  becomes a graph constant. The key holds such tensors' shapes and dtypes; the trace stores the
+  sha256 of every *real* one's value (a fake one cannot be baked in: storing it fails).
+
+At load every rank checks the guards of the entry it is about to use: file contents (memoized
+by inode, size, mtime and ctime, so a check costs one ``stat`` per file), distribution
+versions, tensor values. A failed guard is a miss whose explanation names the file, the
+distribution or the tensor. Files are found by their path relative to the ``sys.path`` entry
+that holds them (``mypkg/helpers.py``, ``transformers/models/llama/modeling_llama.py``), so a
+project checked out elsewhere or a virtualenv at another path still matches; paths themselves
+are never compared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.metadata
+import os
+import sys
+import sysconfig
+import threading
+from typing import Iterator
+
+import torch
+
+from .fingerprint import file_digest, is_installed_path
+
+__all__ = ["recording_sources", "record", "check", "empty"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_EXAMPLES_DIR = os.path.join(_PACKAGE_DIR, "examples") + os.sep
+_TORCH_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                    for m in (torch,) + tuple(sys.modules[n] for n in ("torchgen", "functorch") if n in sys.modules))
+_STDLIB_DIRS = tuple(sorted({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib")}))
+
+
+def empty() -> dict:
+    return {"files": [], "distributions": [], "tensors": []}
+
+
+# ---------------------------------------------------------------------------- recording
+def _observer_codes() -> frozenset:
+    """Functions whose callees only observe the trace: import finders (they decide where a
+    module comes from; the module's own code, run by the import, is recorded), logging
+    handlers and warning display (a build under a test runner logs through its plugins)."""
+    import logging
+    import warnings
+
+    bootstrap = sys.modules.get("_frozen_importlib") or importlib._bootstrap
+    return frozenset(id(f.__code__) for f in (bootstrap._find_spec, logging.Logger.callHandlers,
+                                              warnings._showwarnmsg))  # live functions: ids stay valid
+
+
+class _Depth(threading.local):
+    depth = 0
+
+
+@contextlib.contextmanager
+def recording_sources() -> Iterator[set[str]]:
+    """Collect ``co_filename`` of every Python function called in this block (and in threads
+    it starts). A global trace function sees each call once and returns None, so no line
+    events follow; one already installed (a debugger, coverage) is chained, not replaced."""
+    files: set[str] = set()
+    previous = sys.gettrace()
+    previous_threads = threading.gettrace()
+    observers = _observer_codes()
+    inside = _Depth()  # observer frames open on this thread
+    record = files.add
+
+    def leave(frame, event, arg):
+        if event == "return":
+            inside.depth -= 1
+        return leave
+
+    def trace(frame, event, arg):  # runs on every call: keep it short
+        code = frame.f_code
+        if id(code) in observers:
+            inside.depth += 1
+            return leave
+        if not inside.depth:
+            record(code.co_filename)
+        return previous(frame, event, arg) if previous is not None else None
+
+    sys.settrace(trace)
+    threading.settrace(trace)
+    try:
+        yield files
+    finally:
+        sys.settrace(previous)
+        threading.settrace(previous_threads)
+
+
+def _guarded(path: str) -> bool:
+    """Code whose file a guard must cover: not stdlib, torch or spmd-aot's own (keyed) modules."""
+    if path.startswith(_TORCH_DIRS):
+        return False
+    if path.startswith(_PACKAGE_DIR + os.sep):
+        return path.startswith(_EXAMPLES_DIR)  # examples are user code
+    if path.startswith(_STDLIB_DIRS) and not is_installed_path(path):
+        return False
+    return os.path.isfile(path)
+
+
+def record(ran: set[str], key) -> dict:
+    """The guards of one trace: the files in ``ran`` that need one, their distributions, and
+    the value of every real tensor the key met outside parameters and buffers."""
+    files, dists = set(), set()
+    packages = None
+    for name in ran:
+        if not name or name.startswith("<"):
+            continue  # frozen modules, exec'd code: bytecode in the key covers what is reachable
+        path = os.path.abspath(name)
+        if not _guarded(path):
+            continue
+        digest = file_digest(path)
+        if digest is None:
+            continue
+        rel = relative_name(path)
+        files.add((rel, digest))
+        if is_installed_path(path):
+            if packages is None:
+                packages = importlib.metadata.packages_distributions()
+            top = rel.split("/")[0].removesuffix(".py")
+            for dist in packages.get(top, ()):
+                version = _version(dist)
+                if version is not None:
+                    dists.add((dist, version))
+    tensors = {(path, value_digest(t)) for path, t in key.tensors.items() if _has_value(t)}
+    return {"files": sorted(map(list, files)), "distributions": sorted(map(list, dists)),
+            "tensors": sorted(map(list, tensors))}
+
+
+# ---------------------------------------------------------------------------- checking
+def check(guards: dict, key) -> str | None:
+    """Why the live process differs from the trace that recorded ``guards``, or None."""
+    for name, version in guards["distributions"]:
+        live = _version(name)
+        if live != version:
+            return (f"installed distribution {name} is {live or 'not installed'} here; the entry "
+                    f"was traced with {name} {version}")
+    for rel, digest in guards["files"]:
+        candidates = _locate(rel)
+        if not candidates:
+            return f"{rel}, whose code ran while tracing, is not found here"
+        for path in candidates:
+            if file_digest(path) != digest:
+                return f"{rel} changed since the entry was traced (its code ran while tracing; now {path})"
+    for path, digest in guards["tensors"]:
+        t = key.tensors.get(path)
+        if t is None or not _has_value(t):
+            return f"tensor {path}, whose value the trace may have baked in, is {'gone' if t is None else 'fake'} here"
+        if value_digest(t) != digest:
+            return f"tensor {path} has another value than the one the trace may have baked in"
+    return None
+
+
+# ---------------------------------------------------------------------------- files
+def _roots() -> list[str]:
+    return [os.path.abspath(p or os.curdir) + os.sep for p in sys.path if isinstance(p, str)]
+
+
+def relative_name(path: str) -> str:
+    """``path`` relative to the deepest ``sys.path`` entry holding it, else its file name
+    (with its package folder for an ``__init__.py``)."""
+    best = ""
+    for root in _roots():
+        if path.startswith(root) and len(root) > len(best):
+            best = root
+    if best:
+        return path[len(best):]
+    head, name = os.path.split(path)
+    return f"{os.path.basename(head)}/{name}" if name == "__init__.py" else name
+
+
+_INDEX: tuple[int, dict[str, list[str]]] = (-1, {})
+
+
+def _loaded_files() -> dict[str, list[str]]:
+    """File name -> absolute paths of the loaded modules' files (rebuilt when modules come or go)."""
+    global _INDEX
+    modules = list(sys.modules.values())
+    if _INDEX[0] != len(modules):
+        index: dict[str, list[str]] = {}
+        for m in modules:
+            f = getattr(m, "__file__", None)
+            if isinstance(f, str):
+                p = os.path.abspath(f)
+                index.setdefault(os.path.basename(p), []).append(p)
+        _INDEX = (len(modules), index)
+    return _INDEX[1]
+
+
+def _locate(rel: str) -> list[str]:
+    """The live files ``rel`` can name: the module an import of that name gives (usually
+    loaded already), else every loaded module's file ending in it, else the first ``sys.path``
+    entry that holds it (where an import would find it)."""
+    name = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None)
+    if isinstance(path, str) and os.path.abspath(path).endswith(os.sep + rel):
+        return [os.path.abspath(path)]
+    found = sorted({p for p in _loaded_files().get(os.path.basename(rel), ())
+                    if p == rel or p.endswith(os.sep + rel)})
+    if found:
+        return found
+    for root in _roots():
+        if os.path.isfile(root + rel):
+            return [root + rel]
+    return []
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------------------- tensors
+def _has_value(t: torch.Tensor) -> bool:
+    return not isinstance(t, torch._subclasses.FakeTensor) and t.device.type != "meta"
+
+
+def value_digest(t: torch.Tensor) -> str:
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    t = t.detach().cpu().contiguous().clone()  # a fresh storage of exactly its bytes
+    h = hashlib.sha256(f"{t.dtype}{list(t.shape)}".encode())
+    h.update(bytes(t.untyped_storage()))
+    return h.hexdigest()
