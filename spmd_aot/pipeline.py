@@ -20,7 +20,7 @@ from .artifact import encode_artifact, layout_entries, read_artifact, store_arti
 from .errors import CorruptArtifactError, UnsupportedError
 from .key import CacheKey
 from .override import Override, swapped_submodules
-from .passes import collective_stats, dedupe_collectives, remove_detach, strip_profiler_ops
+from .passes import collective_stats, dedupe_collectives, prefetch_groups, remove_detach, strip_profiler_ops
 from .plan import Plan
 from .state import TrainState
 from .trace import trace_step
@@ -52,6 +52,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     strip_profiler_ops(gm)
     remove_detach(gm)
     dedupe_collectives(gm)
+    prefetch_groups(gm)
     slots = state.slots()
     layout = layout_entries(slots, plan)
     for override in transforms.module_override:
@@ -60,7 +61,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
         gm = _checked(transforms.gm_transformation(gm), gm, "gm_transformation")
     traced.gm = gm
     stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm)}
-    _check_collectives(stats, slots, plan)
+    _check_collectives(stats, slots, plan, traced.groups)
     stats["trace_seconds"] = round(time.perf_counter() - start, 4)
     return encode_artifact(traced, key, plan, slots, stats)
 
@@ -74,14 +75,13 @@ def _checked(result, gm, who: str) -> torch.fx.GraphModule:
     return out
 
 
-def _check_collectives(stats: dict, slots, plan: Plan) -> None:
-    """Refuse graphs with more gradient collectives than the placement needs."""
+def _check_collectives(stats: dict, slots, plan: Plan, groups=()) -> None:
+    """Refuse graphs with more gradient collectives than the placement needs: under shard one
+    all_gather per group (two when it is gathered again in backward) and one reduce_scatter."""
     grads = [s for s in slots if s.kind == "param" and s.requires_grad]
-    sharded = sum(1 for s in grads if s.layout and s.layout.placement == "shard")
     kinds = stats["by_kind"]
-    limits = {"all_gather_into_tensor": sum(1 for s in slots if s.kind == "param" and s.layout
-                                            and s.layout.placement == "shard"),
-              "reduce_scatter_tensor": sharded}
+    limits = {"all_gather_into_tensor": sum(2 if g.reshard else 1 for g in groups),
+              "reduce_scatter_tensor": len(groups)}
     if plan.placement == "replicate":
         limits["all_reduce"] = len(grads)
     for kind, limit in limits.items():

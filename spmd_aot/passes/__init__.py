@@ -2,5 +2,7 @@
 
 from .cleanup import remove_detach, strip_profiler_ops
 from .collectives import collective_stats, dedupe_collectives, is_collective
+from .prefetch import prefetch_groups
 
-__all__ = ["strip_profiler_ops", "remove_detach", "collective_stats", "dedupe_collectives", "is_collective"]
+__all__ = ["strip_profiler_ops", "remove_detach", "collective_stats", "dedupe_collectives", "is_collective",
+           "prefetch_groups"]
