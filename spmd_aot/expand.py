@@ -92,7 +92,8 @@ class Expander:
 
         shape = (layout.local_shape[0] * layout.shards,) + tuple(layout.local_shape[1:]) \
             if layout.placement == "shard" else tuple(layout.global_shape)
-        stride = torch.empty(shape, device="meta").stride()
+        # computed, not read off a meta tensor: a factory call here would be traced (a dead node)
+        stride = torch._prims_common.make_contiguous_strides_for(shape)
         return DTensor.from_local(local, self.mesh, self._placements(layout), run_check=False,
                                   shape=torch.Size(shape), stride=stride)
 

@@ -19,6 +19,7 @@ import torch
 from .artifact import encode_artifact, layout_entries, read_artifact, store_artifact
 from .errors import CorruptArtifactError, UnsupportedError
 from .key import CacheKey
+from .memory import graph_peak_bytes
 from .override import Override, swapped_submodules
 from .passes import collective_stats, dedupe_collectives, prefetch_groups, remove_detach, strip_profiler_ops
 from .plan import Plan
@@ -60,7 +61,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     if transforms.gm_transformation is not None:
         gm = _checked(transforms.gm_transformation(gm), gm, "gm_transformation")
     traced.gm = gm
-    stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm)}
+    stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm), "peak_bytes": graph_peak_bytes(gm)}
     _check_collectives(stats, slots, plan, traced.groups)
     stats["trace_seconds"] = round(time.perf_counter() - start, 4)
     return encode_artifact(traced, key, plan, slots, stats)
