@@ -41,7 +41,7 @@ FORMAT_VERSION = 1
 _PACKAGE_DIR = pathlib.Path(__file__).parent
 # spmd-aot's own modules whose code decides what graph gets stored.
 _GRAPH_PRODUCING_MODULES = ("trace.py", "expand.py", "state.py", "serialize.py", "passes", "override.py",
-                            "pipeline.py", "sharding.py")
+                            "pipeline.py", "sharding.py", "groups.py", "memory.py")
 
 
 @dataclasses.dataclass(frozen=True)
