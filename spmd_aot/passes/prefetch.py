@@ -25,6 +25,11 @@ def group_gathers(gm: torch.fx.GraphModule, phase: str) -> list[torch.fx.Node]:
 
 def prefetch_groups(gm: torch.fx.GraphModule) -> int:
     """Hoist each group all_gather to right after the previous one's wait. Returns how many moved."""
+    nodes = list(gm.graph.nodes)
+    # Positions, kept valid as nodes move: moved nodes get fractions between their wait (waits
+    # never move, so keep integer positions) and its successor; no pass over the graph per
+    # move (80 layers: 160 moves over 35k nodes).
+    order: dict[torch.fx.Node, float] = {n: float(i) for i, n in enumerate(nodes)}
     moved = 0
     for phase in ("forward", "backward"):
         gathers = group_gathers(gm, phase)
@@ -32,16 +37,16 @@ def prefetch_groups(gm: torch.fx.GraphModule) -> int:
             waits = [u for u in prev.users if getattr(u.target, "__name__", "").startswith("wait_tensor")]
             if len(waits) != 1:
                 continue
-            anchor = waits[0]
-            order = {n: i for i, n in enumerate(gm.graph.nodes)}
-            if order[nxt] < order[anchor]:
+            anchor = wait = waits[0]
+            if order[nxt] < order[wait]:
                 continue
-            closure = _dependencies_after(nxt, order, order[anchor])
-            if _written_between(gm, order, order[anchor], order[nxt], closure):
+            closure = _dependencies_after(nxt, order, order[wait])
+            if _written_between(nodes[int(order[wait]) + 1: int(order[nxt])], closure):
                 continue
-            for node in sorted(closure, key=order.__getitem__):
+            for k, node in enumerate(sorted(closure, key=order.__getitem__)):
                 anchor.append(node)
                 anchor = node
+                order[node] = order[wait] + (k + 1) / (len(closure) + 1)
             moved += 1
     if moved:
         gm.graph.lint()
@@ -74,10 +79,10 @@ def _root(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-def _written_between(gm, order: dict, start: int, end: int, closure: set) -> bool:
-    """Whether an in-place op between two positions writes to what the moved nodes read."""
+def _written_between(between, closure: set) -> bool:
+    """Whether an in-place op among ``between`` writes to what the moved nodes read."""
     read = {_root(i) for n in closure for i in n.all_input_nodes if i not in closure}
-    for n in list(gm.graph.nodes)[start + 1:end]:
+    for n in between:
         schema = getattr(n.target, "_schema", None)
         if schema is None or not schema.is_mutable:
             continue
