@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     print(f"{args.layers} layers, world {args.world}, {args.placement}: built in {seconds:.1f} s, "
           f"peak RSS {rss_gb:.2f} GB, {built.stats['nodes']} nodes, collectives {built.stats['by_kind']}, "
-          f"estimated peak live tensors {built.stats['peak_bytes'] / 2**30:.2f} GiB per rank")
+          f"estimated peak live tensors {built.stats.get('peak_bytes', 0) / 2**30:.2f} GiB per rank")
     return 0
 
 
