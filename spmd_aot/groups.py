@@ -212,9 +212,15 @@ class _Regathered:
     offset: int
 
     def unpack(self) -> torch.Tensor:
+        """The saved view, rebuilt on the re-gathered parameter: itself, its transpose (what
+        ``linear`` saves), else the same strides via ``as_strided``."""
         base = self.owner.regathered(self.index)
-        if base.shape == self.size and base.stride() == self.stride and base.storage_offset() == self.offset:
-            return base
+        size, stride = tuple(base.shape), tuple(base.stride())
+        if self.offset == base.storage_offset():
+            if (self.size, self.stride) == (size, stride):
+                return base
+            if base.dim() == 2 and (self.size, self.stride) == (size[::-1], stride[::-1]):
+                return base.t()
         return torch.as_strided(base, self.size, self.stride, self.offset)
 
 
