@@ -510,6 +510,10 @@ def _print_manifest(store, key: str, digest: str, m: dict) -> None:
     print(f"collectives:  {stats.get('collectives', '?')}" + (f" ({by_kind})" if by_kind else ""))
     print(f"bytes/step:   {stats.get('bytes_per_step', '?')} (each rank sends into collectives)")
     print(f"trace time:   {stats.get('trace_seconds', '?')} s")
+    if "peak_bytes" in stats:
+        print(f"peak memory:  {_human_bytes(stats['peak_bytes'])} of live tensors per rank, estimated from the "
+              "graph (inputs, state and intermediates until their last use; tools/bench_memory.py "
+              "measures eager FSDP2 the same way)")
     _print_communication(stats.get("comm"))
     print("blobs:")
     for name, d in [("manifest", digest), *m["blobs"].items()]:

@@ -10,8 +10,9 @@ the optimizer, ``model.parameters()`` and gradient clipping see) and is turned i
   plain tensors.
 - ``shard`` (FSDP2/ZeRO-3; HSDP on a 2-D mesh): the leaf is a ``Shard(0)`` DTensor over a
   *padded* local shard (dim 0 rounded up to a multiple of the shard count, as FSDP2 pads),
-  so every rank runs the same graph even when dim 0 does not divide; compute all-gathers it
-  (``redistribute`` to Replicate), and the gradient is reduce-scattered back. The optimizer
+  so every rank runs the same graph even when dim 0 does not divide; its compute tensor comes
+  from its communication group (``groups.py``: one all_gather per group, gradients
+  reduce-scattered per group). The optimizer
   and ``clip_grad_norm_`` run on DTensors, which makes the norm global with one all_reduce.
   Parameters kept whole under ``shard`` are Replicate DTensors whose gradient is averaged
   with one all_reduce.
@@ -92,7 +93,8 @@ class Expander:
 
         shape = (layout.local_shape[0] * layout.shards,) + tuple(layout.local_shape[1:]) \
             if layout.placement == "shard" else tuple(layout.global_shape)
-        stride = torch.empty(shape, device="meta").stride()
+        # computed, not read off a meta tensor: a factory call here would be traced (a dead node)
+        stride = torch._prims_common.make_contiguous_strides_for(shape)
         return DTensor.from_local(local, self.mesh, self._placements(layout), run_check=False,
                                   shape=torch.Size(shape), stride=stride)
 
@@ -113,9 +115,7 @@ class Expander:
             dt = DTensor.from_local(leaf, self.mesh, [Replicate()] * ndim, run_check=False)
             return dt.to_local(grad_placements=avg)
         if layout.placement == "shard":
-            full = leaf.redistribute(self.mesh, [Replicate()] * ndim).to_local(grad_placements=avg)
-            rows = layout.global_shape[0]
-            return full.narrow(0, 0, rows) if full.shape[0] != rows else full
+            raise AssertionError("a sharded parameter's compute tensor comes from its group (groups.py)")
         if not leaf.requires_grad:
             return leaf.to_local()
         # Replicate DTensor leaf: one all_reduce over every rank when its Partial gradient

@@ -22,9 +22,10 @@ from .artifact import encode_artifact, layout_entries, read_artifact, store_arti
 from .errors import CorruptArtifactError, UnsupportedError
 from .key import CacheKey
 from .lookup import find_entry
+from .memory import graph_peak_bytes
 from .override import Override, swapped_submodules
-from .passes import (bucket_gradient_all_reduces, collective_stats, dedupe_collectives, remove_detach,
-                     sink_waits, strip_profiler_ops)
+from .passes import (bucket_gradient_all_reduces, collective_stats, dedupe_collectives, prefetch_groups,
+                     remove_detach, sink_waits, strip_profiler_ops)
 from .plan import Plan
 from .state import TrainState
 from .trace import trace_step
@@ -59,6 +60,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
         strip_profiler_ops(gm)
         remove_detach(gm)
         dedupe_collectives(gm)
+        prefetch_groups(gm)
         if plan.placement == "replicate" and plan.world_size > 1:
             bucket_gradient_all_reduces(gm, plan.bucket_cap_mb, plan.first_bucket_cap_mb,
                                         traced.gradient_collectives)
@@ -70,8 +72,9 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
             gm = _checked(transforms.gm_transformation(gm), gm, "gm_transformation")
     sink_waits(gm)  # after user transformations too: they may add collectives
     traced.gm = gm
-    stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm, traced.gradient_collectives)}
-    _check_collectives(stats, slots, plan)
+    stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm, traced.gradient_collectives),
+             "peak_bytes": graph_peak_bytes(gm)}
+    _check_collectives(stats, slots, plan, traced.groups)
     stats["trace_seconds"] = round(time.perf_counter() - start, 4)
     recorded = guards.record(ran, key)
     log.debug("key %s: guarding %d files, %d distributions, %d tensor values", key.key[:12],
@@ -88,14 +91,13 @@ def _checked(result, gm, who: str) -> torch.fx.GraphModule:
     return out
 
 
-def _check_collectives(stats: dict, slots, plan: Plan) -> None:
-    """Refuse graphs with more gradient collectives than the placement needs."""
+def _check_collectives(stats: dict, slots, plan: Plan, groups=()) -> None:
+    """Refuse graphs with more gradient collectives than the placement needs: under shard one
+    all_gather per group (two when it is gathered again in backward) and one reduce_scatter."""
     grads = [s for s in slots if s.kind == "param" and s.requires_grad]
-    sharded = sum(1 for s in grads if s.layout and s.layout.placement == "shard")
     kinds = stats["by_kind"]
-    limits = {"all_gather_into_tensor": sum(1 for s in slots if s.kind == "param" and s.layout
-                                            and s.layout.placement == "shard"),
-              "reduce_scatter_tensor": sharded}
+    limits = {"all_gather_into_tensor": sum(2 if g.reshard else 1 for g in groups),
+              "reduce_scatter_tensor": len(groups)}
     if plan.placement == "replicate":
         limits["all_reduce"] = len(grads)
     for kind, limit in limits.items():

@@ -23,6 +23,7 @@ from torch.nn.utils import stateless
 
 from .errors import UnsupportedError
 from .expand import Expander
+from .groups import GroupGather, ParamGroup, assign_groups, resharding
 from .plan import Plan
 from .state import TrainState
 
@@ -36,6 +37,7 @@ class TracedStep:
     out_constants: dict[int, Any]  # output leaf index -> non-tensor value returned by the step
     group_names: dict[str, int | str]  # traced process-group name -> mesh dimension or "world"
     gradient_collectives: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> param FQN
+    groups: list[ParamGroup] = dataclasses.field(default_factory=list)  # shard communication groups
 
 
 _MESHES: dict[tuple, Any] = {}
@@ -108,6 +110,9 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
         by_kind.setdefault(s.kind, []).append(i)
     param_slots = [slots[i] for i in by_kind.get("param", [])]
     sync_buffers = plan.placement == "replicate" and plan.world_size > 1 and mesh is not None
+    sharded = [i for i, s in enumerate(param_slots) if expander.dtensor_leaves and s.layout.placement == "shard"]
+    groups = assign_groups(state.model, plan, [(param_slots[i].fqn, param_slots[i].dtype) for i in sharded])
+    slot_of = {param_slots[i].fqn: i for i in sharded}
     out_info: dict[str, Any] = {}
 
     def flat_step(*flat):
@@ -135,9 +140,12 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
         # the optimizer runs under no_grad, so nothing is recorded for it.
         lrs = {i: lr.detach().requires_grad_(True) for i, lr in zip(hyper_groups, take("hyper"))}
         batch = pytree.tree_unflatten(take("batch"), state.batch_spec)
-        computes = _ComputeOnAccess(leaves, [s.layout for s in param_slots], expander)
+        gathers = [GroupGather(g, [leaves[slot_of[f]] for f in g.fqns], [param_slots[slot_of[f]].layout
+                                                                           for f in g.fqns], mesh)
+                   for g in groups]
+        computes = _ComputeOnAccess(leaves, [s.layout for s in param_slots], expander, gathers)
         with (transform_model() if transform_model else contextlib.nullcontext()), \
-                stateless._reparametrize_module(state.model, bindings), computes, \
+                stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
                 _optimizer_swapped(state.optim, by_real, traced_state, lrs), where.tracking(state.model):
             result = step(state.model, state.optim, batch)
         stale = [names[0] for (names, _), leaf in zip(state.params, leaves) if leaf.grad is not None]
@@ -169,7 +177,7 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
             f"{_first_lines(str(exc))}"
         ) from exc
     return TracedStep(gm, out_info["spec"], out_info["constants"], _group_names(gm, mesh, plan),
-                      gradient_collectives)
+                      gradient_collectives, groups)
 
 
 _VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default,
@@ -268,22 +276,27 @@ class _ComputeOnAccess:
     ``model.parameters()`` keeps yielding the leaves (for the optimizer and gradient
     clipping); ``module.weight`` goes through ``nn.Module.__getattr__`` and gets the tensor
     to compute with, made on first access, so an all-gather sits right before the first use.
+    A parameter in a communication group gets it from its group (the first access gathers
+    the whole group).
     """
 
-    def __init__(self, leaves, layouts, expander):
+    def __init__(self, leaves, layouts, expander, gathers=()):
         self.layouts = {id(leaf): (leaf, layout) for leaf, layout in zip(leaves, layouts)}
         self.expander = expander
         self.computed: dict[int, torch.Tensor] = {}
+        self.gathers = {id(leaf): g for g in gathers for leaf in g.leaves}
 
     def __enter__(self):
         self.original = original = torch.nn.Module.__getattr__
-        layouts, computed, expander = self.layouts, self.computed, self.expander
+        layouts, computed, expander, gathers = self.layouts, self.computed, self.expander, self.gathers
 
         def getattr_compute(module, name):
             value = original(module, name)
             entry = layouts.get(id(value))
             if entry is None:
                 return value
+            if id(value) in gathers:
+                return gathers[id(value)].compute(value)
             if id(value) not in computed:
                 computed[id(value)] = expander.compute(*entry)
             return computed[id(value)]

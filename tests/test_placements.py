@@ -22,11 +22,11 @@ def _artifact(tmp_path, built):
 
 
 # ---------------------------------------------------------------- graph checks
-def test_shard_graph_gathers_and_scatters_once_per_parameter_with_uneven_shards(tmp_path):
-    # MLP(12, 24, 5): the head has 5 rows over 4 shards -> shards of 2, 2, 1, 0 rows (padded to 2)
+def test_shard_graph_gathers_and_scatters_once_per_group_with_uneven_shards(tmp_path):
+    # MLP(12, 24, 5): the head has 5 rows over 4 shards -> shards of 2, 2, 1, 0 rows (padded to 2).
+    # No ModuleList/Sequential: all 6 parameters form the root group (never resharded)
     built = spmd_aot.build(_job(), world_size=4, placement="shard", cache_dir=tmp_path)
-    n_params = 6
-    assert built.stats["by_kind"] == {"all_gather_into_tensor": n_params, "reduce_scatter_tensor": n_params}
+    assert built.stats["by_kind"] == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
     art = _artifact(tmp_path, built)
     params = {s["fqn"]: s for s in art.layout["inputs"] if s["kind"] == "param"}
     head = params["head.weight"]
@@ -41,7 +41,7 @@ def test_shard_graph_gathers_and_scatters_once_per_parameter_with_uneven_shards(
 
 def test_hsdp_graph_reduces_over_both_mesh_dimensions(tmp_path):
     built = spmd_aot.build(_job(), world_size=4, placement="shard", mesh_shape=(2, 2), cache_dir=tmp_path)
-    assert built.stats["by_kind"] == {"all_gather_into_tensor": 6, "reduce_scatter_tensor": 6, "all_reduce": 6}
+    assert built.stats["by_kind"] == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "all_reduce": 1}
     art = _artifact(tmp_path, built)
     head = next(s for s in art.layout["inputs"] if s["fqn"] == "head.weight")
     assert head["placement"] == ["Replicate()", "Shard(0)"] and head["shard_rows"] == [3, 2]
@@ -52,7 +52,7 @@ def test_hsdp_graph_reduces_over_both_mesh_dimensions(tmp_path):
 def test_param_placements_keep_matching_parameters_whole(tmp_path):
     built = spmd_aot.build(_job(), world_size=2, placement="shard", cache_dir=tmp_path,
                            param_placements={"*.bias": "replicate"})
-    assert built.stats["by_kind"] == {"all_gather_into_tensor": 3, "reduce_scatter_tensor": 3, "all_reduce": 3}
+    assert built.stats["by_kind"] == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "all_reduce": 3}
     art = _artifact(tmp_path, built)
     bias = next(s for s in art.layout["inputs"] if s["fqn"] == "head.bias")
     assert bias["placement"] == ["Replicate()"] and bias["local_shape"] == [5]
@@ -310,8 +310,9 @@ def test_builds_in_one_process_leave_no_process_group_residue(tmp_path):
 def test_hsdp_reduces_whole_parameters_with_one_all_reduce_over_the_world(tmp_path):
     built = spmd_aot.build(_job(), world_size=4, placement="shard", mesh_shape=(2, 2), cache_dir=tmp_path,
                            param_placements={"*.bias": "replicate"})
-    # 3 sharded weights: gather + scatter + replica all_reduce; 3 whole biases: one all_reduce each
-    assert built.stats["by_kind"] == {"all_gather_into_tensor": 3, "reduce_scatter_tensor": 3, "all_reduce": 6}
+    # 3 sharded weights in one group: gather + scatter + replica all_reduce; 3 whole biases: one
+    # all_reduce each
+    assert built.stats["by_kind"] == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "all_reduce": 4}
     groups = [e["group"] for e in _artifact(tmp_path, built).schema["nodes"].values()
               if e.get("collective") == "all_reduce"]
-    assert sorted(groups, key=str) == [0, 0, 0, "world", "world", "world"]
+    assert sorted(groups, key=str) == [0, "world", "world", "world"]

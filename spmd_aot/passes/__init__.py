@@ -3,7 +3,8 @@
 from .buckets import bucket_gradient_all_reduces
 from .cleanup import remove_detach, strip_profiler_ops
 from .collectives import collective_stats, dedupe_collectives, is_collective
+from .prefetch import prefetch_groups
 from .schedule import sink_waits
 
 __all__ = ["strip_profiler_ops", "remove_detach", "collective_stats", "dedupe_collectives", "is_collective",
-           "bucket_gradient_all_reduces", "sink_waits"]
+           "bucket_gradient_all_reduces", "prefetch_groups", "sink_waits"]

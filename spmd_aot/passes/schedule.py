@@ -16,12 +16,15 @@ _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def sink_waits(gm: torch.fx.GraphModule) -> int:
-    """Move every ``wait_tensor`` to just before its first user. Returns how many moved."""
+    """Move every ``wait_tensor`` to just before its first user. Returns how many moved.
+
+    Waits of shard group gathers (``meta["comm"]["phase"]``) stay where ``prefetch_groups``
+    put them: it bounds how many groups are gathered at once."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     moved = 0
     for node in nodes:
-        if node.target is not _WAIT or not node.users:
+        if node.target is not _WAIT or not node.users or _scheduled(node):
             continue
         first = min(node.users, key=order.__getitem__)
         if first.op == "output" or first is node.next:
@@ -32,3 +35,8 @@ def sink_waits(gm: torch.fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return moved
+
+
+def _scheduled(wait: torch.fx.Node) -> bool:
+    source = wait.args[0] if wait.args else None
+    return isinstance(source, torch.fx.Node) and "phase" in (source.meta.get("comm") or {})
