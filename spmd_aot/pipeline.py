@@ -66,11 +66,14 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
                                         traced.gradient_collectives)
         slots = state.slots()
         layout = layout_entries(slots, plan)
+        if transforms.module_override or transforms.gm_transformation is not None:
+            gm.recompile()  # user transformations may read gm.code or call gm
         for override in transforms.module_override:
             gm = _checked(override.transform(gm, layout), gm, type(override).__qualname__)
         if transforms.gm_transformation is not None:
             gm = _checked(transforms.gm_transformation(gm), gm, "gm_transformation")
     sink_waits(gm)  # after user transformations too: they may add collectives
+    gm.recompile()  # passes edit gm.graph only; the stored code is generated once, here
     traced.gm = gm
     stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm, traced.gradient_collectives),
              "peak_bytes": graph_peak_bytes(gm)}

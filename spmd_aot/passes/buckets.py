@@ -99,7 +99,6 @@ def bucket_gradient_all_reduces(gm: torch.fx.GraphModule, cap_mb: float, first_c
             bucket.members[0].meta["comm"] = {"label": bucket.label, "params": params}
             buckets.append(bucket)
     graph.lint()
-    gm.recompile()
     return buckets
 
 

@@ -21,7 +21,6 @@ def strip_profiler_ops(gm: torch.fx.GraphModule) -> int:
                 raise AssertionError(f"profiler node {node.name} feeds {list(node.users)}")
             gm.graph.erase_node(node)
             removed += 1
-    gm.recompile()
     return removed
 
 
@@ -38,6 +37,4 @@ def remove_detach(gm: torch.fx.GraphModule) -> int:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             removed += 1
-    if removed:
-        gm.recompile()
     return removed

@@ -47,8 +47,6 @@ def dedupe_collectives(gm: torch.fx.GraphModule) -> int:
         gm.graph.erase_node(wait)
         gm.graph.erase_node(node)
         removed += 1
-    if removed:
-        gm.recompile()
     return removed
 
 

@@ -50,7 +50,6 @@ def prefetch_groups(gm: torch.fx.GraphModule) -> int:
             moved += 1
     if moved:
         gm.graph.lint()
-        gm.recompile()
     return moved
 
 

@@ -33,7 +33,6 @@ def sink_waits(gm: torch.fx.GraphModule) -> int:
         moved += 1
     if moved:
         gm.graph.lint()
-        gm.recompile()
     return moved
 
 
