@@ -23,7 +23,7 @@ from .pipeline import Transforms, trace_and_store
 from .plan import Plan
 from .state import TrainState, initialize_optimizer_state
 from .store import open_store
-from .trace import device_mesh, fake_world
+from .mesh import device_mesh, fake_world
 
 __all__ = ["build", "job_key", "BuildResult", "local_batch"]
 

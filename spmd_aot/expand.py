@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from .mesh import device_mesh
 from .plan import Plan
 
 __all__ = ["TensorLayout", "layout_for", "Expander"]
@@ -76,8 +77,6 @@ class Expander:
         self.dtensor_leaves = plan.world_size > 1 and plan.placement == "shard"
         self.world_mesh = mesh
         if mesh is not None and mesh.ndim > 1:  # made before tracing: meshes cannot be traced
-            from .trace import device_mesh
-
             self.world_mesh = device_mesh(Plan(plan.world_size, "replicate", plan.device_type))
 
     def _placements(self, layout: TensorLayout):

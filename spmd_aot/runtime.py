@@ -36,7 +36,7 @@ from .state import TrainState, initialize_optimizer_state
 from .store import open_store
 from .store.gc import reading, touch_used
 from .store.memory import MemoryStore
-from .trace import device_mesh
+from .mesh import device_mesh
 
 __all__ = ["compile", "CompiledStep", "CacheInfo"]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import sys
 from collections import defaultdict
 from typing import Any, Callable
 from unittest import mock
@@ -27,7 +26,7 @@ from .groups import GroupGather, ParamGroup, assign_groups, resharding
 from .plan import Plan
 from .state import TrainState
 
-__all__ = ["TracedStep", "trace_step", "device_mesh", "fake_world"]
+__all__ = ["TracedStep", "trace_step"]
 
 
 @dataclasses.dataclass
@@ -38,60 +37,6 @@ class TracedStep:
     group_names: dict[str, int | str]  # traced process-group name -> mesh dimension or "world"
     gradient_collectives: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> param FQN
     groups: list[ParamGroup] = dataclasses.field(default_factory=list)  # shard communication groups
-
-
-_MESHES: dict[tuple, Any] = {}
-
-
-def device_mesh(plan: Plan):
-    """The mesh over the default process group (fake at build time, live at job start).
-
-    One mesh per shape and default group per process: a new mesh means new process groups
-    (collective calls on every rank), and DTensor caches decisions across equal meshes.
-    """
-    if plan.world_size == 1:
-        return None
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    key = (plan.device_type, plan.mesh_shape, id(dist.group.WORLD), dist.group.WORLD.group_name)
-    if key not in _MESHES:
-        ranks = torch.arange(plan.world_size).reshape(plan.mesh_shape)
-        _MESHES[key] = DeviceMesh(plan.device_type, ranks)
-    return _MESHES[key]
-
-
-@contextlib.contextmanager
-def fake_world(world_size: int):
-    """A fake default process group of ``world_size`` ranks, so a CPU box can build for 64."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("spmd-aot build needs no process group; one is already initialized")
-    excepthook = sys.excepthook  # init_process_group wraps it (a "[rank0]:" prefix) every time
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        yield
-    finally:
-        _forget_meshes()
-        dist.destroy_process_group()
-        sys.excepthook = excepthook
-
-
-def _forget_meshes() -> None:
-    """Drop every reference to the fake groups about to be destroyed: our meshes and DTensor's
-    caches of sharding and redistribution decisions, which hold meshes (and so their groups)
-    and would hand a later build a destroyed group for an equal mesh."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
-
-    _MESHES.clear()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    type(propagator)._propagate_tensor_meta_cached.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
-    _redistribute._gen_transform_infos.cache_clear()
 
 
 def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list[torch.Tensor],

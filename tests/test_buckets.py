@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import spmd_aot
-from jobs import ddp_bucket_count, eager_ddp, fresh_objects, make_batch, make_job, MODELS, OPTIMIZERS
+from jobs import ddp_bucket_count, fresh_objects, make_batch, make_job, MODELS, OPTIMIZERS
 from multiproc import run_ranks
 from spmd_aot.examples.models import train_step
 from spmd_aot.passes.buckets import assign_buckets

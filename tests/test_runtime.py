@@ -15,7 +15,8 @@ from spmd_aot.examples.models import train_step
 def _fresh_vs_loaded_worker(rank, world, cache_dir):
     from spmd_aot.plan import Plan
     from spmd_aot.state import TrainState, initialize_optimizer_state
-    from spmd_aot.trace import device_mesh, trace_step
+    from spmd_aot.mesh import device_mesh
+    from spmd_aot.trace import trace_step
 
     # fresh: the traced GraphModule itself, never serialized
     model, optim = fresh_objects("transformer", "adamw")

@@ -27,7 +27,7 @@ from spmd_aot.pipeline import trace_to_blobs
 from spmd_aot.plan import Plan
 from spmd_aot.state import TrainState, initialize_optimizer_state
 from spmd_aot.store import LocalStore
-from spmd_aot.trace import device_mesh, fake_world
+from spmd_aot.mesh import device_mesh, fake_world
 
 
 fake_mode = FakeTensorMode()
