@@ -4,7 +4,7 @@ the cache they live in.
     spmd-aot build train.py:job --world-size 2 --world-size 8 [--placement replicate] [--device cpu]
     spmd-aot ls
     spmd-aot show 6580734a [--code]
-    spmd-aot verify
+    spmd-aot verify                                     spmd-aot ops
     spmd-aot explain train.py:job --world-size 8 [--placement replicate]
     spmd-aot push [REF...] --to s3://bucket/prefix      spmd-aot pull [REF...] --from s3://bucket/prefix
     spmd-aot export REF... -o bundle.tar                spmd-aot import bundle.tar
@@ -104,8 +104,11 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("verify", parents=[common],
-                       help="re-hash every blob and read every artifact; exit 1 on any problem")
+                       help="re-hash every blob and run every load check on every artifact; exit 1 on any problem")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("ops", help="list the operator overloads a stored graph may call (the op allowlist)")
+    p.set_defaults(func=cmd_ops)
 
     p = sub.add_parser("explain", parents=[common],
                        help="say whether a job's configuration is cached, and if not, why not",
@@ -465,7 +468,9 @@ def _print_manifest(store, key: str, digest: str, m: dict) -> None:
 
 # ---------------------------------------------------------------------------- verify
 def cmd_verify(args) -> int:
-    """Re-hash every blob, then fully read every referenced artifact; exit 1 on any problem.
+    """Re-hash every blob, then run every check a load runs on every referenced artifact (read and
+    hash every part, decode the graph against the op allowlist and load limits, run it on meta
+    tensors against its layout: ``Artifact.check``); exit 1 on any problem.
 
     Read-only: an artifact whose blobs the re-hash already found damaged is reported without
     being read, since reading a corrupt blob moves it to quarantine/.
@@ -500,7 +505,7 @@ def cmd_verify(args) -> int:
             if damaged:
                 problems.append(f"{where}: {', '.join(damaged)} damaged")
                 continue
-            read_artifact(store, entry.digest)
+            read_artifact(store, entry.digest).check()
         except SpmdAotError as exc:
             problems.append(f"{where}: {exc}")
     for line in problems:
@@ -508,6 +513,17 @@ def cmd_verify(args) -> int:
     n = len(problems)
     print(f"{n_blobs} blobs, {len(entries)} artifacts checked, {n} problem{'s' if n != 1 else ''}")
     return EXIT_PROBLEMS if problems else EXIT_OK
+
+
+def cmd_ops(args) -> int:
+    """Print the op allowlist (``spmd_aot/allowed_ops.txt``), one overload per line."""
+    from .allowlist import PYTHON_CALLABLES, TORCH_RELEASE, allowed_ops
+
+    ops = sorted(allowed_ops()) + list(PYTHON_CALLABLES)
+    print(f"# {len(ops)} call targets a stored graph may name (made for torch {TORCH_RELEASE})")
+    for op in ops:
+        print(op)
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------- explain
