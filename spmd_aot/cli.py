@@ -620,15 +620,12 @@ def _existing_store(cache_dir):
 # ---------------------------------------------------------------------------- rm / gc
 def cmd_rm(args) -> int:
     """Remove refs; their blobs stay until gc (which spares any a job is loading)."""
-    from .store import LocalStore
-    from .store.gc import USED
+    from .store.gc import forget_used
 
     store = _existing_store(args.cache_dir)
     for key, digest in list(dict.fromkeys(_resolve_ref(store, ref) for ref in args.refs)):
         store.delete_ref(key)
-        if isinstance(store, LocalStore):
-            with contextlib.suppress(OSError):
-                os.unlink(store.root / USED / key)
+        forget_used(store, key)
         print(f"removed {key} (manifest {digest[:12]})")
     print("its blobs stay until `spmd-aot gc` removes them" if len(args.refs) == 1
           else "their blobs stay until `spmd-aot gc` removes them")
