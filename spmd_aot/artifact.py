@@ -28,7 +28,7 @@ from .plan import Plan
 from .serialize import decode_graph, encode_graph, to_fx_graph
 from .state import Slot
 
-__all__ = ["Artifact", "encode_artifact", "store_artifact", "read_artifact", "read_manifest",
+__all__ = ["Artifact", "encode_artifact", "store_artifact", "artifact_in_memory", "read_artifact", "read_manifest",
            "layout_entries", "layout_mismatch"]
 
 _PARTS = ("graph", "code", "schema", "layout", "constants")
@@ -169,6 +169,21 @@ def store_artifact(store, key: str, blobs: dict[str, bytes]) -> str:
     return digest
 
 
+def artifact_in_memory(blobs: dict[str, bytes]):
+    """(manifest digest, MemoryStore) holding a build the cache could not take, signed as
+    ``store_artifact`` would sign it, so it loads through the same checks."""
+    import hashlib
+
+    from .store.memory import MemoryStore
+
+    blobs = dict(blobs)
+    key_bytes = signing.signing_key()
+    if key_bytes is not None:
+        blobs["manifest"] = signing.sign_manifest_blob(blobs["manifest"], key_bytes)
+    named = {hashlib.sha256(data).hexdigest(): data for data in blobs.values()}
+    return hashlib.sha256(blobs["manifest"]).hexdigest(), MemoryStore(named)
+
+
 def _get(store, digest: str, limit: int, what: str) -> bytes:
     """A blob's bytes, refused before reading when its file is larger than ``limit``."""
     path = getattr(store, "blob_path", None)
@@ -186,9 +201,18 @@ def _get(store, digest: str, limit: int, what: str) -> bytes:
 
 def read_manifest(store, digest: str) -> dict:
     """The validated manifest ``digest``; with a signing key set, only a correctly signed one."""
-    manifest = _unpack(_get(store, digest, load_limits().part_bytes, "manifest"), f"manifest {digest}")
+    data = _get(store, digest, load_limits().part_bytes, "manifest")
+    manifest = _unpack(data, f"manifest {digest}")
     if not isinstance(manifest, dict):
         raise CorruptArtifactError(f"manifest {digest}: not a map")
+    try:
+        canonical = _pack(manifest) == data
+    except Exception:  # a value msgpack cannot encode back
+        canonical = False
+    if not canonical:  # so the signature, computed over this encoding, covers the exact bytes
+        raise CorruptArtifactError(
+            f"manifest {digest} is not in canonical form (msgpack, shortest encodings, as spmd-aot writes "
+            "it): another writer re-encoded it; refusing it. Rebuild the artifact.")
     signing.verify_manifest(manifest, digest)  # before looking at any field
     _check_manifest(manifest, digest)
     return manifest

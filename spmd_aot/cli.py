@@ -64,6 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
+    except OSError as exc:  # an environment fault (full disk, read-only, permissions): no traceback
+        from .errors import os_error
+
+        _error(str(os_error(exc, exc.filename or "the cache directory", "access")))
+        return EXIT_ERROR
     except Exception as exc:  # a bug: keep the traceback, still exit cleanly
         traceback.print_exc()
         _error(f"unexpected {type(exc).__name__}: {exc}")
@@ -299,9 +304,11 @@ def cmd_build(args) -> int:
                 result = build(job, plan=plan, store=store)
                 results.append(result)
                 bar.finish("built" if result.traced else "cached")
-    except SpmdAotError as exc:
+    except (SpmdAotError, OSError) as exc:
+        from .errors import os_error
+
         _print_build_table(results)
-        _error(f"{plan.describe()}: {exc}")
+        _error(f"{plan.describe()}: {exc if isinstance(exc, SpmdAotError) else os_error(exc, exc.filename, 'write')}")
         raise _Failed(EXIT_ERROR) from exc
     except Exception:
         _print_build_table(results)

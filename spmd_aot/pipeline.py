@@ -99,11 +99,15 @@ def trace_and_store(store, step: Callable, state: TrainState, plan: Plan, key: C
     An existing entry counts only if it reads back whole and is the entry for this key; a
     damaged one (a missing part, a corrupt blob, a ref to another key's manifest) is rebuilt.
     """
+    from .store.gc import reading
+
     with store.lock(key.key):
         try:
             existing = store.get_ref(key.key)
-            if existing is not None and read_artifact(store, existing).manifest["key"] == key.key:
-                return existing, False
+            if existing is not None:
+                with reading(store, existing):  # a lease: gc must not delete it while it is read
+                    if read_artifact(store, existing).manifest["key"] == key.key:
+                        return existing, False
         except CorruptArtifactError as exc:
             log.warning("cache entry for key %s is damaged (%s); rebuilding it", key.key[:12], exc)
         blobs = trace_to_blobs(step, state, plan, key, mesh, inputs, transforms)

@@ -21,17 +21,18 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from .artifact import layout_mismatch, read_artifact, read_manifest
-from .errors import (ArtifactMismatchError, CacheMissError, CorruptArtifactError, SpmdAotError,
-                     UnsupportedError)
+from .artifact import artifact_in_memory, layout_mismatch, read_artifact, read_manifest
+from .errors import (ArtifactMismatchError, CacheIOError, CacheMissError, CorruptArtifactError, LockTimeoutError,
+                     SpmdAotError, UnsupportedError)
 from .explain import explain_miss
 from .key import compute_key
-from .pipeline import Transforms, trace_and_store
+from .pipeline import Transforms, trace_and_store, trace_to_blobs
 from .plan import Plan
 from .sharding import ensure_sharded_state, shard_model_and_optimizer, sharded_zeros
 from .state import TrainState, initialize_optimizer_state
 from .store import open_store
-from .store.gc import reading, touch_used
+from .store.fsafe import LinkError
+from .store.gc import ArtifactGoneError, reading, touch_used
 from .store.memory import MemoryStore
 from .trace import device_mesh
 
@@ -86,6 +87,7 @@ class CompiledStep:
         self._store = store
         self._cache_dir = cache_dir
         self._bound: _BoundStep | None = None
+        self._unstored = None  # a traced artifact the cache could not take (rank 0 serves it)
         self._prepared_models = weakref.WeakSet()  # broadcast (and sharded) once per model
         self.cache_info: CacheInfo | None = None
         functools.update_wrapper(self, fn)
@@ -173,7 +175,7 @@ class CompiledStep:
         dist.all_reduce(needed)
         if needed.item() == 0:
             return artifact
-        blobs = _artifact_blobs(self.store, digest) if dist.get_rank() == 0 else None
+        blobs = _artifact_blobs(self._unstored or self.store, digest) if dist.get_rank() == 0 else None
         received = _broadcast_blobs(blobs, world)
         if artifact is not None:
             return artifact
@@ -184,15 +186,9 @@ class CompiledStep:
         """Rank 0's decision: (manifest digest, hit, verified artifact). Traces on a miss."""
         store = self.store
         try:
-            digest = store.get_ref(key.key)
-            if digest is not None:
-                leases.enter_context(reading(store, digest))
-                artifact = read_artifact(store, digest)  # every blob verified
-                if artifact.manifest["key"] != key.key:
-                    raise CorruptArtifactError(
-                        f"ref {key.key[:12]} points to manifest {digest[:12]} of key "
-                        f"{artifact.manifest['key'][:12]}")
-                return digest, True, artifact
+            found = self._lookup(store, key, leases)
+            if found is not None:
+                return found
         except CorruptArtifactError as exc:
             if self.require_hit:
                 raise CorruptArtifactError(
@@ -200,17 +196,52 @@ class CompiledStep:
                     "Run `spmd-aot verify` and rebuild with `spmd-aot build`."
                 ) from None
             log.warning("cached artifact for key %s is corrupt (%s); rebuilding", key.key[:12], exc)
-            store.delete_ref(key.key)
+            with contextlib.suppress(OSError, SpmdAotError):  # a read-only cache: rebuild in memory
+                store.delete_ref(key.key)
         if self.require_hit:
             raise CacheMissError(
                 f"no artifact for key {key.key[:12]} ({plan.describe()}) in {store.root} and "
                 f"require_hit=True. {explain_miss(store, key)} Build it with `spmd-aot build ... "
                 f"--world-size {plan.world_size} --placement {plan.placement}`."
             )
-        digest, _ = trace_and_store(store, self.fn, state, plan, key, mesh, state.graph_inputs(),
-                                    self.transforms)
-        leases.enter_context(reading(store, digest))
-        return digest, False, read_artifact(store, digest)
+        try:
+            digest, _ = trace_and_store(store, self.fn, state, plan, key, mesh, state.graph_inputs(),
+                                        self.transforms)
+            leases.enter_context(reading(store, digest))
+            return digest, False, read_artifact(store, digest)
+        except (CacheIOError, LinkError, LockTimeoutError, OSError) as exc:
+            # The cache cannot take the new entry (full, read-only, locked, tampered with): the
+            # job still trains from its own trace, held in memory; other ranks get it from here.
+            log.warning("cannot store the traced step for key %s in %s (%s); training from the trace "
+                        "without caching it", key.key[:12], getattr(store, "root", store), exc)
+            blobs = trace_to_blobs(self.fn, state, plan, key, mesh, state.graph_inputs(), self.transforms)
+            digest, self._unstored = artifact_in_memory(blobs)
+            return digest, False, read_artifact(self._unstored, digest)
+
+    def _lookup(self, store, key, leases, attempts: int = 3):
+        """(digest, True, artifact) for the entry of ``key`` under a reader lease, or None.
+
+        An entry that vanishes between reading its ref and taking the lease (gc evicted it, or
+        `spmd-aot rm`) is looked up again: its key may have been rebuilt meanwhile.
+        """
+        for attempt in range(attempts):
+            digest = store.get_ref(key.key)
+            if digest is None:
+                return None
+            try:
+                lease = leases.enter_context(contextlib.ExitStack())
+                lease.enter_context(reading(store, digest))
+                artifact = read_artifact(store, digest)  # every blob verified
+            except ArtifactGoneError as exc:
+                lease.close()
+                log.info("artifact %s vanished before it was loaded (%s); looking it up again", digest[:12], exc)
+                continue
+            if artifact.manifest["key"] != key.key:
+                raise CorruptArtifactError(
+                    f"ref {key.key[:12]} points to manifest {digest[:12]} of key "
+                    f"{artifact.manifest['key'][:12]}")
+            return digest, True, artifact
+        return None
 
 
 class _BoundStep:

@@ -216,3 +216,66 @@ def test_meta_check_catches_a_view_past_its_storage():
         check_graph(nodes, {}, layout)
     nodes[1] = DecodedNode("call_function", "v", torch.ops.aten.as_strided.default, (Ref(0), [2], [4]), {})
     check_graph(nodes, {}, layout)  # inside the storage: fine
+
+
+# ---------------------------------------------------------------- manifests: exact bytes, explain
+
+def _widen_int(data: bytes, field: bytes) -> bytes:
+    """Re-encode the integer after map key ``field`` as a 4-byte uint32 (same value, other bytes)."""
+    key = bytes([0xA0 | len(field)]) + field
+    at = data.index(key) + len(key)
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(data[at:])
+    value = unpacker.unpack()
+    width = unpacker.tell()
+    assert isinstance(value, int) and 0 <= value < 1 << 32
+    return data[:at] + b"\xce" + value.to_bytes(4, "big") + data[at + width:]
+
+
+def test_reencoded_manifest_is_refused_with_or_without_a_key(tmp_path, monkeypatch):
+    monkeypatch.setenv(signing.ENV_SIGNING_KEY, "key-A")
+    result = spmd_aot.build(make_job("mlp", "sgd"), world_size=2, cache_dir=tmp_path / "c")
+    store = LocalStore(tmp_path / "c")
+    data = store.get(result.digest)
+    forged = _widen_int(data, b"nodes")
+    assert forged != data and msgpack.unpackb(forged, raw=False) == msgpack.unpackb(data, raw=False)
+    digest = store.put(forged)
+    assert digest != result.digest
+    for key in ("key-A", ""):
+        monkeypatch.setenv(signing.ENV_SIGNING_KEY, key)
+        with pytest.raises(CorruptArtifactError, match="not in canonical form"):
+            read_manifest(store, digest)
+    read_manifest(store, result.digest)  # the original still reads
+
+
+ODD_VALUES = {
+    "deep": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]],
+    "deeper": None,
+    "bytes": b"\x00\xff",
+    "nan": float("nan"),
+    "big": 2 ** 64 - 1,
+    "mixed": {"a": [1, {"b": b"x"}], "c": "x" * 10000},
+}
+
+
+def test_explain_never_fails_on_manifest_content(hostile):
+    from spmd_aot.explain import explain_miss
+    from spmd_aot.key import CacheKey
+
+    store, crafter, _, _ = hostile
+    deeper = 1
+    for _ in range(500):
+        deeper = {"x": [deeper]}
+    values = dict(ODD_VALUES, deeper=deeper)
+    for name in ("ingredient_values", "ingredients"):
+        manifest = dict(crafter.manifest)
+        manifest["ingredient_values"] = {n: values for n in manifest["ingredients"]}
+        digest = store.put(_pack(manifest))
+        store.set_ref("odd-" + name, digest)
+    live = CacheKey("0" * 64, {n: "f" * 64 for n in crafter.manifest["ingredients"]},
+                    {n: {"live": [1, 2]} for n in crafter.manifest["ingredients"]})
+    text = explain_miss(store, live)
+    assert isinstance(text, str) and "differs in" in text
+    bad = dict(crafter.manifest, ingredient_values="not a map")
+    store.set_ref("odd-not-a-map", store.put(_pack(bad)))
+    assert isinstance(explain_miss(store, live), str)

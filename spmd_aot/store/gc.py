@@ -347,6 +347,9 @@ def _collect(local, builds, max_size, max_age, grace, dry_run, now) -> GcReport:
 
     def evict(a: Artifact, reason: str) -> None:
         nonlocal live_bytes, removed, removed_bytes
+        if f"{a.key}.lock" in builds.busy_names:  # being rebuilt right now: it stays this time
+            skipped.append(a.key)
+            return
         shared = any(o.digest == a.digest for o in alive.values() if o.key != a.key)
         lease = None
         if not shared:  # another ref naming the same manifest keeps it: only this ref goes
