@@ -405,13 +405,17 @@ def _sweep(local, builds, evicted_keys, gone, grace, dry_run, now) -> tuple[int,
 
     Order matters (see the module docstring): list the blobs, then look at the build locks,
     then read the refs, so a writer that wrote a blob before the listing either still holds
-    its lock (then every unreferenced blob stays) or has set its ref by the time gc reads refs.
+    its lock (then every unreferenced blob stays) or has set its ref by the time gc reads refs;
+    then the parts of every referenced manifest are read, including manifests written after
+    the listing (their parts may be old blobs the writer re-used).
     """
     listing = {d: v for d, v in _blob_sizes(local).items() if d not in gone}
     building = bool(builds.busy())
     referenced = {d for k, d in local.refs().items() if k not in evicted_keys}
     manifests: dict[str, set[str]] = {}  # every manifest on disk -> the parts it names
-    for digest in referenced & set(listing):
+    # Every referenced manifest, listed or not: one a builder stored after the listing (its
+    # ref read just now) names parts that may be in the listing (re-used, not rewritten).
+    for digest in referenced:
         parts = _read_manifest_parts(local, digest)
         if parts is not None:
             manifests[digest] = parts
