@@ -24,14 +24,13 @@ without one the ref file's mtime counts (when it was built or pulled).
 
 **Writers.** Builds write parts, then the manifest, then the ref, under
 ``locks/<key>.lock``. gc holds every build lock it can take for its whole run (a build of
-such a key waits) and, if another process holds one (a build is running), keeps every
-unreferenced part blob until the next gc. Unreferenced blobs that no manifest named are also
-kept while younger than ``grace`` (for writers that take no lock), and a blob whose mtime
-changed since gc listed it (rewritten meanwhile) is kept. Residual race: a build that starts
-after gc looked at the locks and re-uses (finds intact, does not rewrite) an old blob gc then
-deletes stores an incomplete artifact; loading it fails verification and the job rebuilds
-it. If ``LocalStore.put`` refreshed the mtime of a blob it re-uses, gc would see that re-use
-too and the window would shrink to the instant between gc's last ``stat`` and its ``unlink``.
+such a key waits); an artifact whose key another process is building is not evicted, and
+while any build runs every unreferenced part blob stays until the next gc. gc reads the parts
+of every manifest a ref names when it sweeps, including a manifest stored after it listed the
+blobs (a build re-uses intact old blobs without rewriting them). Unreferenced blobs that no
+manifest named are also kept while younger than ``grace`` (for writers that take no lock), and
+a blob whose mtime changed since gc listed it (``LocalStore.put`` refreshes the mtime of a
+blob it re-uses) is kept. ``tools/stress_cache.py gc`` runs gc, builders and loaders together.
 
 Nothing here imports torch; leases need ``fcntl`` (POSIX). Without it ``reading`` is a no-op.
 Every file is reached through the store's ``fsafe.Tree``: no symbolic link is followed, so a
