@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import os
 import re
 from typing import Any
 
@@ -19,14 +20,15 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import signing
-from .errors import CorruptArtifactError
+from .errors import CorruptArtifactError, SpmdAotError
 from .faults import crash_point
 from .key import FORMAT_VERSION, CacheKey
+from .limits import ENV_LOAD_LIMITS, load_limits
 from .plan import Plan
 from .serialize import decode_graph, encode_graph, to_fx_graph
 from .state import Slot
 
-__all__ = ["Artifact", "encode_artifact", "store_artifact", "read_artifact", "read_manifest",
+__all__ = ["Artifact", "encode_artifact", "store_artifact", "artifact_in_memory", "read_artifact", "read_manifest",
            "layout_entries", "layout_mismatch"]
 
 _PARTS = ("graph", "code", "schema", "layout", "constants")
@@ -53,20 +55,34 @@ class Artifact:
         return self.layout["inputs"]
 
     def program(self, groups: list[str], device: torch.device):
-        """The graph, validated against the op allowlist and bound to live groups and device."""
+        """The graph, validated (allowlist, bounds, layout on meta tensors: ``check``) and bound
+        to live groups and device."""
         from .program import Program
 
+        return Program(self.check(groups, device), self._constants_on(device))
+
+    def check(self, groups: list[str] | None = None, device: torch.device | None = None) -> list:
+        """Every check a load runs, without running anything: decode the graph against the op
+        allowlist and the load limits, then run it on meta tensors shaped by the layout
+        (``validate.check_graph``). Returns the decoded nodes. ``groups`` defaults to
+        placeholders (one per mesh dimension), for checking without live process groups."""
+        from .validate import check_graph
+
+        if groups is None:
+            groups = [str(d) for d in range(len(self.plan.mesh_shape))] if self.plan.world_size > 1 else []
         # Decoding allocates ~10 small objects per node and no reference cycles; with the
         # cyclic GC on, its generation-2 sweeps over a job's large heap doubled the load time.
         with _gc_paused():
-            return Program(decode_graph(self.graph, groups=groups, device=device), self._constants_on(device))
+            nodes = decode_graph(self.graph, groups=groups, device=device or torch.device("cpu"))
+            check_graph(nodes, self.constants, self.slots)
+        return nodes
 
     def graph_module(self, groups: list[str], device: torch.device) -> torch.fx.GraphModule:
         """The same graph as an ``fx.GraphModule``, for inspection (jobs run ``program``)."""
         root = torch.nn.Module()
         for name, tensor in self._constants_on(device).items():
             setattr(root, name, tensor)
-        graph = to_fx_graph(decode_graph(self.graph, groups=groups, device=device))
+        graph = to_fx_graph(self.check(groups, device))
         for node in graph.nodes:
             if node.op == "get_attr" and node.target not in self.constants:
                 raise CorruptArtifactError(f"graph reads constant {node.target!r}, which is not stored")
@@ -160,11 +176,50 @@ def store_artifact(store, key: str, blobs: dict[str, bytes]) -> str:
     return digest
 
 
+def artifact_in_memory(blobs: dict[str, bytes]):
+    """(manifest digest, MemoryStore) holding a build the cache could not take, signed as
+    ``store_artifact`` would sign it, so it loads through the same checks."""
+    import hashlib
+
+    from .store.memory import MemoryStore
+
+    blobs = dict(blobs)
+    key_bytes = signing.signing_key()
+    if key_bytes is not None:
+        blobs["manifest"] = signing.sign_manifest_blob(blobs["manifest"], key_bytes)
+    named = {hashlib.sha256(data).hexdigest(): data for data in blobs.values()}
+    return hashlib.sha256(blobs["manifest"]).hexdigest(), MemoryStore(named)
+
+
+def _get(store, digest: str, limit: int, what: str) -> bytes:
+    """A blob's bytes, refused before reading when its file is larger than ``limit``."""
+    path = getattr(store, "blob_path", None)
+    size = None
+    if path is not None:
+        with contextlib.suppress(OSError, SpmdAotError):
+            size = os.lstat(path(digest)).st_size
+    data = store.get(digest) if size is None or size <= limit else None
+    if data is None or len(data) > limit:
+        raise CorruptArtifactError(
+            f"{what} blob {digest} is {size if data is None else len(data)} bytes, more than the load "
+            f"limit of {limit}; if the artifact is yours, raise it with {ENV_LOAD_LIMITS}")
+    return data
+
+
 def read_manifest(store, digest: str) -> dict:
     """The validated manifest ``digest``; with a signing key set, only a correctly signed one."""
-    manifest = _unpack(store.get(digest), f"manifest {digest}")
+    data = _get(store, digest, load_limits().part_bytes, "manifest")
+    manifest = _unpack(data, f"manifest {digest}")
     if not isinstance(manifest, dict):
         raise CorruptArtifactError(f"manifest {digest}: not a map")
+    try:
+        canonical = _pack(manifest) == data
+    except Exception:  # a value msgpack cannot encode back
+        canonical = False
+    if not canonical:  # so the signature, computed over this encoding, covers the exact bytes
+        raise CorruptArtifactError(
+            f"manifest {digest} is not in canonical form (msgpack, shortest encodings, as spmd-aot writes "
+            "it): another writer re-encoded it; refusing it. Rebuild the artifact.")
     signing.verify_manifest(manifest, digest)  # before looking at any field
     _check_manifest(manifest, digest)
     return manifest
@@ -175,7 +230,10 @@ def read_artifact(store, digest: str) -> Artifact:
     from safetensors.torch import load as load_safetensors
 
     manifest = read_manifest(store, digest)
-    parts = {name: store.get(manifest["blobs"][name]) for name in _PARTS}
+    limits = load_limits()
+    sizes = {"graph": limits.graph_bytes, "constants": limits.constants_bytes}
+    parts = {name: _get(store, manifest["blobs"][name], sizes.get(name, limits.part_bytes), name)
+             for name in _PARTS}
     try:
         constants = load_safetensors(parts["constants"])
     except Exception as exc:

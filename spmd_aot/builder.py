@@ -24,6 +24,7 @@ from .plan import Plan
 from .state import TrainState, initialize_optimizer_state
 from .store import open_store
 from .mesh import device_mesh, fake_world
+from .store.gc import ArtifactGoneError, reading
 
 __all__ = ["build", "job_key", "BuildResult", "local_batch"]
 
@@ -66,8 +67,15 @@ def build(job: Job, *, world_size: int | None = None, placement: str = "replicat
         key = compute_key(job.step, state, plan, transforms.identities(), extra_sources)
         with fake_mode:
             inputs = state.graph_inputs()
-        digest, traced = trace_and_store(store, job.step, state, plan, key, mesh, inputs, transforms)
-    stats = read_manifest(store, digest)["stats"]
+        for attempt in range(3):  # gc may evict the entry between storing (or finding) and reading it
+            digest, traced = trace_and_store(store, job.step, state, plan, key, mesh, inputs, transforms)
+            try:
+                with reading(store, digest):
+                    stats = read_manifest(store, digest)["stats"]
+                break
+            except ArtifactGoneError:
+                if attempt == 2:
+                    raise
     seconds = time.perf_counter() - start
     log.info("build %s: key %s, digest %s, %s, %.2f s", plan.describe(), key.key[:12], digest[:12],
              "traced and stored" if traced else "already cached", seconds)

@@ -4,7 +4,7 @@ the cache they live in.
     spmd-aot build train.py:job --world-size 2 --world-size 8 [--placement replicate] [--device cpu]
     spmd-aot ls
     spmd-aot show 6580734a [--code]
-    spmd-aot verify
+    spmd-aot verify                                     spmd-aot ops
     spmd-aot explain train.py:job --world-size 8 [--placement replicate]
     spmd-aot push [REF...] --to s3://bucket/prefix      spmd-aot pull [REF...] --from s3://bucket/prefix
     spmd-aot export REF... -o bundle.tar                spmd-aot import bundle.tar
@@ -79,6 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return EXIT_INTERRUPTED
+    except OSError as exc:  # an environment fault (full disk, read-only, permissions): no traceback
+        from .errors import os_error
+
+        _error(str(os_error(exc, exc.filename or "the cache directory", "access")))
+        return EXIT_ERROR
     except Exception as exc:  # a bug: keep the traceback, still exit cleanly
         traceback.print_exc()
         _error(f"unexpected {type(exc).__name__}: {exc}")
@@ -156,8 +161,11 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("verify", parents=[common],
-                       help="re-hash every blob and read every artifact; exit 1 on any problem")
+                       help="re-hash every blob and run every load check on every artifact; exit 1 on any problem")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("ops", parents=[common], help="list the operator overloads a stored graph may call (the op allowlist)")
+    p.set_defaults(func=cmd_ops)
 
     p = sub.add_parser("explain", parents=[common],
                        help="say whether a job's configuration is cached, and if not, why not",
@@ -348,9 +356,11 @@ def cmd_build(args) -> int:
                 result = build(job, plan=plan, store=store)
                 results.append(result)
                 bar.finish("built" if result.traced else "cached")
-    except SpmdAotError as exc:
+    except (SpmdAotError, OSError) as exc:
+        from .errors import os_error
+
         _print_build_table(results)
-        _error(f"{plan.describe()}: {exc}")
+        _error(f"{plan.describe()}: {exc if isinstance(exc, SpmdAotError) else os_error(exc, exc.filename, 'write')}")
         raise _Failed(EXIT_ERROR) from exc
     except Exception:
         _print_build_table(results)
@@ -558,7 +568,9 @@ def _human_bytes(n) -> str:
 
 # ---------------------------------------------------------------------------- verify
 def cmd_verify(args) -> int:
-    """Re-hash every blob, then fully read every referenced artifact; exit 1 on any problem.
+    """Re-hash every blob, then run every check a load runs on every referenced artifact (read and
+    hash every part, decode the graph against the op allowlist and load limits, run it on meta
+    tensors against its layout: ``Artifact.check``); exit 1 on any problem.
 
     Read-only: an artifact whose blobs the re-hash already found damaged is reported without
     being read, since reading a corrupt blob moves it to quarantine/.
@@ -589,7 +601,7 @@ def cmd_verify(args) -> int:
             if damaged:
                 problems.append(f"{where}: {', '.join(damaged)} damaged")
                 continue
-            read_artifact(store, entry.digest)
+            read_artifact(store, entry.digest).check()
         except SpmdAotError as exc:
             problems.append(f"{where}: {exc}")
     for line in problems:
@@ -597,6 +609,17 @@ def cmd_verify(args) -> int:
     n = len(problems)
     print(f"{n_blobs} blobs, {len(entries)} artifacts checked, {n} problem{'s' if n != 1 else ''}")
     return EXIT_PROBLEMS if problems else EXIT_OK
+
+
+def cmd_ops(args) -> int:
+    """Print the op allowlist (``spmd_aot/allowed_ops.txt``), one overload per line."""
+    from .allowlist import PYTHON_CALLABLES, TORCH_RELEASE, allowed_ops
+
+    ops = sorted(allowed_ops()) + list(PYTHON_CALLABLES)
+    print(f"# {len(ops)} call targets a stored graph may name (made for torch {TORCH_RELEASE})")
+    for op in ops:
+        print(op)
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------- explain
@@ -704,15 +727,12 @@ def _existing_store(cache_dir):
 # ---------------------------------------------------------------------------- rm / gc
 def cmd_rm(args) -> int:
     """Remove refs; their blobs stay until gc (which spares any a job is loading)."""
-    from .store import LocalStore
-    from .store.gc import USED
+    from .store.gc import forget_used
 
     store = _existing_store(args.cache_dir)
     for key, digest in list(dict.fromkeys(_resolve_ref(store, ref) for ref in args.refs)):
         store.delete_ref(key)
-        if isinstance(store, LocalStore):
-            with contextlib.suppress(OSError):
-                os.unlink(store.root / USED / key)
+        forget_used(store, key)
         print(f"removed {key} (manifest {digest[:12]})")
     print("its blobs stay until `spmd-aot gc` removes them" if len(args.refs) == 1
           else "their blobs stay until `spmd-aot gc` removes them")

@@ -14,7 +14,13 @@ __all__ = [
     "CorruptArtifactError",
     "UnsafeArtifactError",
     "LockTimeoutError",
+    "CacheIOError",
+    "os_error",
+    "describe_os_error",
 ]
+
+import errno as _errno
+import os as _os
 
 
 class SpmdAotError(Exception):
@@ -47,3 +53,43 @@ class UnsafeArtifactError(CorruptArtifactError):
 
 class LockTimeoutError(SpmdAotError):
     """A cache lock could not be taken in time."""
+
+
+class CacheIOError(SpmdAotError):
+    """The cache's filesystem refused an operation: full, over quota, read-only, no permission.
+
+    ``errno`` keeps the OS error number, so callers can tell a full disk from the rest.
+    """
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
+
+
+_FIXES = {
+    _errno.ENOSPC: "the filesystem is full: free space (`spmd-aot gc --max-size ...`) or point "
+                   "--cache-dir / SPMD_AOT_CACHE_DIR at a larger disk",
+    _errno.EDQUOT: "your disk quota is used up: free space (`spmd-aot gc --max-size ...`) or use a cache "
+                   "directory on another quota",
+    _errno.EFBIG: "the file is larger than this process may write (`ulimit -f`, RLIMIT_FSIZE) or than the "
+                  "filesystem allows: raise the limit or use another cache directory",
+    _errno.EROFS: "the cache is on a read-only filesystem: loading from it still works; to build or store, "
+                  "use a writable --cache-dir",
+    _errno.EACCES: "you may not write there: fix the directory's owner or mode, or use a cache directory "
+                   "you own",
+    _errno.EPERM: "the operation is not permitted there: fix the directory's owner or mode, or use a cache "
+                  "directory you own",
+}
+
+
+def describe_os_error(exc: OSError) -> str:
+    """``"No space left on device (ENOSPC)"`` for an ``OSError``."""
+    code = exc.errno
+    name = _errno.errorcode.get(code, str(code)) if code is not None else "?"
+    return f"{exc.strerror or _os.strerror(code or 0)} ({name})"
+
+
+def os_error(exc: OSError, path, action: str) -> CacheIOError:
+    """A ``CacheIOError`` for ``exc`` raised while trying to ``action`` ``path``: what, errno, fix."""
+    fix = _FIXES.get(exc.errno, "check the cache directory and retry")
+    return CacheIOError(f"cannot {action} {path}: {describe_os_error(exc)}; {fix}", exc.errno)

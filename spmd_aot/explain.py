@@ -1,5 +1,10 @@
 """Say why a lookup missed: which key ingredients differ from the nearest stored entry, or,
-for an entry of the same key, which guard (a file, a distribution, a tensor value) failed."""
+for an entry of the same key, which guard (a file, a distribution, a tensor value) failed.
+
+Stored manifests are read as data someone else may have written: whatever their
+``ingredient_values`` hold (deep nesting, odd types), explaining never fails; at worst it
+says the stored value is unreadable.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +34,13 @@ def nearest_entry(store, key: CacheKey):
 
 
 def explain_miss(store, key: CacheKey) -> str:
+    try:
+        return _explain_miss(store, key)
+    except Exception as exc:  # a message must never turn a miss into another failure
+        return f"(Could not compare with the stored entries: {type(exc).__name__}: {str(exc)[:120]}.)"
+
+
+def _explain_miss(store, key: CacheKey) -> str:
     best = nearest_entry(store, key)
     if best is None:
         return "The cache holds no artifacts."
@@ -43,6 +55,7 @@ def explain_miss(store, key: CacheKey) -> str:
                     f"on differs here: {found.explain()}.")
         return f"Entry {stored_key[:12]} has the same ingredients."
     values = manifest.get("ingredient_values", {})
+    values = values if isinstance(values, dict) else {}
     parts = [f"{name} ({first_difference(values.get(name), key.values.get(name))})" for name in differ]
     return f"Nearest stored entry {stored_key[:12]} differs in: " + "; ".join(parts) + "."
 
@@ -63,24 +76,40 @@ def first_difference(stored, live, where: str = "") -> str:
 
     Code is named, not shown as hashes: 'the file defining train_step changed'. Lists of
     per-module or per-parameter entries are matched by FQN, so a changed attribute reads
-    'at blocks.0.attn.n_heads: stored 4, live 8' and an added parameter is named.
+    'at blocks.0.attn.n_heads: stored 4, live 8' and an added parameter is named. Never
+    raises, whatever a stored manifest holds.
     """
+    try:
+        return _difference(stored, live, where, 0)
+    except Exception:  # odd stored content (deep nesting, unhashable names): say so, never fail
+        at = f"at {where.lstrip('.')}: " if where else ""
+        return f"{at}the stored value is unreadable"
+
+
+_MAX_DEPTH, _MAX_KEYS = 16, 20
+
+
+def _difference(stored, live, where: str, depth: int) -> str:
+    if depth >= _MAX_DEPTH:
+        at = f"at {where.lstrip('.')}: " if where else ""
+        return f"{at}stored {_short(stored)}, live {_short(live)}"
     if _tag(stored) is not None and _tag(stored) == _tag(live):  # {"float": "0.5"}: show the value
         stored, live = stored[_tag(stored)], live[_tag(live)]
     at = f"at {where.lstrip('.')}: " if where else ""
     if _is_code(stored) and _is_code(live) and stored.get("name") == live.get("name"):
-        return at + _code_difference(stored, live)
+        return at + _code_difference(stored, live, depth)
     if isinstance(stored, dict) and isinstance(live, dict):
         keys = [k for k in sorted(set(stored) | set(live), key=str) if stored.get(k) != live.get(k)]
-        return ", ".join(first_difference(stored.get(k), live.get(k), f"{where}.{k}") for k in keys)
+        return ", ".join(_difference(stored.get(k), live.get(k), f"{where}.{k}", depth + 1)
+                         for k in keys[:_MAX_KEYS])
     if isinstance(stored, list) and isinstance(live, list):
         stored_named, live_named = _by_name(stored), _by_name(live)
         if stored_named is not None and live_named is not None:
-            return _named_difference(stored_named, live_named, where)
+            return _named_difference(stored_named, live_named, where, depth)
         if len(stored) == len(live) and any(isinstance(x, (list, dict)) for x in stored):
             for i, (a, b) in enumerate(zip(stored, live)):  # shapes (flat lists) are shown whole
                 if a != b:
-                    return first_difference(a, b, f"{where}[{i}]")
+                    return _difference(a, b, f"{where}[{i}]", depth + 1)
     return f"{at}stored {_short(stored)}, live {_short(live)}"
 
 
@@ -89,7 +118,7 @@ def _is_code(value) -> bool:
     return isinstance(value, dict) and isinstance(value.get("name"), str) and "file" in value
 
 
-def _code_difference(stored: dict, live: dict) -> str:
+def _code_difference(stored: dict, live: dict, depth: int) -> str:
     name = live["name"]
     parts = []
     if stored.get("code") != live.get("code"):
@@ -99,7 +128,7 @@ def _code_difference(stored: dict, live: dict) -> str:
     rest = {k: stored.get(k) for k in set(stored) | set(live) if k not in ("name", "code", "file")}
     other = {k: live.get(k) for k in rest}
     if rest != other:
-        parts.append(first_difference(rest, other))
+        parts.append(_difference(rest, other, "", depth + 1))
     return "; ".join(parts)
 
 
@@ -123,7 +152,7 @@ def _by_name(items: list):
     return out
 
 
-def _named_difference(stored: dict, live: dict, where: str, limit: int = 4) -> str:
+def _named_difference(stored: dict, live: dict, where: str, depth: int, limit: int = 4) -> str:
     parts = []
     for names, side in (([n for n in stored if n not in live], "stored entry"),
                         ([n for n in live if n not in stored], "live job")):
@@ -138,9 +167,9 @@ def _named_difference(stored: dict, live: dict, where: str, limit: int = 4) -> s
             continue
         path = f"{where}.{name or '<root>'}"
         if isinstance(old, dict):
-            changed.append(first_difference(old, item, path))
+            changed.append(_difference(old, item, path, depth + 1))
         elif len(old) == len(item):  # [fqn, fields...]: name the differing field
-            changed += [first_difference(a, b, path) for a, b in zip(old, item) if a != b]
+            changed += [_difference(a, b, path, depth + 1) for a, b in zip(old, item) if a != b]
         else:
             changed.append(f"at {path.lstrip('.')}: stored {_short(old)}, live {_short(item)}")
     if len(changed) > limit:
@@ -149,5 +178,8 @@ def _named_difference(stored: dict, live: dict, where: str, limit: int = 4) -> s
 
 
 def _short(value, limit: int = 160) -> str:
-    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    try:
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
+    except (TypeError, ValueError, RecursionError):
+        text = "(unreadable stored value)"
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -120,13 +120,16 @@ def trace_and_store(store, step: Callable, state: TrainState, plan: Plan, key: C
     damaged one (a missing part, a corrupt blob, a ref to another key's manifest) is rebuilt.
     An entry whose guards fail stays reachable behind the new one (``previous``).
     """
+    from .store.gc import reading
+
     with store.lock(key.key):
         previous = None
         try:
             found = find_entry(store, key)
             previous = found.head
             if found.digest is not None:
-                read_artifact(store, found.digest)  # every part present and intact
+                with reading(store, found.digest):  # a lease: gc must not delete it while it is read
+                    read_artifact(store, found.digest)  # every part present and intact
                 return found.digest, False
         except CorruptArtifactError as exc:
             log.warning("cache entry for key %s is damaged (%s); rebuilding it", key.key[:12], exc)

@@ -22,19 +22,20 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from . import guards
-from .artifact import layout_mismatch, read_artifact, read_manifest
-from .errors import (ArtifactMismatchError, CacheMissError, CorruptArtifactError, SpmdAotError,
-                     UnsupportedError)
+from .artifact import artifact_in_memory, layout_mismatch, read_artifact, read_manifest
+from .errors import (ArtifactMismatchError, CacheIOError, CacheMissError, CorruptArtifactError, LockTimeoutError,
+                     SpmdAotError, UnsupportedError)
 from .explain import explain_miss
 from .hints import TARGET_PLACEHOLDER, build_command, cache_location
 from .key import compute_key
 from .lookup import find_entry
-from .pipeline import Transforms, trace_and_store
+from .pipeline import Transforms, trace_and_store, trace_to_blobs
 from .plan import Plan
 from .sharding import ensure_sharded_state, shard_model_and_optimizer, sharded_zeros
 from .state import TrainState, initialize_optimizer_state
 from .store import open_store
-from .store.gc import reading, touch_used
+from .store.fsafe import LinkError
+from .store.gc import ArtifactGoneError, reading, touch_used
 from .store.memory import MemoryStore
 from .mesh import device_mesh
 
@@ -90,6 +91,7 @@ class CompiledStep:
         self._store = store
         self._cache_dir = cache_dir
         self._bound: _BoundStep | None = None
+        self._unstored = None  # a traced artifact the cache could not take (rank 0 serves it)
         self._prepared_models = weakref.WeakSet()  # broadcast (and sharded) once per model
         self.cache_info: CacheInfo | None = None
         self._traces = 0
@@ -188,7 +190,7 @@ class CompiledStep:
         dist.all_reduce(needed)
         if needed.item() == 0:
             return artifact
-        blobs = _artifact_blobs(self.store, digest) if dist.get_rank() == 0 else None
+        blobs = _artifact_blobs(self._unstored or self.store, digest) if dist.get_rank() == 0 else None
         received = _broadcast_blobs(blobs, world)
         if artifact is not None:
             return artifact
@@ -204,16 +206,9 @@ class CompiledStep:
         store = self.store
         found = None
         try:
-            found = find_entry(store, key)
-            digest = found.digest
-            if digest is not None:
-                leases.enter_context(reading(store, digest))
-                artifact = read_artifact(store, digest)  # every blob verified
-                if artifact.manifest["key"] != key.key:
-                    raise CorruptArtifactError(
-                        f"ref {key.key[:12]} points to manifest {digest[:12]} of key "
-                        f"{artifact.manifest['key'][:12]}")
-                return digest, True, False, artifact
+            found, served = self._lookup(store, key, leases)
+            if served is not None:
+                return served
         except CorruptArtifactError as exc:
             if self.require_hit:
                 raise CorruptArtifactError(
@@ -221,7 +216,8 @@ class CompiledStep:
                     "Run `spmd-aot verify` and rebuild with `spmd-aot build`."
                 ) from None
             log.warning("cached artifact for key %s is corrupt (%s); rebuilding", key.key[:12], exc)
-            store.delete_ref(key.key)
+            with contextlib.suppress(OSError, SpmdAotError):  # a read-only cache: rebuild in memory
+                store.delete_ref(key.key)
         # reading every stored manifest to explain costs little beside the trace that follows
         why = explain_miss(store, key) if self.require_hit or log.isEnabledFor(logging.WARNING) else ""
         command = build_command(plan, cache_dir=cache_location(store))
@@ -239,10 +235,47 @@ class CompiledStep:
                 f"this job and require_hit=True. {why} {build_it}")
         log.warning("%s: cache miss for key %s (%s) in %s; tracing the step now, the other ranks "
                     "wait. %s %s", _name(self.fn), key.key[:12], plan.describe(), store.root, why, build_it)
-        digest, traced = trace_and_store(store, self.fn, state, plan, key, mesh, state.graph_inputs(),
-                                         self.transforms)
-        leases.enter_context(reading(store, digest))
-        return digest, False, traced, read_artifact(store, digest)
+        try:
+            digest, traced = trace_and_store(store, self.fn, state, plan, key, mesh, state.graph_inputs(),
+                                             self.transforms)
+            leases.enter_context(reading(store, digest))
+            return digest, False, traced, read_artifact(store, digest)
+        except (CacheIOError, LinkError, LockTimeoutError, OSError) as exc:
+            # The cache cannot take the new entry (full, read-only, locked, tampered with): the
+            # job still trains from its own trace, held in memory; other ranks get it from here.
+            log.warning("cannot store the traced step for key %s in %s (%s); training from the trace "
+                        "without caching it", key.key[:12], getattr(store, "root", store), exc)
+            blobs = trace_to_blobs(self.fn, state, plan, key, mesh, state.graph_inputs(), self.transforms)
+            digest, self._unstored = artifact_in_memory(blobs)
+            return digest, False, True, read_artifact(self._unstored, digest)
+
+    def _lookup(self, store, key, leases, attempts: int = 3):
+        """(lookup, (digest, True, False, artifact)) for the serving entry of ``key`` under a
+        reader lease; (lookup, None) when none serves.
+
+        An entry that vanishes between finding it and taking the lease (gc evicted it, or
+        `spmd-aot rm`) is looked up again: its key may have been rebuilt meanwhile.
+        """
+        found = None
+        for attempt in range(attempts):
+            found = find_entry(store, key)
+            digest = found.digest
+            if digest is None:
+                return found, None
+            try:
+                lease = leases.enter_context(contextlib.ExitStack())
+                lease.enter_context(reading(store, digest))
+                artifact = read_artifact(store, digest)  # every blob verified
+            except ArtifactGoneError as exc:
+                lease.close()
+                log.info("artifact %s vanished before it was loaded (%s); looking it up again", digest[:12], exc)
+                continue
+            if artifact.manifest["key"] != key.key:
+                raise CorruptArtifactError(
+                    f"ref {key.key[:12]} points to manifest {digest[:12]} of key "
+                    f"{artifact.manifest['key'][:12]}")
+            return found, (digest, True, False, artifact)
+        return found, None
 
 
 class _BoundStep:

@@ -2,18 +2,23 @@
 
 Encoding keeps only what execution needs: each node's opcode, its target as an operator name,
 and its arguments as tagged values. Node metadata and stack traces are dropped (they hold
-paths and object reprs). Decoding resolves every target against ``ALLOWED_NAMESPACES`` and
-accepts only ``torch._ops.OpOverload`` objects (plus ``operator.getitem``), validates every
-name and value, and raises ``UnsafeArtifactError`` / ``CorruptArtifactError`` otherwise.
+paths and object reprs). Decoding reads one node at a time within ``limits.LoadLimits``,
+resolves every target against the overload allowlist (``allowlist.py``; encoding refuses the
+same ops, so a graph the loader would refuse is never stored), checks every argument against
+the op's schema (names, count, and the typed kinds below), validates every name and value,
+and raises ``UnsafeArtifactError`` / ``CorruptArtifactError`` otherwise.
 
-Process-group names are replaced by ``{"~group": mesh_dim}`` (or ``"world"`` for a group of every
-rank) and device indices are dropped,
-so one artifact serves every rank; ``decode_graph`` binds them to the live job.
+Typed kinds: process-group names are stored only as ``{"~group": mesh_dim}`` (or ``"world"``
+for a group of every rank), only in a collective's ``group_name`` argument, which accepts
+nothing else; devices are stored as their type only (``{"~device": "cuda"}``), only in
+``Device`` arguments. So one artifact serves every rank; ``decode_graph`` binds both to the
+live job.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import keyword
 import operator
 import re
@@ -22,21 +27,15 @@ from typing import Any, Callable
 import msgpack
 import torch
 
+from .allowlist import allowed_ops, refusal
 from .errors import CorruptArtifactError, UnsafeArtifactError
+from .limits import LoadLimits, load_limits
 
-__all__ = ["encode_graph", "decode_graph", "to_fx_graph", "Ref", "DecodedNode", "ALLOWED_NAMESPACES",
-           "GRAPH_FORMAT"]
+__all__ = ["encode_graph", "decode_graph", "to_fx_graph", "Ref", "DecodedNode", "GRAPH_FORMAT",
+           "resolve_target"]
 
 GRAPH_FORMAT = 1
-ALLOWED_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional"})
 _PYTHON_CALLABLES: dict[str, Callable] = {"operator.getitem": operator.getitem}
-# aten ops with effects outside their tensors; a traced train step never needs them.
-_DENIED_OPS = {
-    "from_file": "opens (and with shared=True creates and writes) a file named in the graph",
-    "save": "writes a file named in the graph",
-    "_print": "prints text from the graph",
-}
-_MAX_DEPTH = 32  # nesting of argument values; traced graphs use 2 or 3
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,200}$")
 _OPCODES = ("placeholder", "call_function", "get_attr", "output")
 _NODE_FIELDS = frozenset({"op", "name", "target", "args", "kwargs"})
@@ -71,12 +70,15 @@ def encode_graph(graph: torch.fx.Graph, group_names: dict[str, int]) -> bytes:
 def _target_name(node: torch.fx.Node) -> str:
     t = node.target
     if isinstance(t, torch._ops.OpOverload):
-        if t.namespace not in ALLOWED_NAMESPACES:
+        name = f"{t.namespace}::{t._opname}.{t._overloadname}"
+        why = refusal(t._opname) or (None if name in allowed_ops() else "it is not on the op allowlist")
+        if why:
             raise UnsafeArtifactError(
-                f"node {node.name} calls {t.name()}, outside the allowed op namespaces "
-                f"{sorted(ALLOWED_NAMESPACES)}"
+                f"node {node.name} calls {name}, which loading refuses: {why}. Write the step without "
+                "it, or, if it is an ordinary tensor op, add it to spmd_aot/allowed_ops.txt "
+                "(`spmd-aot ops` lists the allowlist)"
             )
-        return f"{t.namespace}::{t._opname}.{t._overloadname}"
+        return name
     for name, fn in _PYTHON_CALLABLES.items():
         if t is fn:
             return name
@@ -144,7 +146,8 @@ class DecodedNode:
     kwargs: dict
 
 
-def decode_graph(data: bytes, *, groups: list[str], device: torch.device) -> list[DecodedNode]:
+def decode_graph(data: bytes, *, groups: list[str], device: torch.device,
+                 limits: LoadLimits | None = None) -> list[DecodedNode]:
     """msgpack bytes -> validated nodes, bound to live process groups and the local device.
 
     ``groups[d]`` is the live group name of mesh dimension ``d``; a world group is taken as
@@ -154,19 +157,28 @@ def decode_graph(data: bytes, *, groups: list[str], device: torch.device) -> lis
     outside the allowlist and ``CorruptArtifactError`` for anything else malformed; nothing
     stored is executed. ``to_fx_graph`` and ``program.Program`` consume the result.
     """
+    limits = limits or load_limits()
+    if len(data) > limits.graph_bytes:
+        raise CorruptArtifactError(
+            f"graph blob is {len(data)} bytes, more than the load limit graph_bytes={limits.graph_bytes}; "
+            "if the artifact is yours, raise it with SPMD_AOT_LOAD_LIMITS=graph_bytes=...")
     try:
-        doc = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several types for garbage
-        raise CorruptArtifactError(f"graph blob is not valid msgpack: {exc}") from None
-    try:
-        if not isinstance(doc, dict) or doc.get("format") != GRAPH_FORMAT:
-            found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-            raise CorruptArtifactError(f"graph format is {found!r}, expected {GRAPH_FORMAT}")
-        return _Decoder(groups, device).nodes(doc["nodes"])
+        return _Decoder(groups, device, limits).document(_unpacker(data, limits))
     except CorruptArtifactError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # msgpack raises several types for garbage
         raise CorruptArtifactError(f"graph blob is malformed: {type(exc).__name__}: {exc}") from None
+
+
+def _unpacker(data: bytes, limits: LoadLimits) -> msgpack.Unpacker:
+    """A streaming reader: nodes are decoded one at a time, so memory follows the nodes kept,
+    not a second copy of the whole document."""
+    n = max(limits.items, limits.nodes)
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(len(data), 1),
+                                max_array_len=n, max_map_len=limits.items, max_str_len=len(data),
+                                max_bin_len=len(data), max_ext_len=0)
+    unpacker.feed(data)
+    return unpacker
 
 
 def to_fx_graph(nodes: list[DecodedNode]) -> torch.fx.Graph:
@@ -190,8 +202,26 @@ def to_fx_graph(nodes: list[DecodedNode]) -> torch.fx.Graph:
     return graph
 
 
+_ANY, _GROUP, _DEVICE = "any", "group", "device"
+
+
+@functools.lru_cache(maxsize=None)
+def _argument_kinds(op) -> tuple[tuple[str, ...], dict[str, str]]:
+    """(kind of each positional argument, kind of each keyword argument) from the op's schema."""
+    positional, keyword_only = [], {}
+    collective = op.namespace == "_c10d_functional"
+    for arg in op._schema.arguments:
+        kind = (_GROUP if collective and arg.name == "group_name"
+                else _DEVICE if str(arg.type) in ("Device", "Optional[Device]") else _ANY)
+        keyword_only[arg.name] = kind
+        if not arg.kwarg_only:
+            positional.append(kind)
+    return tuple(positional), keyword_only
+
+
 class _Decoder:
-    def __init__(self, groups: list[str], device: torch.device):
+    def __init__(self, groups: list[str], device: torch.device, limits: LoadLimits):
+        self.limits = limits
         self.groups: dict = dict(enumerate(groups))
         if groups:
             import torch.distributed as dist
@@ -201,9 +231,28 @@ class _Decoder:
         self.index: dict[str, int] = {}
         self.targets: dict[str, Callable] = {}
 
+    def document(self, unpacker: msgpack.Unpacker) -> list[DecodedNode]:
+        """``{"format": 1, "nodes": [...]}``, in that order, and nothing after it."""
+        if unpacker.read_map_header() != 2 or unpacker.unpack() != "format":
+            raise CorruptArtifactError("graph blob is not a map of format and nodes")
+        found = unpacker.unpack()
+        if found != GRAPH_FORMAT or isinstance(found, bool):
+            raise CorruptArtifactError(f"graph format is {str(found)[:40]!r}, expected {GRAPH_FORMAT}")
+        if unpacker.unpack() != "nodes":
+            raise CorruptArtifactError("graph blob has no node list after its format")
+        count = unpacker.read_array_header()
+        if count > self.limits.nodes:
+            raise CorruptArtifactError(
+                f"graph has {count} nodes, more than the load limit nodes={self.limits.nodes}; if the "
+                "artifact is yours, raise it with SPMD_AOT_LOAD_LIMITS=nodes=...")
+        out = self.nodes(unpacker.unpack() for _ in range(count))
+        try:
+            unpacker.unpack()
+        except msgpack.OutOfData:
+            return out
+        raise CorruptArtifactError("graph blob has bytes after its node list")
+
     def nodes(self, entries) -> list[DecodedNode]:
-        if not isinstance(entries, list):
-            raise CorruptArtifactError("graph nodes must be a list")
         out = []
         for entry in entries:
             if not isinstance(entry, dict) or len(entry) != 5 or not _NODE_FIELDS.issuperset(entry):
@@ -217,8 +266,22 @@ class _Decoder:
                 raise CorruptArtifactError("nodes after the output node")
             if not isinstance(entry["args"], list) or not isinstance(entry["kwargs"], dict):
                 raise CorruptArtifactError(f"node {name}: args must be a list and kwargs a map")
-            args = tuple(self.value(a) for a in entry["args"])
-            kwargs = {self.kwarg_name(k): self.value(v) for k, v in entry["kwargs"].items()}
+            target = self.target(entry["target"]) if op == "call_function" else None
+            positional, by_name = (_argument_kinds(target) if isinstance(target, torch._ops.OpOverload)
+                                   else ((), None))
+            if by_name is not None and len(entry["args"]) > len(positional):
+                raise CorruptArtifactError(f"node {name}: {len(entry['args'])} arguments for "
+                                           f"{target}, which takes {len(positional)} positionally")
+            args = tuple(self.value(a, kind=positional[i] if i < len(positional) else _ANY)
+                         for i, a in enumerate(entry["args"]))
+            kwargs = {}
+            for k, v in entry["kwargs"].items():
+                k = self.kwarg_name(k)
+                if by_name is not None and k not in by_name:
+                    raise CorruptArtifactError(f"node {name}: {target} has no argument {k!r}")
+                kwargs[k] = self.value(v, kind=by_name[k] if by_name is not None else _ANY)
+            if by_name is not None:
+                self.check_groups(name, target, entry["args"], entry["kwargs"], positional)
             if op == "placeholder":
                 if out and out[-1].op != "placeholder":
                     raise CorruptArtifactError(f"placeholder {name} after non-placeholder nodes")
@@ -229,13 +292,18 @@ class _Decoder:
                 if len(args) != 1 or kwargs:
                     raise CorruptArtifactError("output node must have exactly one argument")
                 target = "output"
-            else:
-                target = self.target(entry["target"])
             self.index[name] = len(out)
             out.append(DecodedNode(op, name, target, args, kwargs))
         if not out or out[-1].op != "output":
             raise CorruptArtifactError("graph has no output node")
         return out
+
+    def check_groups(self, name, target, args, kwargs, positional) -> None:
+        """A collective's group must be given, and only as a bound mesh dimension."""
+        if _GROUP in positional:
+            i = positional.index(_GROUP)
+            if i >= len(args) and "group_name" not in kwargs:
+                raise UnsafeArtifactError(f"node {name}: {target} has no process group argument")
 
     def target(self, name):
         if not isinstance(name, str):
@@ -254,11 +322,17 @@ class _Decoder:
             raise UnsafeArtifactError(f"invalid attribute target {str(target)[:80]!r}")
         return target
 
-    def value(self, v, depth: int = 0):
+    def value(self, v, depth: int = 0, kind: str = _ANY):
+        if kind == _GROUP and not (isinstance(v, dict) and list(v) == ["~group"]):
+            raise UnsafeArtifactError(
+                f"a collective's process group is given as {str(v)[:60]!r}; stored graphs name groups "
+                "only as a mesh dimension ({'~group': dim}), which is bound to the live job's group")
+        if kind == _DEVICE and v is not None and not (isinstance(v, dict) and list(v) == ["~device"]):
+            raise UnsafeArtifactError(f"device argument {str(v)[:60]!r} is not a device type")
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
-        if depth > _MAX_DEPTH:
-            raise CorruptArtifactError(f"graph value nested deeper than {_MAX_DEPTH} levels")
+        if depth > self.limits.depth:
+            raise CorruptArtifactError(f"graph value nested deeper than {self.limits.depth} levels")
         if not isinstance(v, dict) or len(v) != 1:
             raise CorruptArtifactError(f"invalid graph value {str(v)[:80]!r}")
         (tag, payload), = v.items()
@@ -272,6 +346,8 @@ class _Decoder:
         if tag == "~slice" and isinstance(payload, list) and len(payload) == 3:
             return slice(*(self.value(x, depth + 1) for x in payload))
         if tag == "~group":
+            if kind != _GROUP:
+                raise UnsafeArtifactError("a process group appears outside a collective's group argument")
             if payload == "world":
                 return self.groups["world"]
             if not isinstance(payload, int) or isinstance(payload, bool) or payload not in self.groups:
@@ -281,6 +357,8 @@ class _Decoder:
                 )
             return self.groups[payload]
         if tag == "~device":
+            if kind != _DEVICE:
+                raise UnsafeArtifactError("a device appears outside a device argument")
             if payload not in ("cpu", "cuda", "meta", "xpu", "mps", "hpu"):
                 raise CorruptArtifactError(f"unknown device type {str(payload)[:40]!r}")
             return self.device if payload == self.device.type else torch.device(payload)
@@ -292,23 +370,26 @@ class _Decoder:
 
 
 def resolve_target(name) -> Callable:
-    """``'aten::add_.Tensor'`` -> ``torch.ops.aten.add_.Tensor``, for allowlisted namespaces only."""
+    """``'aten::add_.Tensor'`` -> ``torch.ops.aten.add_.Tensor``, for allowlisted overloads only."""
     if not isinstance(name, str):
         raise UnsafeArtifactError(f"op target must be a string, got {type(name).__name__}")
     if name in _PYTHON_CALLABLES:
         return _PYTHON_CALLABLES[name]
     namespace, sep, rest = name.partition("::")
     opname, dot, overload = rest.partition(".")
-    if not sep or not dot or namespace not in ALLOWED_NAMESPACES:
-        raise UnsafeArtifactError(
-            f"graph calls {name[:80]!r}, which is outside the op allowlist "
-            f"({', '.join(sorted(ALLOWED_NAMESPACES))} operators and operator.getitem)"
-        )
-    for part in (opname, overload):
+    if not sep or not dot:
+        raise UnsafeArtifactError(f"graph calls {name[:80]!r}, which is not an operator name "
+                                  "(namespace::op.overload) or operator.getitem")
+    for part in (namespace, opname, overload):
         if not _NAME.match(part) or part.startswith("__"):
             raise UnsafeArtifactError(f"graph calls {name[:80]!r}, which is not an operator name")
-    if opname in _DENIED_OPS:
-        raise UnsafeArtifactError(f"graph calls {name!r}, which is refused: it {_DENIED_OPS[opname]}")
+    why = refusal(opname)
+    if why:
+        raise UnsafeArtifactError(f"graph calls {name!r}, which is refused: it {why}")
+    if name not in allowed_ops():
+        raise UnsafeArtifactError(
+            f"graph calls {name[:80]!r}, which is not on the op allowlist of this spmd-aot "
+            "(`spmd-aot ops` lists it); refusing the artifact")
     try:
         packet = getattr(getattr(torch.ops, namespace), opname)
         op = getattr(packet, overload)

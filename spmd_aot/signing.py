@@ -14,7 +14,13 @@ Format: the manifest map gets one more field, written last::
 ``key_id`` is the first 16 hex of HMAC-SHA256(key, ``b"spmd-aot key id"``): a non-secret
 name for the key, so "signed with another key" errors are readable. ``mac`` is
 HMAC-SHA256(key, ``b"spmd-aot manifest v1\\0"`` + key_id + ``b"\\0"`` + msgpack of the manifest
-without its ``signature`` field, keys in stored order). The signature map must have exactly
+without its ``signature`` field, keys in stored order).
+
+The MAC covers the exact stored bytes: ``read_manifest`` refuses a manifest blob that is not
+the canonical msgpack encoding of its content (what ``msgpack.packb`` writes: shortest integer,
+string and container headers, keys in stored order), so one decoded manifest has exactly one
+accepted encoding, and re-encoding a value (say an integer in a wider form) is refused rather
+than yielding a second, differently named manifest that still verifies. The signature map must have exactly
 these three fields. The stored manifest blob, signature included, is named by its sha256 as
 before, so refs and digests stay well defined; signing changes the manifest digest, not the
 parts.

@@ -298,3 +298,35 @@ def test_gc_concurrent_with_a_reader_in_another_process(pristine, tmp_path):
     assert skipped >= 1  # gc really met a live lease
     assert max_after <= bound
     assert LocalStore(store.root).verify() == []
+
+
+def test_manifest_stored_after_the_listing_keeps_the_parts_it_reuses(cache, monkeypatch):
+    """The race the gc stress test found: a build that re-uses existing part blobs (finds them
+    intact, rewrites nothing) stores its manifest and ref after gc listed the blobs and before
+    it read the refs. gc must read that manifest's parts, not delete them."""
+    import msgpack
+
+    from spmd_aot.store import gc as gc_module
+
+    store, keys = cache
+    old = store.get_ref(keys[0])
+    manifest = msgpack.unpackb(store.get(old), raw=False)
+    store.delete_ref(keys[0])  # its manifest and parts are now unreferenced
+    calls = []
+    real_busy = gc_module._BuildLocks.busy
+
+    def busy(self):
+        calls.append(1)
+        if len(calls) == 2:  # the sweep: after the listing, before reading the refs
+            manifest["stats"]["trace_seconds"] = 12.5  # a rebuild: new manifest, same parts
+            store.set_ref(keys[0], store.put(msgpack.packb(manifest, use_bin_type=True)))
+        return real_busy(self)
+
+    monkeypatch.setattr(gc_module._BuildLocks, "busy", busy)
+    collect_garbage(store)
+    assert len(calls) >= 2
+    new = store.get_ref(keys[0])
+    assert new != old
+    missing = [name for name, d in manifest["blobs"].items() if not store.has(d)]
+    assert missing == [], f"gc deleted parts of a referenced manifest: {missing}"
+

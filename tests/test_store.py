@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import multiprocessing as mp
 import os
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from spmd_aot.errors import CorruptArtifactError, LockTimeoutError, SpmdAotError
+from spmd_aot.errors import CacheIOError, CorruptArtifactError, LockTimeoutError, SpmdAotError
 from spmd_aot.store import BlobProblem, LocalStore, resolve_cache_dir
 
 PKG_DIR = pathlib.Path(__file__).resolve().parent.parent / "spmd_aot"
@@ -208,11 +209,11 @@ def test_invalid_digest_rejected(store: LocalStore, bad) -> None:
 
 
 def test_failed_write_leaves_no_temp_file(store: LocalStore, monkeypatch) -> None:
-    def boom(src, dst):
-        raise OSError("disk full (simulated)")
+    def boom(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
 
     monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(CacheIOError, match=r"cannot write .*objects.*simulated\) \(ENOSPC\); the filesystem is full"):
         store.put(b"payload")
     monkeypatch.undo()
     assert list((store.root / "tmp").iterdir()) == []

@@ -2,6 +2,7 @@
 
     python tools/stress_cache.py race  [--workers 16] [--rounds 20]
     python tools/stress_cache.py crash [--builds 50] [--seed N] [--parallel 2]
+    python tools/stress_cache.py gc    [--seconds 60] [--builders 2] [--loaders 2]
 
 race:  a pool of N worker processes (started once: one torch import each) builds the same
        small MLP job (world size 2) into a fresh cache dir per round, all released by one
@@ -12,6 +13,11 @@ crash: builder processes are SIGKILLed at random write stages (``spmd_aot.faults
        the one cut). Half the caches already hold another entry. After each kill every ref
        must serve an artifact that reads fully; then a normal build must succeed and load,
        leave no temp files, and ``LocalStore.verify()`` must report nothing.
+gc:    one process runs ``collect_garbage`` (evicting everything older than 0.5 s, and down
+       to a small size) in a loop while builder processes rebuild a few configurations and
+       loader processes load them: as a job does (``spmd_aot.compile`` at world size 1, which
+       traces on a miss) and as a raw reader (lease, then check every part is there). There
+       must be 0 parts missing under a lease and 0 errors surfaced to users.
 """
 
 from __future__ import annotations
@@ -260,6 +266,101 @@ def cmd_build(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- gc
+def _sizes():
+    return [2, 4, 6, 8]  # batch sizes: one key each
+
+
+def _gc_job(batch: int):
+    import torch
+
+    import spmd_aot
+    from spmd_aot.examples.models import MLP, train_step
+
+    return spmd_aot.Job(step=train_step, model=lambda: MLP(16, 32, 5),
+                        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                        batch=lambda: (torch.randn(batch, 16), torch.randint(0, 5, (batch,))))
+
+
+def _gc_worker(role: str, index: int, cache: str, deadline: float, out) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import spmd_aot
+    from spmd_aot.artifact import read_manifest
+    from spmd_aot.store import LocalStore
+    from spmd_aot.store.gc import ArtifactGoneError, collect_garbage, reading
+
+    store = LocalStore(cache)
+    rng = random.Random(index)
+    counts = collections.Counter()
+    errors: list[str] = []
+    while time.time() < deadline:
+        try:
+            if role == "gc":
+                report = collect_garbage(store, max_age=0.5, max_size=64 << 10)
+                counts["gc runs"] += 1
+                counts["evicted"] += len(report.evicted)
+                time.sleep(0.05)
+            elif role == "builder":
+                spmd_aot.build(_gc_job(rng.choice(_sizes())), world_size=1, store=store)
+                counts["builds"] += 1
+            elif role == "job":
+                batch = rng.choice(_sizes())
+                job = _gc_job(batch)
+                torch.manual_seed(0)
+                model = job.model()
+                step = spmd_aot.compile(job.step, store=store)
+                step(model, job.optimizer(model), job.batch())
+                counts["job hits" if step.cache_info.hit else "job traces"] += 1
+            else:  # raw reader: the lease invariant itself
+                refs = list(store.refs().values())
+                if not refs:
+                    time.sleep(0.01)
+                    continue
+                digest = rng.choice(refs)
+                try:
+                    with reading(store, digest):
+                        parts = read_manifest(store, digest)["blobs"].values()
+                        missing = [d for d in parts if not store.has(d)]
+                        counts["leased reads"] += 1
+                        if missing:
+                            counts["parts missing under a lease"] += 1
+                except ArtifactGoneError:
+                    counts["gone before the lease (fine)"] += 1
+        except Exception as exc:  # surfaced to a user
+            errors.append(f"{role}: {type(exc).__name__}: {str(exc)[:200]}")
+    out.put((role, dict(counts), errors))
+
+
+def cmd_gc(args) -> int:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    cache = tempfile.mkdtemp(prefix="spmd_aot_gc_stress_")
+    out = ctx.Queue()
+    roles = ["gc"] + ["builder"] * args.builders + ["job"] * args.loaders + ["reader"] * args.loaders
+    deadline = time.time() + 30 + args.seconds  # ~30 s for the workers to import torch
+    procs = [ctx.Process(target=_gc_worker, args=(role, i, cache, deadline, out)) for i, role in enumerate(roles)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=args.seconds + 600) for _ in procs]
+    for p in procs:
+        p.join()
+    totals = collections.Counter()
+    errors = []
+    for role, counts, errs in results:
+        totals.update(counts)
+        errors += errs
+    print(f"gc stress for {args.seconds} s: " + ", ".join(f"{k} {v}" for k, v in sorted(totals.items())))
+    print(f"errors surfaced to users: {len(errors)}")
+    for e in errors[:20]:
+        print("  " + e)
+    shutil.rmtree(cache, ignore_errors=True)
+    bad = errors or totals["parts missing under a lease"]
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -272,6 +373,11 @@ def main(argv=None) -> int:
     crash.add_argument("--seed", type=int, default=None)
     crash.add_argument("--parallel", type=int, default=2, help="builder processes at a time")
     crash.set_defaults(fn=cmd_crash)
+    gc = sub.add_parser("gc", help="gc, builders and loaders together")
+    gc.add_argument("--seconds", type=float, default=60)
+    gc.add_argument("--builders", type=int, default=2)
+    gc.add_argument("--loaders", type=int, default=2)
+    gc.set_defaults(fn=cmd_gc)
     build = sub.add_parser("_build")
     build.add_argument("cache_dir")
     build.add_argument("world_size", type=int)

@@ -24,16 +24,18 @@ without one the ref file's mtime counts (when it was built or pulled).
 
 **Writers.** Builds write parts, then the manifest, then the ref, under
 ``locks/<key>.lock``. gc holds every build lock it can take for its whole run (a build of
-such a key waits) and, if another process holds one (a build is running), keeps every
-unreferenced part blob until the next gc. Unreferenced blobs that no manifest named are also
-kept while younger than ``grace`` (for writers that take no lock), and a blob whose mtime
-changed since gc listed it (rewritten meanwhile) is kept. Residual race: a build that starts
-after gc looked at the locks and re-uses (finds intact, does not rewrite) an old blob gc then
-deletes stores an incomplete artifact; loading it fails verification and the job rebuilds
-it. If ``LocalStore.put`` refreshed the mtime of a blob it re-uses, gc would see that re-use
-too and the window would shrink to the instant between gc's last ``stat`` and its ``unlink``.
+such a key waits); an artifact whose key another process is building is not evicted, and
+while any build runs every unreferenced part blob stays until the next gc. gc reads the parts
+of every manifest a ref names when it sweeps, including a manifest stored after it listed the
+blobs (a build re-uses intact old blobs without rewriting them). Unreferenced blobs that no
+manifest named are also kept while younger than ``grace`` (for writers that take no lock), and
+a blob whose mtime changed since gc listed it (``LocalStore.put`` refreshes the mtime of a
+blob it re-uses) is kept. ``tools/stress_cache.py gc`` runs gc, builders and loaders together.
 
 Nothing here imports torch; leases need ``fcntl`` (POSIX). Without it ``reading`` is a no-op.
+Every file is reached through the store's ``fsafe.Tree``: no symbolic link is followed, so a
+link planted at ``used/``, ``leases/``, ``locks/`` or a fan-out directory cannot make gc delete,
+or a load create, anything outside the cache.
 """
 
 from __future__ import annotations
@@ -45,21 +47,17 @@ import logging
 import os
 import pathlib
 import re
+import stat
 import time
 from typing import Iterator
 
-import filelock
-
 from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError
+from .fsafe import LinkError
 from .local import LocalStore, _check_digest, _check_key, _is_digest
+from .locks import FileLock, locks_supported
 from .transfer import looks_like_manifest, manifest_parts
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None
-
-__all__ = ["reading", "touch_used", "last_used", "collect_garbage", "GcReport", "Artifact",
+__all__ = ["reading", "touch_used", "forget_used", "last_used", "collect_garbage", "GcReport", "Artifact",
            "ArtifactGoneError", "parse_size", "parse_age", "format_size", "cache_size"]
 
 log = logging.getLogger(__name__)
@@ -92,35 +90,18 @@ def _lease_path(local: LocalStore, digest: str) -> pathlib.Path:
     return local.root / LEASES / f"{digest}.lock"
 
 
-def _flock(path: pathlib.Path, mode: int, timeout: float) -> int | None:
-    """Open (creating) ``path`` and ``flock`` it; the fd, or None if not granted in ``timeout``.
+def _lease(local: LocalStore, digest: str) -> FileLock:
+    return FileLock(local.tree, (LEASES,), f"{digest}.lock")
 
-    Re-checks after locking that ``path`` still names the locked file: gc unlinks the lease
-    file of an artifact it deleted, and a lock on an unlinked file protects nothing.
-    """
-    deadline = time.monotonic() + timeout
-    delay = 0.001
-    while True:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-            continue
-        except BaseException:
-            os.close(fd)
-            raise
-        try:
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                return fd
-        except FileNotFoundError:
-            pass
-        os.close(fd)
+
+def _try_exclusive(lock: FileLock) -> bool:
+    """Take ``lock`` exclusively without waiting; a lock that cannot be examined (a planted
+    link, an unwritable directory) counts as held by someone, so what it guards stays."""
+    try:
+        return lock.acquire(0)
+    except (OSError, SpmdAotError) as exc:
+        log.warning("treating %s as held: %s", lock.path, exc)
+        return False
 
 
 # ---------------------------------------------------------------------------- readers
@@ -138,16 +119,20 @@ def reading(store, digest: str, *, timeout: float = 120.0) -> Iterator[None]:
     """
     _check_digest(digest)
     local = _local(store)
-    fd = None
-    if local is not None and fcntl is not None:
-        path = _lease_path(local, digest)
+    lease = None
+    if local is not None and locks_supported():
+        lease = _lease(local, digest)
         try:
-            fd = _flock(path, fcntl.LOCK_SH, timeout)
+            taken = lease.acquire(timeout, shared=True)
         except OSError as exc:  # read-only cache: nobody can gc it either
-            log.debug("no reader lease on %s: %s", path, exc)
+            log.debug("no reader lease on %s: %s", lease.path, exc)
+            lease = None
+        except LinkError as exc:  # a planted link: gc treats that lease as held, so this is safe
+            log.warning("no reader lease: %s", exc)
+            lease = None
         else:
-            if fd is None:
-                raise LockTimeoutError(f"could not take reader lease {path} within {timeout:g} s: "
+            if not taken:
+                raise LockTimeoutError(f"could not take reader lease {lease.path} within {timeout:g} s: "
                                        "a gc has held it that long; is a gc process stuck?")
     try:
         if not store.has(digest):
@@ -156,8 +141,8 @@ def reading(store, digest: str, *, timeout: float = 120.0) -> Iterator[None]:
                 "by gc or `spmd-aot rm`); look its key up again, or rebuild it")
         yield
     finally:
-        if fd is not None:
-            os.close(fd)
+        if lease is not None:
+            lease.release()
 
 
 def touch_used(store, key: str) -> None:
@@ -165,24 +150,35 @@ def touch_used(store, key: str) -> None:
     local = _local(store)
     if local is None:
         return
-    path = local.root / USED / _check_key(key)
+    _check_key(key)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "ab"):
-            pass
-        os.utime(path)
-    except OSError as exc:  # a read-only cache is never collected
+        fd = local.tree.open((USED,), key, os.O_WRONLY | os.O_CREAT, create_dirs=True)
+        try:
+            os.utime(fd)
+        finally:
+            os.close(fd)
+    except (OSError, SpmdAotError) as exc:  # a read-only cache is never collected
         log.debug("cannot record use of %s: %s", key, exc)
+
+
+def forget_used(store, key: str) -> None:
+    """Drop ``used/<key>`` (after its ref was removed); a regular file only."""
+    local = _local(store)
+    if local is not None:
+        with contextlib.suppress(OSError, SpmdAotError):
+            local.tree.unlink((USED,), _check_key(key))
 
 
 def last_used(store, key: str) -> float:
     """When ``key`` was last loaded (``used/<key>``), else built or pulled (its ref); 0 if unknown."""
     local = _require_local(store)
-    for path in (local.root / USED / key, local.root / "refs" / key):
+    for parts in ((USED,), ("refs",)):
         try:
-            return path.stat().st_mtime
-        except OSError:
+            st = local.tree.lstat(parts, key)
+        except (OSError, SpmdAotError):
             continue
+        if st is not None and stat.S_ISREG(st.st_mode):
+            return st.st_mtime
     return 0.0
 
 
@@ -219,14 +215,7 @@ def format_size(n: int) -> str:
 
 def _blob_sizes(local: LocalStore) -> dict[str, tuple[int, float]]:
     """digest -> (size, mtime) of every blob on disk."""
-    out = {}
-    for digest in local.blobs():
-        try:
-            st = local.blob_path(digest).stat()
-        except OSError:
-            continue
-        out[digest] = (st.st_size, st.st_mtime)
-    return out
+    return {digest: (st.st_size, st.st_mtime) for digest, st in local.blob_stats().items()}
 
 
 def cache_size(store) -> int:
@@ -247,8 +236,8 @@ def _read_manifest_parts(local: LocalStore, digest: str) -> set[str] | None:
     """The part digests a manifest on disk names; None if it is missing or not a manifest.
     Reads the file directly (no quarantine side effect: gc must not move things around)."""
     try:
-        data = local.blob_path(digest).read_bytes()
-    except OSError:
+        data = local.read_raw(digest)
+    except (OSError, SpmdAotError):
         return None
     try:
         return set(manifest_parts(data, f"manifest {digest}").values())
@@ -269,8 +258,8 @@ class _BuildLocks:
     ones another process holds. ``busy()`` looks again (new builds start at any time)."""
 
     def __init__(self, local: LocalStore) -> None:
-        self.dir = local.root / "locks"
-        self.held: dict[str, filelock.BaseFileLock] = {}
+        self.local = local
+        self.held: dict[str, FileLock] = {}
         self.busy_names: set[str] = set()
 
     def __enter__(self):
@@ -279,29 +268,24 @@ class _BuildLocks:
 
     def busy(self) -> set[str]:
         try:
-            names = sorted(e.name for e in os.scandir(self.dir) if e.name.endswith(".lock"))
-        except FileNotFoundError:
-            names = []
+            entries = self.local.tree.entries("locks")
+        except (OSError, SpmdAotError):
+            entries = []
         busy = set()
-        for name in names:
-            if name in self.held:
+        for name, _ in entries:
+            if not name.endswith(".lock") or name in self.held:
                 continue
-            lock = filelock.FileLock(str(self.dir / name), timeout=0)
-            try:
-                lock.acquire()
-            except filelock.Timeout:
-                busy.add(name)
-            except OSError:
-                continue
-            else:
+            lock = FileLock(self.local.tree, ("locks",), name)
+            if _try_exclusive(lock):
                 self.held[name] = lock
+            else:
+                busy.add(name)  # held by a build (or unexaminable: a link): keep what builds need
         self.busy_names = busy
         return busy
 
     def __exit__(self, *exc):
         for lock in self.held.values():
-            with contextlib.suppress(Exception):
-                lock.release()
+            lock.release()
 
 
 # ---------------------------------------------------------------------------- gc
@@ -334,16 +318,13 @@ def collect_garbage(store, *, max_size: int | None = None, max_age: float | None
     lease) the manifest. With ``dry_run`` nothing is deleted and the report says what would be.
     """
     local = _require_local(store)
-    if fcntl is None:  # pragma: no cover
+    if not locks_supported():  # pragma: no cover
         raise SpmdAotError("gc needs POSIX file locks (fcntl), which this platform lacks")
     now = time.time() if now is None else now
-    gc_lock = filelock.FileLock(str(local.root / LEASES / "gc.lock"), timeout=lock_timeout)
-    (local.root / LEASES).mkdir(parents=True, exist_ok=True)
-    try:
-        gc_lock.acquire()
-    except filelock.Timeout:
+    gc_lock = FileLock(local.tree, (LEASES,), "gc.lock")
+    if not gc_lock.acquire(lock_timeout):
         raise LockTimeoutError(f"another gc of {local.root} has been running for {lock_timeout:g} s "
-                               f"(it holds {local.root / LEASES / 'gc.lock'})") from None
+                               f"(it holds {gc_lock.path})")
     try:
         with _BuildLocks(local) as builds:
             return _collect(local, builds, max_size, max_age, grace, dry_run, now)
@@ -365,26 +346,27 @@ def _collect(local, builds, max_size, max_age, grace, dry_run, now) -> GcReport:
 
     def evict(a: Artifact, reason: str) -> None:
         nonlocal live_bytes, removed, removed_bytes
+        if f"{a.key}.lock" in builds.busy_names:  # being rebuilt right now: it stays this time
+            skipped.append(a.key)
+            return
         shared = any(o.digest == a.digest for o in alive.values() if o.key != a.key)
-        fd = None
+        lease = None
         if not shared:  # another ref naming the same manifest keeps it: only this ref goes
-            fd = _flock(_lease_path(local, a.digest), fcntl.LOCK_EX, 0)
-            if fd is None:
+            lease = _lease(local, a.digest)
+            if not _try_exclusive(lease):
                 skipped.append(a.key)
                 return
         try:
             if not dry_run:
                 local.delete_ref(a.key)
-                with contextlib.suppress(OSError):
-                    os.unlink(local.root / USED / a.key)
-                if fd is not None:
+                forget_used(local, a.key)
+                if lease is not None:
                     local.delete(a.digest)
-                    with contextlib.suppress(OSError):
-                        os.unlink(_lease_path(local, a.digest))
+                    _unlink_quietly(local, (LEASES,), f"{a.digest}.lock")
         finally:
-            if fd is not None:
-                os.close(fd)
-        if fd is not None and a.digest in sizes:
+            if lease is not None:
+                lease.release()
+        if lease is not None and a.digest in sizes:
             gone[a.digest] = set(a.blobs) - {a.digest}
             removed += 1
             removed_bytes += sizes[a.digest][0]
@@ -422,13 +404,17 @@ def _sweep(local, builds, evicted_keys, gone, grace, dry_run, now) -> tuple[int,
 
     Order matters (see the module docstring): list the blobs, then look at the build locks,
     then read the refs, so a writer that wrote a blob before the listing either still holds
-    its lock (then every unreferenced blob stays) or has set its ref by the time gc reads refs.
+    its lock (then every unreferenced blob stays) or has set its ref by the time gc reads refs;
+    then the parts of every referenced manifest are read, including manifests written after
+    the listing (their parts may be old blobs the writer re-used).
     """
     listing = {d: v for d, v in _blob_sizes(local).items() if d not in gone}
     building = bool(builds.busy())
     referenced = {d for k, d in local.refs().items() if k not in evicted_keys}
     manifests: dict[str, set[str]] = {}  # every manifest on disk -> the parts it names
-    for digest in referenced & set(listing):
+    # Every referenced manifest, listed or not: one a builder stored after the listing (its
+    # ref read just now) names parts that may be in the listing (re-used, not rewritten).
+    for digest in referenced:
         parts = _read_manifest_parts(local, digest)
         if parts is not None:
             manifests[digest] = parts
@@ -447,17 +433,16 @@ def _sweep(local, builds, evicted_keys, gone, grace, dry_run, now) -> tuple[int,
         if building or now - mtime < grace or _touched(local, digest, mtime):
             kept += 1
             continue
-        fd = _flock(_lease_path(local, digest), fcntl.LOCK_EX, 0)
-        if fd is None:  # a reader holds it: the manifest and its parts stay
+        lease = _lease(local, digest)
+        if not _try_exclusive(lease):  # a reader holds it: the manifest and its parts stay
             kept += 1
             continue
         try:
             if not dry_run:
                 local.delete(digest)
-                with contextlib.suppress(OSError):
-                    os.unlink(_lease_path(local, digest))
+                _unlink_quietly(local, (LEASES,), f"{digest}.lock")
         finally:
-            os.close(fd)
+            lease.release()
         freed |= manifests.pop(digest)
         del listing[digest]
         removed, removed_bytes = removed + 1, removed_bytes + size
@@ -481,44 +466,46 @@ def _touched(local: LocalStore, digest: str, mtime: float) -> bool:
     """Whether the blob was rewritten (or re-used, if the writer refreshes its mtime) since gc
     listed it: then a writer wants it, and it stays."""
     try:
-        return local.blob_path(digest).stat().st_mtime != mtime
-    except OSError:
-        return True  # gone already
+        st = local.tree.lstat(("objects", digest[:2]), digest[2:])
+    except (OSError, SpmdAotError):
+        return True
+    return st is None or st.st_mtime != mtime  # None: gone already
 
 
 def _is_manifest_blob(local: LocalStore, digest: str) -> bool:
     try:
-        with open(local.blob_path(digest), "rb") as f:
-            first = f.read(1)
-            if not first or not (0x80 <= first[0] <= 0x8F or first[0] in (0xDE, 0xDF)):
-                return False
-            data = first + f.read()
-    except OSError:
+        data = local.read_raw(digest)
+    except (OSError, SpmdAotError):
         return False
     return looks_like_manifest(data)
 
 
+def _unlink_quietly(local: LocalStore, parts: tuple[str, ...], name: str) -> None:
+    with contextlib.suppress(OSError, SpmdAotError):
+        local.tree.unlink(parts, name)
+
+
 def _tidy(local: LocalStore, dry_run: bool) -> None:
-    """Drop ``used/`` files of refs that are gone, lease files of deleted artifacts, old temps."""
+    """Drop ``used/`` files of refs that are gone, lease files of deleted artifacts, old temps.
+    Only regular files directly in those directories are removed (links are left alone)."""
     if dry_run:
         return
-    refs_dir, used_dir, leases_dir = local.root / "refs", local.root / USED, local.root / LEASES
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(used_dir):
-            if not (refs_dir / entry.name).exists():
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(leases_dir):
-            digest = entry.name[:-5]
-            if not entry.name.endswith(".lock") or not _is_digest(digest) or local.has(digest):
+    tree = local.tree
+    with contextlib.suppress(OSError, SpmdAotError):
+        for name, _ in tree.files(USED):
+            if not tree.is_file(("refs",), name):
+                _unlink_quietly(local, (USED,), name)
+    with contextlib.suppress(OSError, SpmdAotError):
+        for name, _ in tree.files(LEASES):
+            digest = name[:-5]
+            if not name.endswith(".lock") or not _is_digest(digest) or local.has(digest):
                 continue
-            fd = _flock(pathlib.Path(entry.path), fcntl.LOCK_EX, 0)
-            if fd is not None:
+            lease = _lease(local, digest)
+            if _try_exclusive(lease):
                 try:
                     if not local.has(digest):
-                        os.unlink(entry.path)
+                        _unlink_quietly(local, (LEASES,), name)
                 finally:
-                    os.close(fd)
-    with contextlib.suppress(OSError):
+                    lease.release()
+    with contextlib.suppress(OSError, SpmdAotError):
         local.clean_tmp()

@@ -27,19 +27,21 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import logging
 import os
 import pathlib
 import re
 import secrets
+import stat
 import threading
 import time
 from dataclasses import dataclass
 from typing import Iterator
 
-import filelock
-
-from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError
+from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError, describe_os_error, os_error
 from ..faults import crash_point
+from .fsafe import LinkError, Tree
+from .locks import FileLock
 
 __all__ = ["LocalStore", "resolve_cache_dir", "BlobProblem", "ENV_CACHE_DIR"]
 
@@ -51,6 +53,13 @@ _KEY_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 _TMP_SUFFIX = ".tmp"
 _PID_RE = re.compile(r"[1-9][0-9]{0,9}")
 _CHUNK = 1 << 20
+_SUBDIRS = ("objects", "refs", "locks", "tmp", "quarantine")
+
+log = logging.getLogger(__name__)
+
+
+def _blob_location(digest: str) -> tuple[tuple[str, ...], str]:
+    return ("objects", digest[:2]), digest[2:]
 
 
 def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
@@ -118,18 +127,13 @@ def _check_key(key: object) -> str:
     return key
 
 
-def _fsync_dir(path: pathlib.Path) -> None:
-    """Persist a rename in ``path``. Best effort: not every OS/filesystem allows it."""
+def _fsync_dir(tree: Tree, parts: tuple[str, ...]) -> None:
+    """Persist a rename in ``root/parts``. Best effort: not every OS/filesystem allows it."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
+        with tree.dir(*parts) as fd:
+            os.fsync(fd)
+    except (OSError, SpmdAotError):
         pass
-    finally:
-        os.close(fd)
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -138,13 +142,12 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[n:]
 
 
-def _hash_file(path: pathlib.Path) -> tuple[str, int]:
+def _hash_fd(fd: int) -> tuple[str, int]:
     h = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
+    while chunk := os.read(fd, _CHUNK):
+        h.update(chunk)
+        size += len(chunk)
     return h.hexdigest(), size
 
 
@@ -153,48 +156,58 @@ class LocalStore:
 
     Safe for many processes (and threads) on one machine, and on shared filesystems whose
     rename is atomic. ``lock(key)`` serialises expensive work (a build) between processes;
-    the store's own reads and writes need no lock.
+    the store's own reads and writes need no lock. No symbolic link inside the root is ever
+    followed (``fsafe.Tree``): the root is resolved once, a linked subdirectory is refused, a
+    linked file is treated as damaged, and only regular files are deleted.
     """
 
     def __init__(self, root: str | os.PathLike, *, lock_timeout: float = 600.0) -> None:
-        self.root = pathlib.Path(root).expanduser().absolute()
+        self.tree = Tree(root)
+        self.root = self.tree.root
         self.lock_timeout = lock_timeout
-        self._objects = self.root / "objects"
-        self._refs = self.root / "refs"
-        self._locks = self.root / "locks"
-        self._tmp = self.root / "tmp"
-        self._quarantine = self.root / "quarantine"
         try:
-            for d in (self._objects, self._refs, self._locks, self._tmp, self._quarantine):
-                d.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            # A read-only cache (e.g. a shared, pre-built one) is still usable for get().
             if not self.root.is_dir():
                 raise SpmdAotError(
-                    f"cannot create cache directory {self.root}: {e}; pass another cache_dir "
-                    f"or set {ENV_CACHE_DIR}"
-                ) from e
+                    f"cannot create cache directory {self.root}: {describe_os_error(e)}; pass another "
+                    f"cache_dir or set {ENV_CACHE_DIR}"
+                ) from None
+        for d in _SUBDIRS:
+            try:
+                with self.tree.dir(d, create=True):
+                    pass
+            except LinkError as e:  # refused when used; reads of other parts still work
+                log.warning("%s", e)
+            except OSError:
+                pass  # a read-only cache (e.g. a shared, pre-built one) is still usable for get()
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
 
     # ------------------------------------------------------------------ helpers
 
-    def _write_atomic(self, dest: pathlib.Path, data: bytes, stage: str = "blob") -> None:
-        """Write ``data`` to ``dest`` so no reader ever sees a partial file.
+    def _write_atomic(self, parts: tuple[str, ...], name: str, data: bytes, stage: str = "blob") -> None:
+        """Write ``data`` to ``root/parts/name`` so no reader ever sees a partial file.
 
         ``stage`` names the crash points (``<stage>.partial`` etc., see ``spmd_aot.faults``).
         If the temp file vanishes before the rename (``clean_tmp`` on another host mistook our
-        pid for a dead one), the write is simply redone under a new temp name.
+        pid for a dead one), the write is simply redone under a new temp name. OS errors (a
+        full disk, a read-only cache) become ``SpmdAotError``s naming the path and the fix.
         """
+        dest = self.tree.path(*parts, name)
+        try:
+            self._write_atomic_os(parts, name, data, stage)
+        except OSError as e:
+            raise os_error(e, dest, "write") from None
+
+    def _write_atomic_os(self, parts, name, data, stage) -> None:
         for attempt in range(3):
-            self._tmp.mkdir(parents=True, exist_ok=True)
             # Unique per process and thread; O_EXCL guarantees we never share a temp file.
-            tmp = self._tmp / (
-                f"{dest.name[:16]}.{os.getpid()}.{threading.get_ident()}."
-                f"{secrets.token_hex(8)}{_TMP_SUFFIX}"
-            )
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+            tmp = (f"{name[:16]}.{os.getpid()}.{threading.get_ident()}."
+                   f"{secrets.token_hex(8)}{_TMP_SUFFIX}")
+            fd = self.tree.open(("tmp",), tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                                create_dirs=True)
             try:
                 try:
                     view = memoryview(data)
@@ -205,59 +218,45 @@ class LocalStore:
                 finally:
                     os.close(fd)
                 crash_point(f"{stage}.before_rename")
-                dest.parent.mkdir(parents=True, exist_ok=True)
                 try:
-                    os.replace(tmp, dest)
+                    self.tree.replace(("tmp",), tmp, parts, name, create_dirs=True)
                 except FileNotFoundError:
-                    if attempt < 2 and dest.parent.is_dir() and not os.path.lexists(tmp):
+                    if attempt < 2 and self.tree.lstat(("tmp",), tmp) is None:
                         continue  # our temp file was cleaned away: write it again
                     raise
             except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                with contextlib.suppress(OSError, SpmdAotError):
+                    self.tree.unlink(("tmp",), tmp)
                 raise
             crash_point(f"{stage}.after_rename")
-            _fsync_dir(dest.parent)
+            _fsync_dir(self.tree, parts)
             return
-
-    def _ref_path(self, key: str) -> pathlib.Path:
-        return self._refs / _check_key(key)
 
     def _ref_files(self) -> Iterator[tuple[str, pathlib.Path]]:
-        try:
-            entries = sorted(os.scandir(self._refs), key=lambda e: e.name)
-        except FileNotFoundError:
-            return
-        for entry in entries:
-            name = entry.name
-            if _KEY_RE.fullmatch(name) and not name.startswith(".") and entry.is_file():
-                yield name, pathlib.Path(entry.path)
+        for name, _ in self.tree.files("refs"):
+            if _KEY_RE.fullmatch(name) and not name.startswith("."):
+                yield name, self.tree.path("refs", name)
 
-    def _quarantine_file(
-        self, path: pathlib.Path, digest: str, st: os.stat_result
-    ) -> pathlib.Path | None:
+    def _quarantine_file(self, digest: str, st: os.stat_result) -> pathlib.Path | None:
         """Move a bad blob aside, unless someone replaced it since we read it."""
-        try:
-            now = os.stat(path)
-        except OSError:
-            return None
-        if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+        parts, name = _blob_location(digest)
+        now = self.tree.lstat(parts, name)
+        if now is None or (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
             return None  # a concurrent put() already replaced it with a fresh copy
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-        dest = self._quarantine / f"{digest}.{stamp}"
+        dest = f"{digest}.{stamp}"
         try:
-            self._quarantine.mkdir(parents=True, exist_ok=True)
-            os.replace(path, dest)
-        except OSError:
+            self.tree.replace(parts, name, ("quarantine",), dest, create_dirs=True)
+        except (OSError, SpmdAotError):
             return None
-        return dest
+        return self.tree.path("quarantine", dest)
 
     # ------------------------------------------------------------------ blobs
 
     def blob_path(self, digest: str) -> pathlib.Path:
         """Where the blob named ``digest`` lives (whether or not it exists)."""
-        _check_digest(digest)
-        return self._objects / digest[:2] / digest[2:]
+        parts, name = _blob_location(_check_digest(digest))
+        return self.tree.path(*parts, name)
 
     def put(self, data: bytes) -> str:
         """Store ``data``; return its sha256 hex digest.
@@ -267,36 +266,47 @@ class LocalStore:
         """
         data = bytes(data) if not isinstance(data, bytes) else data
         digest = hashlib.sha256(data).hexdigest()
-        path = self.blob_path(digest)
+        parts, name = _blob_location(digest)
         try:
-            if path.stat().st_size == len(data) and _hash_file(path)[0] == digest:
+            fd = self.tree.open(parts, name, os.O_RDONLY)
+            try:
+                st = os.fstat(fd)
+                intact = stat.S_ISREG(st.st_mode) and st.st_size == len(data) and _hash_fd(fd)[0] == digest
+            finally:
+                os.close(fd)
+            if intact:
                 # a fresh mtime tells a concurrent gc this blob was just reused
-                with contextlib.suppress(OSError):
-                    os.utime(path)
+                with contextlib.suppress(OSError, SpmdAotError):
+                    self.tree.utime(parts, name)
                 return digest
-        except OSError:
-            pass  # missing or unreadable: (re)write it
-        self._write_atomic(path, data)
+        except (OSError, SpmdAotError):
+            pass  # missing, unreadable or a link: (re)write it (the rename replaces a link)
+        self._write_atomic(parts, name, data)
         return digest
+
+    def read_raw(self, digest: str) -> bytes:
+        """The bytes stored under ``digest``, unchecked and with no side effect (for gc).
+        Raises ``OSError`` / ``SpmdAotError`` when missing, unreadable or a link."""
+        return self.tree.read(*_blob_location(_check_digest(digest)))[0]
 
     def get(self, digest: str) -> bytes:
         """Return the bytes named ``digest``, checked against the name.
 
         A blob whose content does not hash to its name is moved to ``quarantine/`` (so the
-        next build rewrites it) and reported as ``CorruptArtifactError``.
+        next build rewrites it) and reported as ``CorruptArtifactError``; so is a link.
         """
         path = self.blob_path(digest)
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                data = f.read()
+            data, st = self.tree.read(*_blob_location(digest))
         except FileNotFoundError:
             raise CorruptArtifactError(f"blob {digest} missing at {path}") from None
         except OSError as e:
-            raise CorruptArtifactError(f"blob {digest} unreadable at {path}: {e}") from e
+            raise CorruptArtifactError(f"blob {digest} unreadable at {path}: {describe_os_error(e)}") from None
+        except LinkError as e:
+            raise CorruptArtifactError(f"blob {digest} refused: {e}") from None
         actual = hashlib.sha256(data).hexdigest()
         if actual != digest:
-            moved = self._quarantine_file(path, digest, st)
+            moved = self._quarantine_file(digest, st)
             where = (
                 f"moved to {moved}"
                 if moved is not None
@@ -309,54 +319,62 @@ class LocalStore:
         return data
 
     def has(self, digest: str) -> bool:
-        """Whether a blob named ``digest`` exists (its content is not checked)."""
-        return self.blob_path(digest).is_file()
+        """Whether a blob named ``digest`` exists as a regular file (its content is not checked)."""
+        try:
+            return self.tree.is_file(*_blob_location(_check_digest(digest)))
+        except (OSError, LinkError):
+            return False
 
     def delete(self, digest: str) -> None:
-        """Remove a blob; no error if it is absent."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.blob_path(digest))
+        """Remove a blob (a regular file only); no error if it is absent."""
+        try:
+            self.tree.unlink(*_blob_location(_check_digest(digest)))
+        except LinkError as e:
+            log.warning("not deleting blob %s: %s", digest, e)
+
+    def blob_stats(self) -> dict[str, os.stat_result]:
+        """digest -> lstat of every blob file (links and malformed names are skipped)."""
+        out = {}
+        for fan in self.tree.dirs("objects"):
+            if len(fan) != 2:
+                continue
+            try:
+                files = self.tree.files("objects", fan)
+            except LinkError:
+                continue
+            for name, st in files:
+                if _is_digest(fan + name):
+                    out[fan + name] = st
+        return out
 
     def blobs(self) -> Iterator[str]:
-        """All stored digests, in sorted order (files with malformed names are skipped)."""
-        try:
-            fans = sorted(
-                e.name for e in os.scandir(self._objects) if len(e.name) == 2 and e.is_dir()
-            )
-        except FileNotFoundError:
-            return
-        for fan in fans:
-            try:
-                names = sorted(e.name for e in os.scandir(self._objects / fan) if e.is_file())
-            except FileNotFoundError:
-                continue
-            for name in names:
-                if _is_digest(fan + name):
-                    yield fan + name
+        """All stored digests, in sorted order (links and files with malformed names are skipped)."""
+        yield from sorted(self.blob_stats())
 
     # ------------------------------------------------------------------ refs
 
     def set_ref(self, key: str, digest: str) -> None:
         """Point ``key`` at ``digest``, atomically (readers see the old or the new target)."""
-        path = self._ref_path(key)
+        _check_key(key)
         _check_digest(digest)
-        self._write_atomic(path, (digest + "\n").encode("ascii"), stage="ref")
+        self._write_atomic(("refs",), key, (digest + "\n").encode("ascii"), stage="ref")
 
     def get_ref(self, key: str) -> str | None:
         """The digest ``key`` points to, or None if there is no such ref."""
-        path = self._ref_path(key)
+        path = self.tree.path("refs", _check_key(key))
         try:
-            raw = path.read_bytes()
+            raw, _ = self.tree.read(("refs",), key)
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise CorruptArtifactError(f"ref {key!r} unreadable at {path}: {e}") from e
+            raise CorruptArtifactError(f"ref {key!r} unreadable at {path}: {describe_os_error(e)}") from None
+        except LinkError as e:
+            raise CorruptArtifactError(f"ref {key!r} refused: {e}") from None
         return parse_ref(raw, f"ref file {path}", "delete it (or rebuild) to fix")
 
     def delete_ref(self, key: str) -> None:
         """Remove a ref; no error if it is absent."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._ref_path(key))
+        self.tree.unlink(("refs",), _check_key(key))
 
     def refs(self) -> dict[str, str]:
         """All readable refs as key -> digest, sorted by key.
@@ -382,59 +400,85 @@ class LocalStore:
         ``timeout`` defaults to the store's ``lock_timeout``; a negative value waits forever.
         Yields the lock file's path.
         """
-        path = self._locks / f"{_check_key(key)}.lock"
+        lock = FileLock(self.tree, ("locks",), f"{_check_key(key)}.lock")
         t = self.lock_timeout if timeout is None else timeout
-        self._locks.mkdir(parents=True, exist_ok=True)
-        flock = filelock.FileLock(str(path), timeout=t)
         try:
-            flock.acquire()
-        except filelock.Timeout:
+            taken = lock.acquire(t)
+        except OSError as e:
+            raise os_error(e, lock.path, "lock") from None
+        if not taken:
             raise LockTimeoutError(
-                f"could not take lock {path} within {t:g} s: another process (probably another "
+                f"could not take lock {lock.path} within {t:g} s: another process (probably another "
                 f"spmd-aot build or job using the cache {self.root}) holds it. Wait for it to "
                 f"finish or raise the timeout; if no such process is running, the lock is stale: "
-                f"delete {path} and retry."
-            ) from None
+                f"delete {lock.path} and retry."
+            )
         try:
             # The lock is the builder's path: clear what killed writers left in tmp/ first.
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, SpmdAotError):
                 self.clean_tmp(dead_writers=True)
             crash_point("lock.acquired")
-            yield path
+            yield lock.path
         finally:
-            flock.release()
+            lock.release()
 
     # ------------------------------------------------------------------ maintenance
 
     def verify(self) -> list[BlobProblem]:
         """Re-hash every blob and check every ref; report problems without changing anything."""
         problems: list[BlobProblem] = []
+        for sub in _SUBDIRS + ("leases", "used"):
+            st = self.tree.lstat((), sub)
+            if st is not None and not stat.S_ISDIR(st.st_mode):
+                problems.append(BlobProblem("", str(self.tree.path(sub)), "symbolic link or not a directory"))
         try:
-            fans = sorted(os.scandir(self._objects), key=lambda e: e.name)
-        except FileNotFoundError:
+            fans = self.tree.entries("objects")
+        except LinkError:
             fans = []
-        for fan in fans:
-            if len(fan.name) != 2 or not fan.is_dir():
-                problems.append(BlobProblem(fan.name, fan.path, "bad name"))
+        for fan, st in fans:
+            path = str(self.tree.path("objects", fan))
+            if stat.S_ISLNK(st.st_mode):
+                problems.append(BlobProblem(fan, path, "symbolic link (never followed)"))
+                continue
+            if len(fan) != 2 or not stat.S_ISDIR(st.st_mode):
+                problems.append(BlobProblem(fan, path, "bad name"))
                 continue
             try:
-                entries = sorted(os.scandir(fan.path), key=lambda e: e.name)
-            except OSError as e:
-                problems.append(BlobProblem(fan.name, fan.path, f"unreadable: {e}"))
+                entries = self.tree.entries("objects", fan)
+            except (OSError, LinkError) as e:
+                problems.append(BlobProblem(fan, path, f"unreadable: {e}"))
                 continue
-            for entry in entries:
-                name = fan.name + entry.name
-                if not _is_digest(name) or not entry.is_file():
-                    problems.append(BlobProblem(name, entry.path, "bad name"))
+            for entry, est in entries:
+                name = fan + entry
+                epath = str(self.tree.path("objects", fan, entry))
+                if stat.S_ISLNK(est.st_mode):
+                    problems.append(BlobProblem(name, epath, "symbolic link (never followed)"))
+                    continue
+                if not _is_digest(name) or not stat.S_ISREG(est.st_mode):
+                    problems.append(BlobProblem(name, epath, "bad name"))
                     continue
                 try:
-                    actual, _ = _hash_file(pathlib.Path(entry.path))
-                except OSError as e:
-                    problems.append(BlobProblem(name, entry.path, f"unreadable: {e}"))
+                    fd = self.tree.open(("objects", fan), entry, os.O_RDONLY)
+                    try:
+                        actual, _ = _hash_fd(fd)
+                    finally:
+                        os.close(fd)
+                except (OSError, LinkError) as e:
+                    problems.append(BlobProblem(name, epath, f"unreadable: {e}"))
                     continue
                 if actual != name:
-                    problems.append(BlobProblem(name, entry.path, f"content hashes to {actual}"))
-        for key, path in self._ref_files():
+                    problems.append(BlobProblem(name, epath, f"content hashes to {actual}"))
+        try:
+            ref_entries = self.tree.entries("refs")
+        except LinkError:
+            ref_entries = []
+        for key, st in ref_entries:
+            path = self.tree.path("refs", key)
+            if not stat.S_ISREG(st.st_mode):
+                problems.append(BlobProblem("", str(path), f"ref {key} is a symbolic link or not a file"))
+                continue
+            if not _KEY_RE.fullmatch(key) or key.startswith("."):
+                continue
             try:
                 target = self.get_ref(key)
             except CorruptArtifactError as e:
@@ -453,26 +497,16 @@ class LocalStore:
         ``dead_writers`` also remove, whatever their age, temp files whose writer (the pid in
         the name) is no longer running on this host. On a cache shared between hosts that pid
         may belong to a live writer elsewhere; such a writer notices its vanished temp file
-        and writes again. ``lock()`` runs this with ``dead_writers=True``.
+        and writes again. ``lock()`` runs this with ``dead_writers=True``. Only regular files
+        directly in ``tmp/`` are removed (a linked ``tmp/`` raises ``LinkError``).
         Returns how many files were removed.
         """
         cutoff = time.time() - older_than
         removed = 0
-        try:
-            entries = list(os.scandir(self._tmp))
-        except FileNotFoundError:
-            return 0
-        for entry in entries:
-            try:
-                if not entry.is_file(follow_symlinks=False):
-                    continue
-                if entry.stat(follow_symlinks=False).st_mtime < cutoff or (
-                    dead_writers and not _writer_alive(entry.name)
-                ):
-                    os.unlink(entry.path)
+        for name, st in self.tree.files("tmp"):
+            if st.st_mtime < cutoff or (dead_writers and not _writer_alive(name)):
+                if self.tree.unlink(("tmp",), name):
                     removed += 1
-            except FileNotFoundError:
-                continue
         return removed
 
 

@@ -1,0 +1,80 @@
+"""Which operator overloads a stored graph may call: a list of overloads, kept as data.
+
+``allowed_ops.txt`` (next to this module) names every overload the tracer emits for the
+supported features, plus the communication passes' and common model ops; loading refuses any
+other target. A list of namespaces is not enough: ``aten`` also holds ops that apply raw sizes
+and strides without bounds checks, build sparse tensors without checking their invariants,
+seed the RNG or open files. ``REFUSED`` names those families with the reason; an op matching
+one is refused even if someone adds it to the data file (a test checks the file stays clear).
+
+The list is tied to a torch release (``# torch-release:`` in the file): overload names can
+change between releases, so a process running another release logs a warning once and a
+test checks that every listed overload exists in the running torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import logging
+import re
+
+import torch
+
+__all__ = ["ALLOWED_OPS", "PYTHON_CALLABLES", "REFUSED", "TORCH_RELEASE", "refusal", "allowed_ops"]
+
+log = logging.getLogger(__name__)
+
+#: Python callables a graph may name (FX uses getitem to unpack multi-output ops).
+PYTHON_CALLABLES = ("operator.getitem",)
+
+#: (pattern on the op name, why it is refused). Checked before the list, so the reason is precise.
+REFUSED: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p), why) for p, why in (
+    (r"^(_reshape_alias|as_strided.*|set_|_set_.*|_make_per_.*|_mkldnn.*|_copy_from.*)$",
+     "builds a view from raw sizes, strides or storage that torch does not bounds-check on every path"),
+    (r"sparse|_coo|_csr|_csc|_bsr|_bsc|to_dense", "builds or reads sparse tensors (invariants unchecked)"),
+    (r"nested|_nt_", "builds nested tensors"),
+    (r"^(resize_.*|_resize_.*|t_|transpose_|swapdims_|swapaxes_|squeeze_|unsqueeze_|detach_|as_strided_)$",
+     "changes a tensor's shape or strides in place (validate.py assumes in-place ops keep metadata)"),
+    (r"^_unsafe(?!_view$)|^_index_put_impl_$|^unsafe_",
+     "skips argument checks (_unsafe_view is allowed: it checks the element count)"),
+    (r"seed|rng_state|_philox|_fused_rng", "seeds or replaces the random number generator's state"),
+    (r"^(from_file|save|load|_print|_assert_async|_functional_assert_async|_assert_scalar)$|file",
+     "opens files, prints or asserts on data"),
+))
+
+
+def refusal(opname: str) -> str | None:
+    """Why op ``opname`` (no namespace, no overload) may never be allowed, or None."""
+    for pattern, why in REFUSED:
+        if pattern.search(opname):
+            return why
+    return None
+
+
+def _parse(text: str) -> tuple[str, frozenset]:
+    release, ops = "", set()
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("# torch-release:"):
+            release = line.split(":", 1)[1].strip()
+        line = line.split("#", 1)[0].strip()
+        if line:
+            ops.add(line)
+    return release, frozenset(ops)
+
+
+@functools.lru_cache(maxsize=None)
+def allowed_ops() -> frozenset:
+    """Every allowed overload name, ``"aten::add.Tensor"`` style (read once from the data file)."""
+    text = importlib.resources.files(__package__).joinpath("allowed_ops.txt").read_text()
+    release, ops = _parse(text)
+    running = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    if release != running:
+        log.warning("the op allowlist was made for torch %s, this is torch %s: graphs that call "
+                    "renamed overloads will be refused", release, running)
+    return ops
+
+
+TORCH_RELEASE = _parse(importlib.resources.files(__package__).joinpath("allowed_ops.txt").read_text())[0]
+ALLOWED_OPS = allowed_ops()

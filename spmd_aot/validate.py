@@ -1,0 +1,222 @@
+"""Check a decoded graph against its state layout on meta tensors, before anything runs.
+
+Some allowed ops describe memory with numbers the graph supplies (views from sizes, strides
+and offsets; factory ops with a size), and a few of torch's own kernels do not bounds-check
+them. So before a loaded graph runs, every node is executed on ``meta`` tensors shaped by the
+layout (no data, no allocation, no random numbers drawn), and every tensor it produces must
+
+* be a plain strided tensor (no sparse or other layouts),
+* lie inside its storage (offset and strides within the storage's bytes), and
+* not be larger than ``limits.LoadLimits`` allows relative to the layout's tensors.
+
+A graph that fails any of these, or that cannot run on its own layout at all (wrong argument
+types, shapes that do not fit), is refused with ``UnsafeArtifactError`` /
+``CorruptArtifactError`` naming the node. This costs about as much as one eager step's Python
+overhead, once per load.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives  # noqa: F401  (meta kernels of the collectives)
+
+from .errors import CorruptArtifactError, UnsafeArtifactError
+from .limits import LoadLimits, load_limits
+from .serialize import DecodedNode, Ref
+
+__all__ = ["check_graph", "tensor_limit"]
+
+_META = torch.device("meta")
+
+
+def _dtype(name: Any) -> torch.dtype:
+    value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(value, torch.dtype):
+        raise CorruptArtifactError(f"layout names unknown dtype {str(name)[:40]!r}")
+    return value
+
+
+def _shape(value: Any, what: str) -> list[int]:
+    if (not isinstance(value, list) or len(value) > 64
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48 for d in value)):
+        raise CorruptArtifactError(f"layout {what} {str(value)[:80]!r} is not a list of sizes")
+    return value
+
+
+def _bytes(shape: list[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def tensor_limit(inputs: list[dict], limits: LoadLimits) -> int:
+    """The most bytes one tensor of this graph may hold (see ``LoadLimits``)."""
+    sizes = []
+    for entry in inputs:
+        dtype = _dtype(entry.get("dtype"))
+        shape = entry.get("global_shape", entry.get("local_shape"))
+        sizes.append(_bytes(_shape(shape, "global shape"), dtype))
+    return max([limits.tensor_floor, limits.tensor_factor * max(sizes, default=0), sum(sizes)])
+
+
+def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], inputs: list[dict],
+                limits: LoadLimits | None = None) -> None:
+    """Run ``nodes`` on meta tensors shaped as ``inputs`` (the layout) and check every result."""
+    limits = limits or load_limits()
+    limit = tensor_limit(inputs, limits)
+    placeholders = sum(1 for n in nodes if n.op == "placeholder")
+    if placeholders != len(inputs):
+        raise CorruptArtifactError(f"graph has {placeholders} inputs, its layout {len(inputs)}")
+    env: list[Any] = [None] * len(nodes)
+    # Torch's meta kernels for most ops are Python and cost ~0.5 ms a call; layers repeat, so
+    # the result of an op on inputs of the same metadata is remembered and rebuilt (~20 us).
+    memo: dict = {}
+
+    def meta(v):
+        if isinstance(v, Ref):
+            return env[v.index]
+        if isinstance(v, torch.device):
+            return _META
+        if isinstance(v, (list, tuple)):
+            return type(v)(meta(x) for x in v)
+        if isinstance(v, dict):
+            return {k: meta(x) for k, x in v.items()}
+        if isinstance(v, slice):
+            return slice(meta(v.start), meta(v.stop), meta(v.step))
+        return v
+
+    for i, node in enumerate(nodes):
+        if node.op == "placeholder":
+            entry = inputs[i]
+            shape, dtype = _shape(entry.get("local_shape"), "local shape"), _dtype(entry.get("dtype"))
+            if _bytes(shape, dtype) > limit:
+                raise CorruptArtifactError(f"layout input {i} is {_bytes(shape, dtype)} bytes, over the limit")
+            env[i] = torch.empty(shape, dtype=dtype, device=_META)
+        elif node.op == "get_attr":
+            if node.target not in constants:
+                raise CorruptArtifactError(f"graph reads constant {node.target!r}, which is not stored")
+            env[i] = constants[node.target].to(_META)
+        elif node.op == "call_function":
+            args, kwargs = meta(node.args), meta(node.kwargs)
+            tensors: list[torch.Tensor] = []
+            try:
+                key = (node.target, _signature(args, tensors), _signature(kwargs, tensors))
+            except TypeError:  # an unhashable argument: no memo, run it
+                key = None
+            known = memo.get(key) if key is not None else None
+            if known is not None:  # same op on the same metadata: same (already checked) result
+                env[i] = _rebuild(known, tensors)
+                continue
+            try:
+                run = _STANDINS.get(node.target, node.target)
+                env[i] = run(*args, **kwargs)
+            except Exception as exc:  # the graph does not fit its own layout
+                raise CorruptArtifactError(
+                    f"node {node.name} ({_name(node.target)}) cannot run on the artifact's layout: "
+                    f"{type(exc).__name__}: {str(exc)[:300]}") from None
+            _check_result(node, env[i], limit)
+            if key is not None:
+                memo[key] = _describe(env[i], tensors)
+
+
+def _fused_optimizer_step(*args, **kwargs) -> None:
+    """Meta stand-in for fused optimizer steps torch has no meta kernel for: they update
+    parallel tensor lists in place and create nothing, so check that the lists line up."""
+    lists = [a for a in args if isinstance(a, (list, tuple))]
+    params = lists[0]
+    for other in lists[1:]:
+        if len(other) not in (0, len(params)):
+            raise ValueError(f"tensor lists of lengths {len(params)} and {len(other)}")
+        for p, t in zip(params, other):
+            if not isinstance(t, torch.Tensor) or (t.shape != p.shape and t.numel() != 1):
+                raise ValueError(f"a state tensor of shape {getattr(t, 'shape', t)} for a parameter "
+                                 f"of shape {tuple(p.shape)}")
+    for value in kwargs.values():
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(f"a scalar argument is a tensor of shape {tuple(value.shape)}")
+
+
+_STANDINS = {op: _fused_optimizer_step for op in (
+    torch.ops.aten._fused_adamw_.tensor_lr, torch.ops.aten._fused_adam_.tensor_lr,
+    torch.ops.aten._fused_sgd_.tensor_lr, torch.ops.aten._fused_sgd_.default)}
+
+
+def _signature(v, tensors: list) -> Any:
+    """A hashable description of an argument's metadata; tensors are collected in order."""
+    if isinstance(v, torch.Tensor):
+        tensors.append(v)
+        storage = v.untyped_storage()
+        return ("T", tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, storage.nbytes(),
+                _storage_index(storage, tensors))
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_signature(x, tensors) for x in v))
+    if isinstance(v, dict):
+        return ("D", tuple((k, _signature(x, tensors)) for k, x in v.items()))
+    if isinstance(v, slice):
+        return ("S", v.start, v.stop, v.step)
+    if isinstance(v, float):
+        return ("F", v.hex())  # -0.0, nan: exact
+    hash(v)
+    return (type(v).__name__, v)
+
+
+def _storage_index(storage, tensors: list) -> int:
+    """Index of the first collected tensor sharing ``storage`` (aliasing is part of the key)."""
+    ident = storage._cdata
+    return next(i for i, t in enumerate(tensors) if t.untyped_storage()._cdata == ident)
+
+
+def _describe(value: Any, tensors: list) -> Any:
+    """How to rebuild ``value`` from inputs: each tensor as a view of an input's storage, or new."""
+    if isinstance(value, (list, tuple)):
+        return (type(value), [_describe(v, tensors) for v in value])
+    if not isinstance(value, torch.Tensor):
+        return ("value", value)
+    ident = value.untyped_storage()._cdata
+    source = next((i for i, t in enumerate(tensors) if t.untyped_storage()._cdata == ident), None)
+    return ("tensor", source, value.untyped_storage().nbytes(), value.dtype, tuple(value.shape), value.stride(),
+            value.storage_offset())
+
+
+def _rebuild(desc: Any, tensors: list) -> Any:
+    if desc[0] == "value":
+        return desc[1]
+    if desc[0] != "tensor":
+        return desc[0](_rebuild(d, tensors) for d in desc[1])
+    _, source, nbytes, dtype, shape, stride, offset = desc
+    storage = (tensors[source].untyped_storage() if source is not None
+               else torch.UntypedStorage(nbytes, device=_META))
+    return torch.empty(0, dtype=dtype, device=_META).set_(storage, offset, shape, stride)
+
+
+def _name(target) -> str:
+    return getattr(target, "__name__", None) or str(target)
+
+
+def _check_result(node: DecodedNode, value: Any, limit: int) -> None:
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            _check_result(node, v, limit)
+        return
+    if not isinstance(value, torch.Tensor):
+        return
+    where = f"node {node.name} ({_name(node.target)})"
+    if value.layout != torch.strided:
+        raise UnsafeArtifactError(f"{where} makes a {value.layout} tensor; only strided tensors are allowed")
+    storage = value.untyped_storage().nbytes()
+    if storage > limit:
+        raise UnsafeArtifactError(
+            f"{where} would create a tensor of {storage} bytes, more than this artifact's limit of "
+            f"{limit} bytes (tensor_factor x its largest state tensor, its whole state, or tensor_floor); "
+            "if the artifact is yours, raise it with SPMD_AOT_LOAD_LIMITS")
+    if value.numel() == 0:
+        return
+    offset = value.storage_offset()
+    if offset < 0 or any(s < 0 for s in value.stride()):
+        raise UnsafeArtifactError(f"{where} makes a view with a negative offset or stride")
+    last = offset + sum((n - 1) * s for n, s in zip(value.shape, value.stride()))
+    if (last + 1) * value.element_size() > storage:
+        raise UnsafeArtifactError(
+            f"{where} makes a view of shape {list(value.shape)}, strides {list(value.stride())}, offset "
+            f"{offset} that reaches byte {(last + 1) * value.element_size()} of a {storage}-byte storage")

@@ -1,0 +1,63 @@
+"""The op allowlist: data tied to the torch release, never naming a refused family, enforced
+when a graph is stored (so every artifact the test suite builds is checked against it) and
+when it is loaded."""
+
+from __future__ import annotations
+
+import torch
+
+from spmd_aot import allowlist
+from spmd_aot.cli import main as cli
+from spmd_aot.errors import UnsafeArtifactError
+from spmd_aot.serialize import encode_graph, resolve_target
+
+import pytest
+
+
+def test_every_listed_overload_exists_in_this_torch_release():
+    running = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert allowlist.TORCH_RELEASE == running, "regenerate allowed_ops.txt for this torch release"
+    for name in allowlist.allowed_ops():
+        assert callable(resolve_target(name)), name
+
+
+def test_no_listed_overload_belongs_to_a_refused_family():
+    refused = {name: allowlist.refusal(name.split("::")[1].split(".")[0]) for name in allowlist.allowed_ops()}
+    assert {n: why for n, why in refused.items() if why} == {}
+
+
+@pytest.mark.parametrize("op", ["_reshape_alias", "as_strided", "as_strided_", "set_", "sparse_coo_tensor",
+                                "_sparse_coo_tensor_with_dims_and_tensors", "to_dense", "_nested_tensor_from_mask",
+                                "_unsafe_index", "_unsafe_index_put", "_index_put_impl_", "seed", "from_file",
+                                "_print", "save"])
+def test_dangerous_families_are_refused(op):
+    assert allowlist.refusal(op)
+
+
+def test_every_op_the_suite_needs_is_listed():
+    """The communication passes' ops and every functional collective are on the list; the
+    ops of every graph the suite traces are checked when it is stored (next test)."""
+    needed = {"aten::cat.default", "aten::view.default", "aten::reshape.default", "aten::split_with_sizes.default",
+              "aten::narrow.default", "aten::empty.memory_format", "aten::zeros.default", "aten::copy_.default",
+              "aten::_foreach_div_.Scalar", "aten::_foreach_copy_.default", "aten::constant_pad_nd.default",
+              "aten::flatten.using_ints", "aten::unflatten.int", "aten::chunk.default",
+              "_c10d_functional::all_reduce_coalesced.default", "_c10d_functional::broadcast.default",
+              "_c10d_functional::reduce_scatter_tensor_coalesced.default", "_c10d_functional::wait_tensor.default",
+              "_c10d_functional::all_gather_into_tensor_coalesced.default"}
+    assert needed <= allowlist.allowed_ops()
+
+
+def test_storing_a_graph_with_an_unlisted_op_fails_at_build_time():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.erfinv.default, (x,)))
+    with pytest.raises(UnsafeArtifactError, match="allowed_ops.txt"):
+        encode_graph(graph, {})
+
+
+def test_cli_lists_the_allowlist(capsys):
+    assert cli(["ops"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "aten::add.Tensor" in lines and "operator.getitem" in lines
+    assert "aten::_reshape_alias.default" not in lines
+    assert len([l for l in lines if not l.startswith("#")]) == len(allowlist.allowed_ops()) + 1
