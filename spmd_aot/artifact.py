@@ -24,6 +24,7 @@ from .errors import CorruptArtifactError, SpmdAotError
 from .faults import crash_point
 from .key import FORMAT_VERSION, CacheKey
 from .limits import ENV_LOAD_LIMITS, load_limits
+from .numpy_absent import numpy_lookups_skipped
 from .plan import Plan
 from .serialize import decode_graph, encode_graph, to_fx_graph
 from .state import Slot
@@ -72,7 +73,7 @@ class Artifact:
             groups = [str(d) for d in range(len(self.plan.mesh_shape))] if self.plan.world_size > 1 else []
         # Decoding allocates ~10 small objects per node and no reference cycles; with the
         # cyclic GC on, its generation-2 sweeps over a job's large heap doubled the load time.
-        with _gc_paused():
+        with _gc_paused(), numpy_lookups_skipped():
             nodes = decode_graph(self.graph, groups=groups, device=device or torch.device("cpu"))
             check_graph(nodes, self.constants, self.slots)
         return nodes

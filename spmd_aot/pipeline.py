@@ -23,6 +23,7 @@ from .errors import CorruptArtifactError, UnsupportedError
 from .key import CacheKey
 from .lookup import find_entry
 from .memory import graph_peak_bytes
+from .numpy_absent import numpy_lookups_skipped
 from .override import Override, swapped_submodules
 from .passes import (bucket_gradient_all_reduces, collective_stats, dedupe_collectives, prefetch_groups,
                      remove_detach, sink_waits, strip_profiler_ops)
@@ -54,7 +55,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     start = time.perf_counter()
     swap = functools.partial(swapped_submodules, state.model, transforms.module_override) \
         if transforms.module_override else None
-    with guards.recording_sources() as ran:  # every file whose code runs: guarded at load
+    with numpy_lookups_skipped(), guards.recording_sources() as ran:  # every file that runs: guarded
         traced = trace_step(step, state, plan, mesh, inputs, transform_model=swap)
         gm = traced.gm
         strip_profiler_ops(gm)

@@ -100,10 +100,14 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
         elif node.op == "call_function":
             args, kwargs = meta(node.args), meta(node.kwargs)
             tensors: list[torch.Tensor] = []
-            try:
-                key = (node.target, _signature(args, tensors), _signature(kwargs, tensors))
-            except TypeError:  # an unhashable argument: no memo, run it
-                key = None
+            storages: dict[int, int] = {}  # storage id -> index of the first tensor on it
+            if any(isinstance(a, (list, tuple)) and len(a) > 16 for a in args):
+                key = None  # a foreach op over every parameter: unique in its graph, never a memo hit
+            else:
+                try:
+                    key = (node.target, _signature(args, tensors, storages), _signature(kwargs, tensors, storages))
+                except TypeError:  # an unhashable argument: no memo, run it
+                    key = None
             known = memo.get(key) if key is not None else None
             if known is not None:  # same op on the same metadata: same (already checked) result
                 env[i] = _rebuild(known, tensors)
@@ -117,7 +121,7 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
                     f"{type(exc).__name__}: {str(exc)[:300]}") from None
             _check_result(node, env[i], limit)
             if key is not None:
-                memo[key] = _describe(env[i], tensors)
+                memo[key] = _describe(env[i], storages)
 
 
 def _fused_optimizer_step(*args, **kwargs) -> None:
@@ -142,17 +146,19 @@ _STANDINS = {op: _fused_optimizer_step for op in (
     torch.ops.aten._fused_sgd_.tensor_lr, torch.ops.aten._fused_sgd_.default)}
 
 
-def _signature(v, tensors: list) -> Any:
-    """A hashable description of an argument's metadata; tensors are collected in order."""
+def _signature(v, tensors: list, storages: dict[int, int]) -> Any:
+    """A hashable description of an argument's metadata; tensors are collected in order, and
+    ``storages`` maps each storage to the first collected tensor on it (aliasing is part of
+    the key)."""
     if isinstance(v, torch.Tensor):
         tensors.append(v)
         storage = v.untyped_storage()
-        return ("T", tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, storage.nbytes(),
-                _storage_index(storage, tensors))
+        first = storages.setdefault(storage._cdata, len(tensors) - 1)
+        return ("T", tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, storage.nbytes(), first)
     if isinstance(v, (list, tuple)):
-        return (type(v).__name__, tuple(_signature(x, tensors) for x in v))
+        return (type(v).__name__, tuple(_signature(x, tensors, storages) for x in v))
     if isinstance(v, dict):
-        return ("D", tuple((k, _signature(x, tensors)) for k, x in v.items()))
+        return ("D", tuple((k, _signature(x, tensors, storages)) for k, x in v.items()))
     if isinstance(v, slice):
         return ("S", v.start, v.stop, v.step)
     if isinstance(v, float):
@@ -161,20 +167,13 @@ def _signature(v, tensors: list) -> Any:
     return (type(v).__name__, v)
 
 
-def _storage_index(storage, tensors: list) -> int:
-    """Index of the first collected tensor sharing ``storage`` (aliasing is part of the key)."""
-    ident = storage._cdata
-    return next(i for i, t in enumerate(tensors) if t.untyped_storage()._cdata == ident)
-
-
-def _describe(value: Any, tensors: list) -> Any:
+def _describe(value: Any, storages: dict[int, int]) -> Any:
     """How to rebuild ``value`` from inputs: each tensor as a view of an input's storage, or new."""
     if isinstance(value, (list, tuple)):
-        return (type(value), [_describe(v, tensors) for v in value])
+        return (type(value), [_describe(v, storages) for v in value])
     if not isinstance(value, torch.Tensor):
         return ("value", value)
-    ident = value.untyped_storage()._cdata
-    source = next((i for i, t in enumerate(tensors) if t.untyped_storage()._cdata == ident), None)
+    source = storages.get(value.untyped_storage()._cdata)
     return ("tensor", source, value.untyped_storage().nbytes(), value.dtype, tuple(value.shape), value.stride(),
             value.storage_offset())
 
