@@ -60,6 +60,7 @@ ENVIRONMENT_NOT_IN_KEY = {
     "SPMD_AOT_CRASH_AT": "test-only fault injection in the store",
     "OMP_NUM_THREADS": "set by the quickstart for its ranks: how many threads, not which ops",
     "PYTHONWARNINGS": "the quickstart passes its ranks a filter for torch's no-numpy warning",
+    "SPMD_AOT_LOAD_LIMITS": "bounds what a load accepts: it refuses an artifact, never changes one",
 }
 
 
