@@ -116,3 +116,33 @@ def test_invalid_bucket_caps_are_refused():
             Plan(2, bucket_cap_mb=bad)
     with pytest.raises(TypeError):
         spmd_aot.compile(train_step, bucket_capmb=3)
+
+
+def _two_gradient_graph(read_first_early: bool) -> torch.fx.GraphModule:
+    """x and y reduced separately; the first result read before or after the second reduce."""
+    ops = torch.ops._c10d_functional
+    g = torch.fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    for p in (x, y):
+        p.meta["val"] = torch.empty(4, device="meta")
+    ar1 = g.call_function(ops.all_reduce.default, (x, "avg", "0"))
+    w1 = g.call_function(ops.wait_tensor.default, (ar1,))
+    early = g.call_function(torch.ops.aten.add.Tensor, (w1, 1)) if read_first_early else None
+    ar2 = g.call_function(ops.all_reduce.default, (y, "avg", "0"))
+    w2 = g.call_function(ops.wait_tensor.default, (ar2,))
+    late = g.call_function(torch.ops.aten.add.Tensor, (w1 if early is None else early, w2))
+    g.output((late,))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_a_gradient_read_before_its_bucket_is_complete_keeps_its_own_all_reduce():
+    from spmd_aot.passes.buckets import bucket_gradient_all_reduces
+
+    kinds = lambda gm: [n.target for n in gm.graph.nodes if n.op == "call_function"]  # noqa: E731
+    together = _two_gradient_graph(read_first_early=False)
+    bucket_gradient_all_reduces(together, 25.0, 25.0)
+    assert kinds(together).count(torch.ops._c10d_functional.all_reduce_.default) == 1
+    apart = _two_gradient_graph(read_first_early=True)
+    bucket_gradient_all_reduces(apart, 25.0, 25.0)
+    assert kinds(apart).count(torch.ops._c10d_functional.all_reduce.default) == 2
+    apart.graph.lint()

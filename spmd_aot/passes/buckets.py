@@ -18,6 +18,7 @@ slow (28 separate all_reduces cost 10.2 ms on gloo where one flat one of the sam
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 from torch.fx import Node
@@ -94,12 +95,19 @@ def bucket_gradient_all_reduces(gm: torch.fx.GraphModule, cap_mb: float, first_c
             chosen = [members[i] for i in indices]
             bucket = Bucket(f"bucket {len(buckets)}", chosen, sum(sizes[i] for i in indices))
             params = [names.get(m.name, "?") for m in chosen]
-            if len(chosen) > 1:
+            if len(chosen) > 1 and _read_after_last(chosen, order):
                 _rewrite(graph, bucket, family, order)
             bucket.members[0].meta["comm"] = {"label": bucket.label, "params": params}
             buckets.append(bucket)
     graph.lint()
     return buckets
+
+
+def _read_after_last(members: list[Node], order: dict[Node, int]) -> bool:
+    """Whether no reduced gradient of the bucket is read before its last gradient exists (a
+    step that reads a gradient mid-backward keeps that bucket's all_reduces separate)."""
+    last = max(order[m] for m in members)
+    return all(order[u] > last for m in members for u in _single_wait(m).users)
 
 
 def _rewrite(graph: torch.fx.Graph, bucket: Bucket, family: tuple, order: dict[Node, int]) -> None:
@@ -131,7 +139,7 @@ def _rewrite(graph: torch.fx.Graph, bucket: Bucket, family: tuple, order: dict[N
         split = graph.call_function(_aten.split_with_sizes.default, (waited, numels))
         split.meta["val"] = [torch.empty(n, dtype=dtype, device="meta") for n in numels]
         for i, (w, v) in enumerate(zip(waits, vals)):
-            item = graph.call_function(_getitem(), (split, i))
+            item = graph.call_function(operator.getitem, (split, i))
             item.meta["val"] = split.meta["val"][i]
             view = graph.call_function(_aten.view.default, (item, list(v.shape)))
             view.meta["val"] = torch.empty(v.shape, dtype=dtype, device="meta")
@@ -141,8 +149,3 @@ def _rewrite(graph: torch.fx.Graph, bucket: Bucket, family: tuple, order: dict[N
         graph.erase_node(m)
     bucket.members = [reduced]
 
-
-def _getitem():
-    import operator
-
-    return operator.getitem
