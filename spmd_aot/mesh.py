@@ -6,6 +6,7 @@ meshes, and the runtime and builder create them; keeping them here keeps imports
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import sys
 from typing import Any
@@ -68,3 +69,15 @@ def _forget_meshes() -> None:
     type(propagator)._propagate_tensor_meta_cached.cache_clear()
     _redistribute.clear_redistribute_planner_cache()
     _redistribute._gen_transform_infos.cache_clear()
+
+
+@atexit.register
+def _release_meshes_at_exit() -> None:
+    """Drop the meshes (and DTensor's cached decisions holding them) before the interpreter
+    tears itself down. Left to finalization, a live process group held there is destroyed
+    after torch's own teardown has begun, and gloo's worker threads abort the process
+    ("terminate called without an active exception", rank 0 after a job that traced).
+    Processes that end with ``os._exit`` (multiprocessing workers) never get there."""
+    with contextlib.suppress(Exception):
+        _forget_meshes()
+
