@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .serialize import DecodedNode, Ref
+from .serialize import DecodedNode, Ref, refs_in
 
 __all__ = ["fold_constants"]
 
@@ -46,7 +46,7 @@ def fold_constants(nodes: list[DecodedNode], template: list[Any], output: Any) -
         for i, node in enumerate(nodes):
             if node.op != "call_function" or not _pure(node.target):
                 continue
-            refs = _refs(node.args) | _refs(node.kwargs)
+            refs = refs_in(node.args) | refs_in(node.kwargs)
             if not refs <= (known | folded):
                 continue
             try:
@@ -95,16 +95,16 @@ def _unsafe(nodes: list[DecodedNode], folded: set[int], output: Any) -> set[int]
         return i
 
     for i in folded:
-        for r in _refs(nodes[i].args) | _refs(nodes[i].kwargs):
+        for r in refs_in(nodes[i].args) | refs_in(nodes[i].kwargs):
             if r in parent:
                 parent[root(r)] = root(i)
-    bad_roots = {root(r) for r in _refs(output) if r in parent}
+    bad_roots = {root(r) for r in refs_in(output) if r in parent}
     for i, node in enumerate(nodes):
         if node.op != "call_function" or i in folded:
             continue
         suspect = _written_refs(node)
         if _returns_alias(node):  # a view of a folded value escapes into per-step values
-            suspect |= _refs(node.args) | _refs(node.kwargs)
+            suspect |= refs_in(node.args) | refs_in(node.kwargs)
         for r in suspect:
             if r in parent:
                 bad_roots.add(root(r))
@@ -120,30 +120,14 @@ def _written_refs(node: DecodedNode) -> set[int]:
     """Values an op may write: arguments its schema marks ``(a!)``; unknown ops write all."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
-        return set() if node.target is operator.getitem else _refs(node.args) | _refs(node.kwargs)
+        return set() if node.target is operator.getitem else refs_in(node.args) | refs_in(node.kwargs)
     written: set[int] = set()
     for pos, arg in enumerate(schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         value = node.args[pos] if pos < len(node.args) else node.kwargs.get(arg.name)
-        written |= _refs(value)
+        written |= refs_in(value)
     return written
-
-
-def _refs(v) -> set[int]:
-    out: set[int] = set()
-    stack = [v]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, Ref):
-            out.add(x.index)
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, slice):
-            stack.extend((x.start, x.stop, x.step))
-    return out
 
 
 def _bind(v, values: dict[int, Any], meta: bool = False):

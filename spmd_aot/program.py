@@ -22,7 +22,7 @@ import torch
 
 from .constant_fold import fold_constants
 from .errors import CorruptArtifactError
-from .serialize import DecodedNode, Ref
+from .serialize import DecodedNode, Ref, refs_in
 
 __all__ = ["Program"]
 
@@ -46,7 +46,7 @@ class Program:
         for value, user in last_use.items():
             if nodes[value].op == "call_function" and value not in folded:
                 frees_after.setdefault(user, []).append(value)
-        outputs = _refs_in(self._output)
+        outputs = refs_in(self._output)
         unpack_at: dict[int, list[tuple[int, int]]] = {}
         for item, (source, k) in unpacked.items():
             unpack_at.setdefault(source, []).append((item, k))
@@ -152,32 +152,8 @@ def _is_ref_list(v) -> bool:
     return isinstance(v, list) and len(v) > 0 and all(isinstance(x, Ref) for x in v)
 
 
-def _refs_in(v) -> set[int]:
-    found: set[int] = set()
-
-    def visit(x):
-        if isinstance(x, Ref):
-            found.add(x.index)
-        elif isinstance(x, (list, tuple)):
-            for y in x:
-                visit(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                visit(y)
-    visit(v)
-    return found
-
-
 def _has_ref(v) -> bool:
-    if isinstance(v, Ref):
-        return True
-    if isinstance(v, (list, tuple)):
-        return any(_has_ref(x) for x in v)
-    if isinstance(v, dict):
-        return any(_has_ref(x) for x in v.values())
-    if isinstance(v, slice):
-        return any(_has_ref(x) for x in (v.start, v.stop, v.step))
-    return False
+    return bool(refs_in(v))
 
 
 def _materialize(v, env):
@@ -198,24 +174,9 @@ def _last_uses(nodes: list[DecodedNode], skip: set[int] = frozenset()) -> dict[i
     Nodes in ``skip`` run elsewhere (folded at build, unpacked by their source) and read nothing
     at step time; what they read stays alive through the node that replaced them."""
     last: dict[int, int] = {}
-
-    def visit(v, user):
-        if isinstance(v, Ref):
-            last[v.index] = user
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                visit(x, user)
-        elif isinstance(v, dict):
-            for x in v.values():
-                visit(x, user)
-        elif isinstance(v, slice):
-            visit(v.start, user), visit(v.stop, user), visit(v.step, user)
-
     for i, n in enumerate(nodes):
         if n.op == "call_function" and i not in skip:
-            visit(n.args, i)
-            visit(n.kwargs, i)
-    calls = dict(last)
-    last.clear()
-    visit(nodes[-1].args, -1)  # what the output node reads
-    return {v: user for v, user in calls.items() if v not in last}  # graph outputs stay alive
+            for r in refs_in(n.args) | refs_in(n.kwargs):
+                last[r] = i
+    outputs = refs_in(nodes[-1].args)  # what the output node reads
+    return {v: user for v, user in last.items() if v not in outputs}  # graph outputs stay alive

@@ -311,9 +311,9 @@ class _BoundStep:
                 not all(entries.get(k) is t for entries, k, t in cached[1]):
             if self.sharded:
                 ensure_sharded_state(state.optim)
-            tensors = [t for _, t in state.params] + [b for _, b in state.buffers]
-            n_state = len(tensors) + len(state.optimizer_slots())
-            watched = [(optim_state[p], k, optim_state[p][k]) for p, k in state.optimizer_slots()]
+            slots = state.optimizer_slots()
+            watched = [(optim_state[p], k, optim_state[p][k]) for p, k in slots]
+            n_state = len(state.params) + len(state.buffers) + len(slots)
             cached = self._cached_state = (optim_state, watched, state.graph_inputs(self.slots, [])[:n_state])
         return cached[2] + state.hyper_tensors() + list(batch_leaves)
 

@@ -31,7 +31,7 @@ from .allowlist import allowed_ops, refusal
 from .errors import CorruptArtifactError, UnsafeArtifactError
 from .limits import LoadLimits, load_limits
 
-__all__ = ["encode_graph", "decode_graph", "to_fx_graph", "Ref", "DecodedNode", "GRAPH_FORMAT",
+__all__ = ["encode_graph", "decode_graph", "to_fx_graph", "Ref", "refs_in", "DecodedNode", "GRAPH_FORMAT",
            "resolve_target"]
 
 GRAPH_FORMAT = 1
@@ -135,6 +135,23 @@ class Ref:
 
     def __repr__(self):
         return f"Ref({self.index})"
+
+
+def refs_in(value) -> set[int]:
+    """Indices of every ``Ref`` inside a decoded value (lists, tuples, maps, slices)."""
+    out: set[int] = set()
+    stack = [value]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Ref):
+            out.add(x.index)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, slice):
+            stack.extend((x.start, x.stop, x.step))
+    return out
 
 
 @dataclasses.dataclass
