@@ -73,6 +73,39 @@ def ddp_bucket_count(model, cap_mb: float = 25.0, first_cap_mb: float = 1.0) -> 
     return len(buckets)
 
 
+def max_diffs(ref_model, ref_optim, ref_losses, model, optim, losses) -> dict:
+    """Largest absolute differences of parameters, optimizer state and losses (the parity check)."""
+    ref_state, state = ref_optim.state_dict()["state"], optim.state_dict()["state"]
+    return {
+        "param": max((a - b).abs().max().item()
+                     for a, b in zip(ref_model.state_dict().values(), model.state_dict().values())),
+        "state": max((ref_state[i][k] - state[i][k]).abs().max().item() for i in ref_state for k in ref_state[i]),
+        "loss": max((a - b).abs().item() for a, b in zip(ref_losses, losses)),
+    }
+
+
 def state_of(model, optim):
     return ({k: v.detach().clone() for k, v in model.state_dict().items()},
             copy.deepcopy(optim.state_dict()["state"]))
+
+
+# A job file as a user writes one, for the CLI tests that build `path/to/file.py:job` targets.
+MLP_JOB_FILE = '''\
+import torch
+
+import spmd_aot
+from spmd_aot.examples.models import MLP, train_step
+
+job = spmd_aot.Job(
+    step=train_step,
+    model=lambda: MLP(32, 64, 10),
+    optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+    batch=lambda: (torch.randn(4, 32), torch.randint(0, 10, (4,))),
+)
+
+not_a_job = 42
+
+
+def make_job():
+    return job
+'''

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import spmd_aot
-from jobs import ddp_bucket_count, fresh_objects, make_batch, make_job, MODELS, OPTIMIZERS
+from jobs import ddp_bucket_count, fresh_objects, make_batch, make_job, max_diffs, MODELS, OPTIMIZERS
 from multiproc import run_ranks
 from spmd_aot.examples.models import train_step
 from spmd_aot.passes.buckets import assign_buckets
@@ -70,11 +70,8 @@ def _parity_worker(rank, world, cache_dir):
     m2, o2 = fresh_objects("transformer", "adamw")
     step = spmd_aot.compile(train_step, cache_dir=cache_dir, require_hit=True, **SMALL)
     losses = [step(m2, o2, make_batch("transformer", rank, s)).detach() for s in range(steps)]
-    param = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(), m2.state_dict().values()))
-    ref_state, state = ref_optim.state_dict()["state"], o2.state_dict()["state"]
-    opt = max((ref_state[i][k] - state[i][k]).abs().max().item() for i in ref_state for k in ref_state[i])
-    loss = max((a - b).abs().item() for a, b in zip(ref_losses, losses))
-    return param, opt, loss, step.cache_info.hit
+    diffs = max_diffs(model, ref_optim, ref_losses, m2, o2, losses)
+    return diffs["param"], diffs["state"], diffs["loss"], step.cache_info.hit
 
 
 def test_small_buckets_match_eager_ddp_with_the_same_caps(small_buckets):

@@ -11,31 +11,12 @@ import sys
 
 import pytest
 
+from jobs import MLP_JOB_FILE as JOB_FILE
 from spmd_aot.cli import main
 from spmd_aot.progress import Progress
 from spmd_aot.store import LocalStore
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-
-JOB_FILE = '''\
-import torch
-
-import spmd_aot
-from spmd_aot.examples.models import MLP, train_step
-
-job = spmd_aot.Job(
-    step=train_step,
-    model=lambda: MLP(32, 64, 10),
-    optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-    batch=lambda: (torch.randn(4, 32), torch.randint(0, 10, (4,))),
-)
-
-not_a_job = 42
-
-
-def make_job():
-    return job
-'''
 
 
 def _rows(out: str) -> list[list[str]]:

@@ -3,7 +3,7 @@
 import pytest
 
 import spmd_aot
-from jobs import compiled_run, ddp_bucket_count, eager_ddp, make_job
+from jobs import compiled_run, ddp_bucket_count, eager_ddp, make_job, max_diffs
 from multiproc import run_ranks
 
 STEPS = 5
@@ -14,13 +14,7 @@ def _parity_worker(rank, world, model_name, optim_name, cache_dir):
     ref_model, ref_optim, ref_losses = eager_ddp(model_name, optim_name, rank, world, STEPS)
     model, optim, losses, info = compiled_run(model_name, optim_name, rank, world, STEPS, cache_dir,
                                               require_hit=True)
-    param_diff = max((a - b).abs().max().item()
-                     for a, b in zip(ref_model.state_dict().values(), model.state_dict().values()))
-    ref_state, state = ref_optim.state_dict()["state"], optim.state_dict()["state"]
-    state_diff = max((ref_state[i][k] - state[i][k]).abs().max().item()
-                     for i in ref_state for k in ref_state[i])
-    loss_diff = max((a - b).abs().item() for a, b in zip(ref_losses, losses))
-    return {"param": param_diff, "state": state_diff, "loss": loss_diff, "hit": info.hit,
+    return {**max_diffs(ref_model, ref_optim, ref_losses, model, optim, losses), "hit": info.hit,
             "source": info.source, "digest": info.digest}
 
 
