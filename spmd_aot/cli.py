@@ -324,14 +324,16 @@ def _param_placement(text: str) -> tuple[str, str]:
 
 
 def _plan(args, world_size: int, placement: str):
-    """One configuration; shard-only options apply to the shard placement."""
+    """One configuration; a placement's own options (``Placement.cli_fields``) apply to it alone."""
     from .plan import Plan
 
-    shard = placement == "shard"
-    return Plan(world_size, placement, args.device, args.mesh_shape if shard else None,
-                tuple(args.param_placement) if shard else (), args.bucket_cap_mb,
-                args.first_bucket_cap_mb, tuple(args.shard_group) if shard else (),
-                not args.keep_params_after_forward)
+    options = {"mesh_shape": args.mesh_shape, "param_placements": tuple(args.param_placement),
+               "shard_groups": tuple(args.shard_group),
+               "reshard_after_forward": not args.keep_params_after_forward}
+    own = PLACEMENTS[placement].cli_fields
+    return Plan(world_size, placement, args.device, bucket_cap_mb=args.bucket_cap_mb,
+                first_bucket_cap_mb=args.first_bucket_cap_mb,
+                **{name: value for name, value in options.items() if name in own})
 
 
 def cmd_build(args) -> int:

@@ -26,15 +26,17 @@ def build_command(plan: Plan, *, target: str | None = None, cache_dir: str | os.
             "--world-size", str(plan.world_size), "--placement", plan.placement]
     if plan.device_type != default.device_type:
         args += ["--device", plan.device_type]
-    if plan.placement == "shard":  # the CLI applies these options to the shard placement only
-        if len(plan.mesh_shape) > 1:
-            args += ["--mesh-shape", "x".join(map(str, plan.mesh_shape))]
+    own = plan.strategy.cli_fields  # the CLI applies these options to this placement only
+    if "mesh_shape" in own and len(plan.mesh_shape) > 1:
+        args += ["--mesh-shape", "x".join(map(str, plan.mesh_shape))]
+    if "param_placements" in own:
         for pattern, placement in plan.param_placements:
             args += ["--param-placement", f"{pattern}={placement}"]
+    if "shard_groups" in own:
         for group in plan.shard_groups:
             args += ["--shard-group", group]
-        if not plan.reshard_after_forward:
-            args.append("--keep-params-after-forward")
+    if "reshard_after_forward" in own and not plan.reshard_after_forward:
+        args.append("--keep-params-after-forward")
     if plan.bucket_cap_mb != default.bucket_cap_mb:
         args += ["--bucket-cap-mb", repr(plan.bucket_cap_mb)]
     if plan.first_bucket_cap_mb != default.first_bucket_cap_mb:

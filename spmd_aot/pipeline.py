@@ -25,7 +25,7 @@ from .lookup import find_entry
 from .memory import graph_peak_bytes
 from .numpy_absent import numpy_lookups_skipped
 from .override import Override, swapped_submodules
-from .passes import (bucket_gradient_all_reduces, collective_stats, dedupe_collectives, prefetch_groups,
+from .passes import (collective_stats, dedupe_collectives, prefetch_groups,
                      remove_detach, sink_waits, strip_profiler_ops)
 from .plan import Plan
 from .state import TrainState
@@ -62,9 +62,8 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
         remove_detach(gm)
         dedupe_collectives(gm)
         prefetch_groups(gm)
-        if plan.placement == "replicate" and plan.world_size > 1:
-            bucket_gradient_all_reduces(gm, plan.bucket_cap_mb, plan.first_bucket_cap_mb,
-                                        traced.gradient_collectives)
+        if plan.world_size > 1:
+            plan.strategy.graph_passes(gm, plan, traced)
         slots = state.slots()
         layout = layout_entries(slots, plan)
         if transforms.module_override or transforms.gm_transformation is not None:
@@ -96,14 +95,10 @@ def _checked(result, gm, who: str) -> torch.fx.GraphModule:
 
 
 def _check_collectives(stats: dict, slots, plan: Plan, groups=()) -> None:
-    """Refuse graphs with more gradient collectives than the placement needs: under shard one
-    all_gather per group (two when it is gathered again in backward) and one reduce_scatter."""
-    grads = [s for s in slots if s.kind == "param" and s.requires_grad]
+    """Refuse graphs with more gradient collectives than the placement needs (its budget)."""
     kinds = stats["by_kind"]
-    limits = {"all_gather_into_tensor": sum(2 if g.reshard else 1 for g in groups),
-              "reduce_scatter_tensor": len(groups)}
-    if plan.placement == "replicate":
-        limits["all_reduce"] = len(grads)
+    limits = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}
+    limits.update(plan.strategy.budget(plan, slots, groups))
     for kind, limit in limits.items():
         if kinds.get(kind, 0) > limit:
             raise UnsupportedError(

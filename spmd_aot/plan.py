@@ -7,15 +7,10 @@ import fnmatch
 from typing import Mapping
 
 from .errors import SpmdAotError
+from .layout import TensorLayout
+from .placements import PLACEMENTS, Placement
 
 __all__ = ["Plan", "PLACEMENTS"]
-
-# placement name -> what it means for parameters, optimizer state and the batch.
-PLACEMENTS = {
-    "replicate": "DDP: parameters and optimizer state Replicate, batch Shard(0), gradients averaged",
-    "shard": "FSDP/ZeRO-3: parameters and optimizer state Shard(0) (HSDP on a 2-D mesh: Replicate "
-             "on dim 0, Shard(0) on dim 1), all-gather for compute, reduce-scatter for gradients",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +54,8 @@ class Plan:
             raise SpmdAotError(
                 f"mesh shape {mesh} has {product} ranks but the world size is {self.world_size}"
             )
-        if len(mesh) > 2 or (len(mesh) == 2 and self.placement != "shard"):
-            raise SpmdAotError(
-                f"mesh shape {mesh} with placement {self.placement!r} is not supported; 2-D meshes "
-                "(replicas, shards) are for placement 'shard' (HSDP)"
-            )
+        object.__setattr__(self, "mesh_shape", mesh)
+        self.strategy.check(self)
         overrides = self.param_placements
         overrides = tuple(overrides.items()) if isinstance(overrides, Mapping) else tuple(map(tuple, overrides))
         for pattern, placement in overrides:
@@ -71,11 +63,7 @@ class Plan:
                 raise SpmdAotError(
                     f"param_placements[{pattern!r}] is {placement!r}; expected one of: {', '.join(PLACEMENTS)}"
                 )
-            if placement == "shard" and self.placement == "replicate":
-                raise SpmdAotError(
-                    f"param_placements[{pattern!r}] asks for 'shard' under placement 'replicate'; use "
-                    "placement='shard' and mark the parameters to keep whole as 'replicate'"
-                )
+            self.strategy.check_override(pattern, placement)
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1 << 20:
@@ -86,14 +74,13 @@ class Plan:
             raise SpmdAotError(f"shard_groups must be non-empty FQN patterns, got {groups!r}")
         if not isinstance(self.reshard_after_forward, bool):
             raise SpmdAotError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
-        object.__setattr__(self, "mesh_shape", mesh)
         object.__setattr__(self, "param_placements", overrides)
         object.__setattr__(self, "shard_groups", groups)
 
     @property
-    def shards(self) -> int:
-        """Ranks a sharded parameter is split over (the last mesh dimension)."""
-        return self.mesh_shape[-1]
+    def strategy(self) -> Placement:
+        """The placement object (``placements.py``) that ``placement`` names."""
+        return PLACEMENTS[self.placement]
 
     def placement_for(self, fqn: str, shape) -> str:
         """'replicate' or 'shard' for one parameter (scalars are never sharded)."""
@@ -101,6 +88,12 @@ class Plan:
             if fnmatch.fnmatchcase(fqn, pattern):
                 return placement if len(shape) else "replicate"
         return self.placement if len(shape) else "replicate"
+
+    def layout_for(self, fqn: str, shape) -> TensorLayout:
+        """How parameter ``fqn`` (and optimizer state shaped like it) lies over the mesh."""
+        shape = tuple(shape)
+        placement = self.placement_for(fqn, shape) if self.world_size > 1 else "replicate"
+        return PLACEMENTS[placement].layout(self, shape)
 
     def to_dict(self) -> dict:
         """The plan's one text form: stored in manifests, hashed into the key, shown by the CLI."""

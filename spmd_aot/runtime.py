@@ -31,7 +31,6 @@ from .key import compute_key
 from .lookup import find_entry
 from .pipeline import Transforms, trace_and_store, trace_to_blobs
 from .plan import Plan
-from .sharding import ensure_sharded_state, shard_model_and_optimizer, sharded_zeros
 from .state import TrainState, initialize_optimizer_state
 from .store import open_store
 from .store.fsafe import LinkError
@@ -119,13 +118,12 @@ class CompiledStep:
         plan = Plan(world, self.placement, device.type, self.mesh_shape, self.param_placements,
                     **self.comm_options)
         mesh = device_mesh(plan)  # collective for 2-D meshes: every rank builds it
-        sharded = plan.placement == "shard" and world > 1
-        if world > 1 and model not in self._prepared_models:
+        placement = plan.strategy if world > 1 else None  # one rank: nothing is spread
+        if placement is not None and model not in self._prepared_models:
             _broadcast_from_rank0(model)  # as DDP does at construction
-            if sharded:
-                shard_model_and_optimizer(model, optim, plan, mesh)  # as fully_shard does
+            placement.prepare(model, optim, plan, mesh)  # shard: as fully_shard does
             self._prepared_models.add(model)
-        initialize_optimizer_state(optim, sharded_zeros if sharded else None)
+        initialize_optimizer_state(optim, placement.state_zeros if placement else None)
         state = TrainState(model, optim, batch, plan)
         key = compute_key(self.fn, state, plan, self.transforms.identities(), self.extra_sources)
         _check_ranks_agree(key, world)
@@ -170,7 +168,7 @@ class CompiledStep:
         self.cache_info = CacheInfo(hit, key.key, digest, "trace" if traced else "cache", seconds,
                                     float(artifact.manifest["stats"].get("trace_seconds", 0.0)),
                                     self._traces)
-        return _BoundStep(program, state, artifact, sharded)
+        return _BoundStep(program, state, artifact, placement)
 
     def _read_everywhere(self, digest: str, world: int, artifact, leases):
         """Every rank reads the artifact (rank 0 already has); ranks that cannot (no shared
@@ -281,10 +279,10 @@ class CompiledStep:
 class _BoundStep:
     """A loaded program bound to one model, optimizer and batch signature."""
 
-    def __init__(self, program, state: TrainState, artifact, sharded: bool):
+    def __init__(self, program, state: TrainState, artifact, placement):
         self.program = program
         self.state = state
-        self.sharded = sharded
+        self.placement = placement  # None at world size 1
         self.slots = state.slots()
         self.batch_spec = state.batch_spec
         self.batch_sig = [(tuple(t.shape), t.dtype) for t in state.batch_leaves]
@@ -309,8 +307,8 @@ class _BoundStep:
         optim_state = state.optim.state
         if cached is None or cached[0] is not optim_state or \
                 not all(entries.get(k) is t for entries, k, t in cached[1]):
-            if self.sharded:
-                ensure_sharded_state(state.optim)
+            if self.placement is not None:
+                self.placement.rehome_state(state.optim)
             slots = state.optimizer_slots()
             watched = [(optim_state[p], k, optim_state[p][k]) for p, k in slots]
             n_state = len(state.params) + len(state.buffers) + len(slots)

@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from .errors import SpmdAotError
-from .expand import TensorLayout, layout_for
-from .plan import Plan
+from .layout import TensorLayout
 
 __all__ = ["shard_model_and_optimizer", "sharded_zeros", "ensure_sharded_state", "STORAGE_ATTR"]
 
@@ -23,9 +22,9 @@ LAYOUT_ATTR = "_spmd_aot_layout"
 
 
 def _to_dtensor(full: torch.Tensor, layout: TensorLayout, mesh) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
 
-    if layout.placement == "shard":
+    if layout.sharded:
         index = mesh.get_local_rank(mesh.ndim - 1)
         chunk, rows = layout.local_shape[0], layout.shard_rows()[index]
         storage = torch.zeros(layout.local_shape, dtype=full.dtype, device=full.device)
@@ -34,8 +33,7 @@ def _to_dtensor(full: torch.Tensor, layout: TensorLayout, mesh) -> torch.Tensor:
     else:
         storage = full.detach().clone()
         local = storage.view_as(storage)
-    placements = [Shard(0) if p == "Shard(0)" else Replicate() for p in layout.placements]
-    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape,
+    dt = DTensor.from_local(local, mesh, layout.dtensor_placements(), run_check=False, shape=full.shape,
                             stride=full.stride())
     return dt, storage
 
@@ -46,8 +44,9 @@ def _tag(t: torch.Tensor, storage: torch.Tensor, layout: TensorLayout) -> torch.
     return t
 
 
-def shard_model_and_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, plan: Plan, mesh) -> None:
-    """Replace parameters (and existing optimizer state) by sharded DTensors, in place."""
+def shard_model_and_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, plan, mesh) -> None:
+    """Replace parameters (and existing optimizer state) by sharded DTensors, in place, each
+    laid out as ``plan.layout_for`` says."""
     from torch.distributed.tensor import DTensor
 
     names_of: dict[int, list[str]] = {}
@@ -64,7 +63,7 @@ def shard_model_and_optimizer(model: torch.nn.Module, optim: torch.optim.Optimiz
                     "another tool); spmd-aot shards plain parameters itself: pass the unsharded model"
                 )
             continue
-        layout = layout_for(plan, names_of[pid][0], p.shape)
+        layout = plan.layout_for(names_of[pid][0], p.shape)
         with torch.no_grad():
             dt, storage = _to_dtensor(p.detach(), layout, mesh)
         new = _tag(torch.nn.Parameter(dt, requires_grad=p.requires_grad), storage, layout)
@@ -90,7 +89,7 @@ def sharded_zeros(param, shape, dtype, device) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     storage = torch.zeros(layout.local_shape, dtype=dtype, device=device)
-    rows = param.to_local().shape[0] if layout.placement == "shard" else None
+    rows = param.to_local().shape[0] if layout.sharded else None
     local = storage[:rows] if rows is not None else storage.view_as(storage)
     dt = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                             shape=param.shape, stride=param.stride())

@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import UnsupportedError
-from .expand import TensorLayout, layout_for
+from .layout import TensorLayout
 from .plan import Plan
 
 __all__ = ["TrainState", "Slot", "initialize_optimizer_state", "dtype_name", "lr_is_input"]
@@ -131,7 +131,7 @@ class TrainState:
         out = []
         layouts = {}
         for names, p in self.params:
-            layouts[id(p)] = layout_for(plan, names[0], p.shape)
+            layouts[id(p)] = plan.layout_for(names[0], p.shape)
             out.append(_slot("param", names, p, p.requires_grad, layouts[id(p)]))
         for names, b in self.buffers:
             out.append(_slot("buffer", names, b))

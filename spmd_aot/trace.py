@@ -54,8 +54,7 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
     for i, s in enumerate(slots):
         by_kind.setdefault(s.kind, []).append(i)
     param_slots = [slots[i] for i in by_kind.get("param", [])]
-    sync_buffers = plan.placement == "replicate" and plan.world_size > 1 and mesh is not None
-    sharded = [i for i, s in enumerate(param_slots) if expander.dtensor_leaves and s.layout.placement == "shard"]
+    sharded = [i for i, s in enumerate(param_slots) if expander.dtensor_leaves and s.layout.sharded]
     groups = assign_groups(state.model, plan, [(param_slots[i].fqn, param_slots[i].dtype) for i in sharded])
     slot_of = {param_slots[i].fqn: i for i in sharded}
     out_info: dict[str, Any] = {}
@@ -67,8 +66,8 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
             if leaf.requires_grad:
                 leaf.register_hook(functools.partial(_note_gradient_collectives, names[0], gradient_collectives))
         buffers = take("buffer")
-        if sync_buffers:
-            buffers = [_synced_from_rank0(b, mesh) for b in buffers]
+        if plan.world_size > 1 and mesh is not None:
+            buffers = plan.strategy.traced_buffers(buffers, mesh)
         bindings = {}
         for (names, _), leaf in zip(state.params, leaves):
             bindings.update(dict.fromkeys(names, leaf))
@@ -251,15 +250,6 @@ class _ComputeOnAccess:
 
     def __exit__(self, *exc):
         torch.nn.Module.__getattr__ = self.original
-
-
-def _synced_from_rank0(buffer: torch.Tensor, mesh) -> torch.Tensor:
-    """DDP's ``broadcast_buffers=True``: rank 0's buffers are everyone's before each step."""
-    from torch.distributed._functional_collectives import broadcast
-
-    synced = broadcast(buffer, 0, mesh.get_group(0))
-    buffer.copy_(synced)
-    return buffer
 
 
 @contextlib.contextmanager
