@@ -318,8 +318,8 @@ def _slot_entry(s: Slot, plan: Plan) -> dict:
     global_shape = list(s.shape)
     shard_rows = []
     if s.kind == "batch":
-        placements = ["Shard(0)"] * len(plan.mesh_shape)
-        global_shape = [local[0] * plan.world_size] + local[1:] if local else local
+        placements = plan.batch_placements()
+        global_shape = [local[0] * plan.dp_size] + local[1:] if local else local
     elif s.layout is not None:
         placements = s.layout.placements if plan.world_size > 1 else ["Replicate()"]
         shard_rows = s.layout.shard_rows()

@@ -108,13 +108,14 @@ def _fake_state(job: Job, plan: Plan, fake_mode: FakeTensorMode) -> TrainState:
             batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
         optim = job.optimizer(model)
         if job.global_batch:
-            batch = local_batch(batch, plan.world_size)
+            batch = local_batch(batch, plan.dp_size)  # TP ranks of one share see the same batch
         initialize_optimizer_state(optim)
     return TrainState(model, optim, batch, plan)
 
 
 def local_batch(global_batch, world_size: int):
-    """One rank's share (dim 0) of a global batch; every leaf must divide evenly."""
+    """One rank's share (dim 0) of a global batch split over ``world_size`` data-parallel
+    ranks; every leaf must divide evenly."""
     with_paths, spec = pytree.tree_flatten_with_path(global_batch)
     local = []
     for path, leaf in with_paths:

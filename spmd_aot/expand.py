@@ -39,7 +39,7 @@ class Expander:
     def __init__(self, plan: Plan, mesh):
         self.plan = plan
         self.mesh = mesh
-        self.dtensor_leaves = plan.world_size > 1 and plan.strategy.dtensor_leaves
+        self.dtensor_leaves = plan.world_size > 1 and plan.strategy.dtensor_leaves(plan)
         self.world_mesh = mesh
         if mesh is not None and mesh.ndim > 1:  # made before tracing: meshes cannot be traced
             self.world_mesh = device_mesh(Plan(plan.world_size, "replicate", plan.device_type))

@@ -35,6 +35,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .passes.collectives import label_collective
 from .plan import Plan
 
 __all__ = ["ParamGroup", "assign_groups", "block_prefixes", "GroupGather", "resharding", "ROOT"]
@@ -100,18 +101,6 @@ def assign_groups(model: nn.Module, plan: Plan, params: Sequence[tuple[str, str]
 
 
 # ---------------------------------------------------------------------------- trace time
-def _label(tensor: torch.Tensor, comm: dict) -> None:
-    """Attach ``comm`` to the graph node that produced ``tensor`` (while tracing)."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
-
-    mode = get_proxy_mode()
-    if mode is None:
-        return
-    slot = get_proxy_slot(tensor, mode.tracer, None)
-    if slot is not None:
-        slot.proxy.node.meta["comm"] = dict(comm)
-
-
 class GroupGather:
     """One group inside the traced step: its forward gather, backward re-gather and reduce."""
 
@@ -120,8 +109,9 @@ class GroupGather:
         self.leaves = leaves
         self.layouts = layouts
         self.world = layouts[0].shards
-        self.shard_group = mesh.get_group(mesh.ndim - 1).group_name
-        self.replica_group = mesh.get_group(0).group_name if mesh.ndim > 1 else None
+        self.shard_group = mesh.get_group(layouts[0].shard_mesh_dim).group_name
+        replicas = layouts[0].dp_mesh_dims[:-1]  # HSDP: the replica dimension
+        self.replica_group = mesh.get_group(replicas[0]).group_name if replicas else None
         self.numels = [_numel(layout.local_shape) for layout in layouts]
         self._shards: list[torch.Tensor] | None = None
         self._forward: dict[int, torch.Tensor] | None = None  # id(leaf) -> compute tensor
@@ -152,13 +142,13 @@ class GroupGather:
         c10d = torch.ops._c10d_functional
         flat = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1)
         gathered = c10d.all_gather_into_tensor(flat, self.world, self.shard_group)
-        _label(gathered, self.comm(phase))
+        label_collective(gathered, self.comm(phase))
         gathered = c10d.wait_tensor(gathered).view(self.world, -1)
         parts = torch.ops.aten.split_with_sizes_copy(gathered, self.numels, 1)
         outs = []
         for part, layout in zip(parts, self.layouts):
             full = part.view((self.world * layout.local_shape[0],) + tuple(layout.local_shape[1:]))
-            rows = layout.global_shape[0]
+            rows = layout.gathered_shape[0]
             outs.append(full.narrow(0, 0, rows) if full.shape[0] != rows else full)
         return outs
 
@@ -172,18 +162,18 @@ class GroupGather:
         pieces = []
         for i in present:
             layout = self.layouts[i]
-            g = grads[i].reshape(layout.global_shape[0], -1)
+            g = grads[i].reshape(layout.gathered_shape[0], -1)
             pad = self.world * layout.local_shape[0] - g.shape[0]
             if pad:
                 g = torch.nn.functional.pad(g, (0, 0, 0, pad))
             pieces.append(g.reshape(self.world, -1))
         buffer = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
         reduced = c10d.reduce_scatter_tensor(buffer.reshape(-1), "avg", self.world, self.shard_group)
-        _label(reduced, self.comm("backward"))
+        label_collective(reduced, self.comm("backward"))
         reduced = c10d.wait_tensor(reduced)
         if self.replica_group is not None:
             reduced = c10d.all_reduce(reduced, "avg", self.replica_group)
-            _label(reduced, self.comm("backward"))
+            label_collective(reduced, self.comm("backward"))
             reduced = c10d.wait_tensor(reduced)
         offset = 0
         for i in present:

@@ -2,6 +2,13 @@
 
 Its own module, below everything that reads layouts (placements, the plan, the expansion, the
 state and the job-start sharding), so that each of them can import it without a cycle.
+
+The mesh's dimensions are the data-parallel ones, then, with a tensor-parallel plan, one TP
+dimension last. A tensor is first split over TP (``tp_dim``: the tensor dimension split evenly
+over the TP ranks, or None when every TP rank holds it whole); that TP-local tensor is what a
+module computes with (``gathered_shape``). Under ``shard`` its dim 0 is then split over the
+data-parallel shard dimension, padded up to a multiple of the shard count as FSDP2 pads, so
+one graph serves every rank; the local storage is what the graph reads (``local_shape``).
 """
 
 from __future__ import annotations
@@ -18,9 +25,11 @@ class TensorLayout:
 
     placement: str
     global_shape: tuple[int, ...]
-    local_shape: tuple[int, ...]  # the graph input: padded shard, or the whole tensor
+    local_shape: tuple[int, ...]  # the graph input: padded shard, or the whole (TP-local) tensor
     mesh_ndim: int
     shards: int = 1  # ranks of the mesh dimension dim 0 is sharded over (1: not sharded)
+    tp: int = 0  # ranks of the TP mesh dimension (the last one); 0: the mesh has none
+    tp_dim: int | None = None  # tensor dimension split over TP; None: whole on every TP rank
 
     @property
     def sharded(self) -> bool:
@@ -29,29 +38,70 @@ class TensorLayout:
         return self.placement == "shard"
 
     @property
+    def tp_mesh_dim(self) -> int | None:
+        return self.mesh_ndim - 1 if self.tp else None
+
+    @property
+    def dp_mesh_dims(self) -> list[int]:
+        """The data-parallel mesh dimensions: every one but the TP dimension."""
+        return list(range(self.mesh_ndim - (1 if self.tp else 0)))
+
+    @property
+    def shard_mesh_dim(self) -> int:
+        """The mesh dimension a sharded tensor's dim 0 is split over (the last data-parallel
+        one; the ones before it, under HSDP, replicate)."""
+        return self.dp_mesh_dims[-1]
+
+    @property
+    def gathered_shape(self) -> tuple[int, ...]:
+        """The TP-local tensor: what a module computes with, after any shard group's gather."""
+        shape = list(self.global_shape)
+        if self.tp_dim is not None:
+            shape[self.tp_dim] //= self.tp
+        return tuple(shape)
+
+    def _placement_parts(self) -> list[tuple]:
+        """(kind, tensor dim, split factor) per mesh dimension."""
+        parts = [("replicate", None, 1)] * len(self.dp_mesh_dims)
+        if self.sharded:
+            # dim 0 already split over TP: the data-parallel shards interleave with the TP
+            # ones, which DTensor (and FSDP2 over a TP model) writes _StridedShard
+            strided = self.tp_dim == 0 and self.tp > 1
+            parts[self.shard_mesh_dim] = ("strided" if strided else "shard", 0, self.tp if strided else 1)
+        if self.tp:
+            parts.append(("shard", self.tp_dim, 1) if self.tp_dim is not None else ("replicate", None, 1))
+        return parts
+
+    @property
     def placements(self) -> list[str]:
         """DTensor placements per mesh dimension, as text (for the layout and schema map)."""
-        if self.sharded:
-            return ["Replicate()"] * (self.mesh_ndim - 1) + ["Shard(0)"]
-        return ["Replicate()"] * self.mesh_ndim
+        text = {"replicate": lambda d, f: "Replicate()", "shard": lambda d, f: f"Shard({d})",
+                "strided": lambda d, f: f"_StridedShard({d}, sf={f})"}
+        return [text[kind](dim, factor) for kind, dim, factor in self._placement_parts()]
 
     def dtensor_placements(self) -> list:
         """``placements`` as DTensor placement objects."""
         from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
 
-        return [Shard(0) if p == "Shard(0)" else Replicate() for p in self.placements]
+        make = {"replicate": lambda d, f: Replicate(), "shard": lambda d, f: Shard(d),
+                "strided": lambda d, f: _StridedShard(d, split_factor=f)}
+        return [make[kind](dim, factor) for kind, dim, factor in self._placement_parts()]
 
     @property
     def dtensor_shape(self) -> tuple[int, ...]:
         """The global shape of the DTensor over the padded storage (dim 0 rounded up to a
         multiple of the shard count, so every rank's shard has the same size)."""
+        shape = list(self.local_shape)
         if self.sharded:
-            return (self.local_shape[0] * self.shards,) + tuple(self.local_shape[1:])
-        return tuple(self.global_shape)
+            shape[0] *= self.shards
+        if self.tp_dim is not None:
+            shape[self.tp_dim] *= self.tp
+        return tuple(shape)
 
     def shard_rows(self) -> list[int]:
         """Real (unpadded) dim-0 rows each shard holds; the rest of its storage is padding."""
         if not self.sharded:
             return []
-        chunk, n = self.local_shape[0], self.global_shape[0]
+        chunk, n = self.local_shape[0], self.gathered_shape[0]
         return [max(0, min(chunk, n - i * chunk)) for i in range(self.shards)]

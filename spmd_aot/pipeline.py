@@ -77,7 +77,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     traced.gm = gm
     stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm, traced.gradient_collectives),
              "peak_bytes": graph_peak_bytes(gm)}
-    _check_collectives(stats, slots, plan, traced.groups)
+    _check_collectives(stats, slots, plan, traced.groups, traced.tp_budget)
     stats["trace_seconds"] = round(time.perf_counter() - start, 4)
     recorded = guards.record(ran, key)
     log.debug("key %s: guarding %d files, %d distributions, %d tensor values", key.key[:12],
@@ -94,11 +94,15 @@ def _checked(result, gm, who: str) -> torch.fx.GraphModule:
     return out
 
 
-def _check_collectives(stats: dict, slots, plan: Plan, groups=()) -> None:
-    """Refuse graphs with more gradient collectives than the placement needs (its budget)."""
+def _check_collectives(stats: dict, slots, plan: Plan, groups=(), tp_budget=None) -> None:
+    """Refuse graphs with more collectives than the placement (its budget) and the
+    tensor-parallel layers (theirs) need."""
     kinds = stats["by_kind"]
     limits = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}
     limits.update(plan.strategy.budget(plan, slots, groups))
+    for kind, n in (tp_budget or {}).items():
+        if kind in limits:
+            limits[kind] += n
     for kind, limit in limits.items():
         if kinds.get(kind, 0) > limit:
             raise UnsupportedError(

@@ -1,8 +1,10 @@
-"""Turn a live model and optimizer into the sharded form a ``shard`` artifact runs on.
+"""Turn a live model and optimizer into the sharded form a ``shard`` (or tensor-parallel)
+artifact runs on.
 
-After this, as after FSDP2's ``fully_shard``, every parameter is an ``nn.Parameter`` holding a
-DTensor (``Shard(0)``, or Replicate for parameters kept whole), and optimizer state shaped like
-a parameter is a DTensor of the same placement; ``p.full_tensor()`` gives the full value. Each
+After this, as after FSDP2's ``fully_shard`` (and ``parallelize_module``), every parameter is an
+``nn.Parameter`` holding a DTensor (``Shard(0)``, Replicate for parameters kept whole; under
+TP also split over the TP dimension as its style says), and optimizer state shaped like a
+parameter is a DTensor of the same placement; ``p.full_tensor()`` gives the full value. Each
 such DTensor's local tensor is a view into a *padded* storage (dim 0 rounded up to a multiple
 of the shard count), which is what the graph reads and updates in place: the same graph then
 serves every rank even when dim 0 does not divide.
@@ -24,14 +26,17 @@ LAYOUT_ATTR = "_spmd_aot_layout"
 def _to_dtensor(full: torch.Tensor, layout: TensorLayout, mesh) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
+    tp_local = full
+    if layout.tp_dim is not None:  # this rank's even slice over the TP dimension
+        tp_local = full.chunk(layout.tp, layout.tp_dim)[mesh.get_local_rank(layout.tp_mesh_dim)]
     if layout.sharded:
-        index = mesh.get_local_rank(mesh.ndim - 1)
+        index = mesh.get_local_rank(layout.shard_mesh_dim)
         chunk, rows = layout.local_shape[0], layout.shard_rows()[index]
         storage = torch.zeros(layout.local_shape, dtype=full.dtype, device=full.device)
-        storage[:rows].copy_(full[index * chunk: index * chunk + rows])
+        storage[:rows].copy_(tp_local[index * chunk: index * chunk + rows])
         local = storage[:rows]
     else:
-        storage = full.detach().clone()
+        storage = tp_local.detach().clone()
         local = storage.view_as(storage)
     dt = DTensor.from_local(local, mesh, layout.dtensor_placements(), run_check=False, shape=full.shape,
                             stride=full.stride())

@@ -25,6 +25,7 @@ from .expand import Expander
 from .groups import GroupGather, ParamGroup, assign_groups, resharding
 from .plan import Plan
 from .state import TrainState
+from .tensor_parallel import TensorParallel
 
 __all__ = ["TracedStep", "trace_step"]
 
@@ -37,6 +38,7 @@ class TracedStep:
     group_names: dict[str, int | str]  # traced process-group name -> mesh dimension or "world"
     gradient_collectives: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> param FQN
     groups: list[ParamGroup] = dataclasses.field(default_factory=list)  # shard communication groups
+    tp_budget: dict[str, int] = dataclasses.field(default_factory=dict)  # collectives TP layers may add
 
 
 def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list[torch.Tensor],
@@ -57,6 +59,8 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
     sharded = [i for i, s in enumerate(param_slots) if expander.dtensor_leaves and s.layout.sharded]
     groups = assign_groups(state.model, plan, [(param_slots[i].fqn, param_slots[i].dtype) for i in sharded])
     slot_of = {param_slots[i].fqn: i for i in sharded}
+    # planned modules run their TP style's forward while tracing (checked here, before tracing)
+    tp = TensorParallel(state.model, plan.tp_plan, mesh) if plan.tp and mesh is not None else None
     out_info: dict[str, Any] = {}
 
     def flat_step(*flat):
@@ -67,7 +71,7 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
                 leaf.register_hook(functools.partial(_note_gradient_collectives, names[0], gradient_collectives))
         buffers = take("buffer")
         if plan.world_size > 1 and mesh is not None:
-            buffers = plan.strategy.traced_buffers(buffers, mesh)
+            buffers = plan.strategy.traced_buffers(plan, buffers, mesh)
         bindings = {}
         for (names, _), leaf in zip(state.params, leaves):
             bindings.update(dict.fromkeys(names, leaf))
@@ -90,7 +94,8 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
         computes = _ComputeOnAccess(leaves, [s.layout for s in param_slots], expander, gathers)
         with (transform_model() if transform_model else contextlib.nullcontext()), \
                 stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
-                _optimizer_swapped(state.optim, by_real, traced_state, lrs), where.tracking(state.model):
+                _optimizer_swapped(state.optim, by_real, traced_state, lrs), where.tracking(state.model), \
+                (tp or contextlib.nullcontext()):
             result = step(state.model, state.optim, batch)
         stale = [names[0] for (names, _), leaf in zip(state.params, leaves) if leaf.grad is not None]
         if stale:
@@ -121,7 +126,7 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
             f"{_first_lines(str(exc))}"
         ) from exc
     return TracedStep(gm, out_info["spec"], out_info["constants"], _group_names(gm, mesh, plan),
-                      gradient_collectives, groups)
+                      gradient_collectives, groups, tp.budget() if tp else {})
 
 
 _VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["is_collective", "collective_kind", "collective_stats", "dedupe_collectives"]
+__all__ = ["is_collective", "collective_kind", "collective_stats", "dedupe_collectives", "label_collective"]
 
 
 def is_collective(node: torch.fx.Node) -> bool:
@@ -15,6 +15,19 @@ def is_collective(node: torch.fx.Node) -> bool:
         and getattr(target, "namespace", None) == "_c10d_functional"
         and target.__name__.split(".")[0] != "wait_tensor"
     )
+
+
+def label_collective(tensor: torch.Tensor, comm: dict) -> None:
+    """While tracing, attach ``comm`` (label, parameters, ...) to the graph node that produced
+    ``tensor``: the statistics, ``show`` and the passes read ``node.meta["comm"]``."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    mode = get_proxy_mode()
+    if mode is None:
+        return
+    slot = get_proxy_slot(tensor, mode.tracer, None)
+    if slot is not None:
+        slot.proxy.node.meta["comm"] = dict(comm)
 
 
 def _wait_of(node: torch.fx.Node):

@@ -1,0 +1,246 @@
+"""Tensor parallelism, alone (1-D mesh) and with FSDP (a (dp, tp) mesh): steps built offline,
+loaded and run on real gloo ranks match eager ``parallelize_module`` (+ ``fully_shard`` per
+block and on the root) after 3 steps, with SGD and AdamW; the stored graphs hold exactly the
+collectives TP and FSDP need."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import spmd_aot
+from spmd_aot.artifact import read_artifact
+from spmd_aot.store import LocalStore
+from multiproc import run_ranks
+
+STEPS = 3
+TOL = 1e-5
+VOCAB, D, HEAD_DIM = 32, 16, 4  # 4 heads: 2 per rank at tp=2, 1 at tp=4
+
+
+# ---------------------------------------------------------------------------- the model
+class Attention(nn.Module):
+    """Heads from the local tensor (``q.shape[-1] // head_dim``), as TP needs: a rank holds
+    ``n_heads / tp`` heads of ``q``, ``k``, ``v`` (colwise) and the matching rows of ``o``'s
+    input (rowwise)."""
+
+    def __init__(self, d, head_dim):
+        super().__init__()
+        self.head_dim = head_dim
+        self.q, self.v, self.o = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        # no key bias: softmax is shift invariant, so its gradient is rounding noise that Adam
+        # would turn into lr-sized steps (see README "Parity floor")
+        self.k = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        heads = q.shape[-1] // self.head_dim  # this rank's heads
+        split = lambda z: z.view(b, t, heads, self.head_dim).transpose(1, 2)  # noqa: E731
+        q, k, v = split(q), split(k), split(v)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        out = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v
+        return self.o(out.transpose(1, 2).reshape(b, t, heads * self.head_dim))
+
+
+class Block(nn.Module):
+    def __init__(self, d, head_dim):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = Attention(d, head_dim)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class TPNet(nn.Module):
+    """Embedding, one pre-norm block, final norm, head; the block's linears are planned."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList([Block(D, HEAD_DIM)])
+        self.ln_f = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+TP_PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+           "blocks.*.attn.o": "rowwise", "blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+
+OPTIMIZERS = {
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+}
+
+
+def step(model, optim, batch):
+    x, y = batch
+    logits = model(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def make_batch(dp_rank: int = 0, s: int = 0):
+    """One data-parallel share's batch: the TP ranks of a share get the same one."""
+    g = torch.Generator().manual_seed(1000 * dp_rank + s)
+    return torch.randint(0, VOCAB, (2, 6), generator=g), torch.randint(0, VOCAB, (2, 6), generator=g)
+
+
+# (placement, mesh shape) per configuration and world size
+CONFIGS = {
+    2: {"tp": ("replicate", (2,))},
+    4: {"tp": ("replicate", (4,)), "fsdp_tp": ("shard", (2, 2))},
+}
+
+
+def _options(config, world):
+    placement, mesh = CONFIGS[world][config]
+    return {"placement": placement, "mesh_shape": mesh if len(mesh) > 1 else None, "tp_plan": TP_PLAN}
+
+
+# ---------------------------------------------------------------------------- the ranks
+def _eager(config, optim_name, rank, world):
+    """The oracle: parallelize_module on the TP mesh (+ fully_shard per block and on the root
+    over the dp mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    _, shape = CONFIGS[world][config]
+    torch.manual_seed(0)
+    model = TPNet()
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[-len(shape):])
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, mesh["tp"], {k: styles[v]() for k, v in TP_PLAN.items()})
+    if "dp" in mesh.mesh_dim_names:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    optim = OPTIMIZERS[optim_name](model)
+    dp_rank = rank // shape[-1]
+    losses = [step(model, optim, make_batch(dp_rank, s)).detach() for s in range(STEPS)]
+    return model, optim, losses
+
+
+def _compiled(config, optim_name, rank, world, cache_dir):
+    _, shape = CONFIGS[world][config]
+    torch.manual_seed(0)
+    model = TPNet()
+    optim = OPTIMIZERS[optim_name](model)
+    fn = spmd_aot.compile(step, cache_dir=cache_dir, require_hit=True, **_options(config, world))
+    dp_rank = rank // shape[-1]
+    losses = [fn(model, optim, make_batch(dp_rank, s)).detach() for s in range(STEPS)]
+    return model, optim, losses, fn.cache_info
+
+
+def _parity_worker(rank, world, cache_dirs):
+    from torch.distributed.tensor import DTensor
+
+    import features
+
+    out = {}
+    for (config, optim_name), cache_dir in cache_dirs.items():
+        ref_model, ref_optim, ref_losses = _eager(config, optim_name, rank, world)
+        model, optim, losses, info = _compiled(config, optim_name, rank, world, cache_dir)
+        q = model.blocks[0].attn.q.weight
+        out[config, optim_name] = {
+            **features.max_diffs(ref_model, ref_optim, model, optim, ref_losses, losses),
+            "hit": info.hit,
+            # after the first call parameters are DTensors placed as the eager oracle's
+            "placements": {name: [str(x) for x in p.placements] for name, p in model.named_parameters()
+                           if isinstance(p, DTensor)},
+            "eager_placements": {name: [str(x) for x in p.placements]  # plain where TP alone leaves them
+                                 for name, p in ref_model.named_parameters() if isinstance(p, DTensor)},
+            "q_local": tuple(q.to_local().shape),
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------- the tests
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Every configuration built offline once: world -> {(config, optimizer): (cache dir, result)}."""
+    out = {}
+    for world, configs in CONFIGS.items():
+        out[world] = {}
+        for config in configs:
+            for optim_name in OPTIMIZERS:
+                cache = str(tmp_path_factory.mktemp(f"tp-{world}-{config}-{optim_name}"))
+                job = spmd_aot.Job(step=step, model=TPNet, optimizer=OPTIMIZERS[optim_name], batch=make_batch)
+                out[world][config, optim_name] = cache, spmd_aot.build(job, world_size=world, cache_dir=cache,
+                                                                       **_options(config, world))
+    return out
+
+
+@pytest.fixture(scope="module")
+def parity(built):
+    """One launch per world size runs every configuration and optimizer on its ranks."""
+    return {world: run_ranks(_parity_worker, world, {k: v[0] for k, v in cases.items()}, timeout=600)
+            for world, cases in built.items()}
+
+
+CASES = [(w, c, o) for w, configs in CONFIGS.items() for c in configs for o in OPTIMIZERS]
+
+
+@pytest.mark.parametrize("world,config,optim_name", CASES)
+def test_tp_matches_eager_parallelize_module(parity, built, world, config, optim_name):
+    for rank, per_rank in enumerate(parity[world]):
+        r = per_rank[config, optim_name]
+        assert r["hit"], r
+        assert r["param"] <= TOL and r["state"] <= TOL and r["loss"] <= TOL, f"rank {rank}: {r}"
+        # planned parameters are placed as eager places them (under FSDP x TP colwise ones are
+        # _StridedShard over dp); the others are whole over TP: eager leaves them plain (TP
+        # alone) or puts them on the dp mesh only (FSDP x TP)
+        ndim = len(CONFIGS[world][config][1])
+        for name, placements in r["placements"].items():
+            eager = r["eager_placements"].get(name, [])
+            if len(eager) == ndim:
+                assert placements == eager, (name, placements, eager)
+            else:
+                planned = any(fnmatch.fnmatchcase(name.rpartition(".")[0], p) for p in TP_PLAN)
+                assert placements == eager + ["R"] and not planned, (name, placements, eager)
+        assert r["q_local"] == (D // world, D)  # split over TP (and its rows over dp under FSDP)
+
+
+def _collectives(cache, result):
+    art = read_artifact(LocalStore(cache), result.digest)
+    return [(e["collective"], e["group"], e["label"]) for e in art.schema["nodes"].values() if "collective" in e]
+
+
+@pytest.mark.parametrize("world,config", [(2, "tp"), (4, "tp"), (4, "fsdp_tp")])
+def test_stored_graph_has_exactly_the_collectives_tp_and_fsdp_need(built, world, config):
+    cache, result = built[world][config, "adamw"]
+    by_kind = result.stats["by_kind"]
+    found = _collectives(cache, result)
+    tp_dim = len(CONFIGS[world][config][1]) - 1
+    tp = [c for c in found if c[2].startswith("tp ")]
+    # per block: attention input (q, k, v share one copy) and mlp input gradients in backward,
+    # attention and mlp outputs in forward: 4 all_reduces over the TP dimension
+    assert sorted(label for _, _, label in tp) == sorted(
+        ["tp blocks.0.attn.q", "tp blocks.0.attn.o", "tp blocks.0.up", "tp blocks.0.down"])
+    assert {(kind, group) for kind, group, _ in tp} == {("all_reduce", tp_dim)}
+    if config == "fsdp_tp":
+        # FSDP over dp: the block gathered in forward and again in backward, the root once;
+        # one reduce_scatter each
+        assert by_kind["all_gather_into_tensor"] == 3 and by_kind["reduce_scatter_tensor"] == 2
+        assert {g for k, g, _ in found if k != "all_reduce"} == {0}
+    else:
+        assert "all_gather_into_tensor" not in by_kind and "reduce_scatter_tensor" not in by_kind
+    assert by_kind["all_reduce"] == 4  # no gradient averaging over TP, none for the dp dimension
