@@ -277,7 +277,8 @@ def _positive_int(text: str) -> int:
 # ---------------------------------------------------------------------------- build
 def _add_shard_options(p) -> None:
     p.add_argument("--mesh-shape", type=_mesh_shape, metavar="RxS",
-                   help="for placement shard: a 2-D mesh of R replicas x S shards (HSDP), e.g. 2x4")
+                   help="for placement shard: a 2-D mesh of R replicas x S shards (HSDP), e.g. 2x4, or with "
+                        "--tp-plan DP x TP ranks (FSDP x TP)")
     p.add_argument("--param-placement", action="append", type=_param_placement, default=[],
                    metavar="PATTERN=PLACEMENT",
                    help="for placement shard: keep parameters whose FQN matches PATTERN (fnmatch) "
@@ -289,6 +290,11 @@ def _add_shard_options(p) -> None:
     p.add_argument("--keep-params-after-forward", action="store_true",
                    help="for placement shard: keep gathered parameters from forward to backward "
                         "(more memory, fewer all_gathers) instead of gathering them again")
+    p.add_argument("--tp-plan", action="append", type=_tp_style, default=[], metavar="PATTERN=STYLE",
+                   help="tensor parallel on the last mesh dimension: modules whose FQN matches PATTERN "
+                        "(fnmatch) are split STYLE (colwise or rowwise), e.g. 'blocks.*.attn.q=colwise' "
+                        "(repeat for several; first match wins). Placement replicate: TP alone over the "
+                        "world; placement shard: FSDP x TP on --mesh-shape DPxTP")
     p.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, metavar="MIB",
                    help="for placement replicate: gradient bucket size (default 25, as DDP)")
     p.add_argument("--first-bucket-cap-mb", type=_positive_float, default=1.0, metavar="MIB",
@@ -323,6 +329,16 @@ def _param_placement(text: str) -> tuple[str, str]:
     return pattern, placement
 
 
+def _tp_style(text: str) -> tuple[str, str]:
+    from .tensor_parallel import TP_STYLES
+
+    pattern, sep, style = text.rpartition("=")
+    if not sep or not pattern or style not in TP_STYLES:
+        raise argparse.ArgumentTypeError(
+            f"expected PATTERN=STYLE with STYLE one of {', '.join(TP_STYLES)}, got {text!r}")
+    return pattern, style
+
+
 def _plan(args, world_size: int, placement: str):
     """One configuration; a placement's own options (``Placement.cli_fields``) apply to it alone."""
     from .plan import Plan
@@ -332,7 +348,7 @@ def _plan(args, world_size: int, placement: str):
                "reshard_after_forward": not args.keep_params_after_forward}
     own = PLACEMENTS[placement].cli_fields
     return Plan(world_size, placement, args.device, bucket_cap_mb=args.bucket_cap_mb,
-                first_bucket_cap_mb=args.first_bucket_cap_mb,
+                first_bucket_cap_mb=args.first_bucket_cap_mb, tp_plan=tuple(args.tp_plan),
                 **{name: value for name, value in options.items() if name in own})
 
 

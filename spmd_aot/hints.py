@@ -37,6 +37,8 @@ def build_command(plan: Plan, *, target: str | None = None, cache_dir: str | os.
             args += ["--shard-group", group]
     if "reshard_after_forward" in own and not plan.reshard_after_forward:
         args.append("--keep-params-after-forward")
+    for pattern, style in plan.tp_plan:
+        args += ["--tp-plan", f"{pattern}={style}"]
     if plan.bucket_cap_mb != default.bucket_cap_mb:
         args += ["--bucket-cap-mb", repr(plan.bucket_cap_mb)]
     if plan.first_bucket_cap_mb != default.first_bucket_cap_mb:

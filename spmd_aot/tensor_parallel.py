@@ -80,7 +80,7 @@ class Rowwise(TPStyle):
     budget = {"all_reduce": 1}
 
     def forward(self, tp, fqn, module, x):
-        out = _ReduceFromTP.apply(F.linear(x, module.weight), tp, fqn)
+        out = _ReduceFromTP.apply(F.linear(x, module.weight), tp, [fqn])
         bias = module.bias
         return out if bias is None else out + bias
 
@@ -126,7 +126,7 @@ class TensorParallel:
         self.modules = planned_modules(model, tp_plan)
         self.group = mesh.get_group(mesh.ndim - 1).group_name
         self.calls: dict[str, int] = {}
-        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor, list[str]]] = {}
 
     def budget(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -149,13 +149,16 @@ class TensorParallel:
         """``x`` copied to the TP region; one copy per input tensor, shared by its readers."""
         entry = self._copies.get(id(x))
         if entry is None or entry[0] is not x:
-            entry = self._copies[id(x)] = (x, _CopyToTP.apply(x, self, fqn))  # holds x: ids stay unique
+            readers: list[str] = []  # the modules sharing the copy, named by its all_reduce
+            entry = self._copies[id(x)] = (x, _CopyToTP.apply(x, self, readers), readers)  # holds x: ids stay unique
+        entry[2].append(fqn)
         return entry[1]
 
-    def all_reduce(self, t: torch.Tensor, fqn: str, phase: str) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, modules: list[str], what: str) -> torch.Tensor:
+        """``all_reduce(sum)`` over the TP dimension, labelled with the modules it serves."""
         c10d = torch.ops._c10d_functional
         reduced = c10d.all_reduce(t.contiguous(), "sum", self.group)
-        label_collective(reduced, {"label": f"tp {fqn}", "params": [f"{fqn}.weight"], "tp": phase})
+        label_collective(reduced, {"label": f"tp {modules[0]} {what}", "params": [f"{m}.weight" for m in modules]})
         return c10d.wait_tensor(reduced)
 
 
@@ -174,21 +177,21 @@ class _CopyToTP(torch.autograd.Function):
     """Identity in forward; the gradient summed over the TP ranks in backward."""
 
     @staticmethod
-    def forward(ctx, x, tp, fqn):
-        ctx.tp, ctx.fqn = tp, fqn
+    def forward(ctx, x, tp, readers):
+        ctx.tp, ctx.readers = tp, readers
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.all_reduce(grad, ctx.fqn, "backward"), None, None
+        return ctx.tp.all_reduce(grad, ctx.readers, "input gradient"), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     """The partial sums of the TP ranks added up in forward; identity in backward."""
 
     @staticmethod
-    def forward(ctx, partial, tp, fqn):
-        return tp.all_reduce(partial, fqn, "forward")
+    def forward(ctx, partial, tp, modules):
+        return tp.all_reduce(partial, modules, "output")
 
     @staticmethod
     def backward(ctx, grad):

@@ -101,7 +101,9 @@ def test_explain_hint_is_a_command_that_builds_what_was_missing(built, capsys):
     Plan(8, "shard", "cuda", (2, 4), (("*.bias", "replicate"),), bucket_cap_mb=10, first_bucket_cap_mb=0.5,
          shard_groups=("blocks.*", "head.*"), reshard_after_forward=False),
     Plan(4, "replicate", bucket_cap_mb=12.345678901),
-], ids=["default", "every-option", "odd-bucket"])
+    Plan(2, tp_plan=(("blocks.*.q", "colwise"), ("blocks.*.o", "rowwise"))),
+    Plan(8, "shard", mesh_shape=(4, 2), tp_plan=(("blocks.*.q", "colwise"),), reshard_after_forward=False),
+], ids=["default", "every-option", "odd-bucket", "tp", "fsdp-x-tp"])
 def test_build_command_parses_back_to_the_same_plan(plan):
     """What a hint prints is what the CLI builds: parsed by the CLI's own parser."""
     words = shlex.split(build_command(plan, target="my job.py:job", cache_dir="/tmp/a cache"))

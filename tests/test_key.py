@@ -618,6 +618,23 @@ def test_param_placement_overrides_change_key():
         Plan(2, placement="shard", param_placements={"*": "tensor-parallel"})
 
 
+def test_tp_plan_changes_key_and_is_one_text_form():
+    plain = net_key(plan=Plan(2))
+    colwise = net_key(plan=Plan(2, tp_plan={"fc1": "colwise", "fc2": "rowwise"}))
+    assert_only(plain, colwise, "parallel")
+    assert colwise.values["parallel"]["tp_plan"] == [["fc1", "colwise"], ["fc2", "rowwise"]]
+    assert "tp_plan" not in plain.values["parallel"]  # plans without TP keep their text and keys
+    assert_only(colwise, net_key(plan=Plan(2, tp_plan={"fc1": "rowwise", "fc2": "rowwise"})), "parallel")
+    plan = Plan(4, "shard", mesh_shape=(2, 2), tp_plan={"fc1": "colwise"})
+    assert Plan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(SpmdAotError, match="tp_plan"):
+        Plan(2, tp_plan={"fc1": "sequence"})
+    with pytest.raises(SpmdAotError, match=r"mesh_shape=\(dp, tp\)"):
+        Plan(4, "shard", tp_plan={"fc1": "colwise"})  # FSDP x TP needs a dimension for each
+    with pytest.raises(SpmdAotError, match="2-D meshes"):
+        Plan(4, "replicate", mesh_shape=(2, 2), tp_plan={"fc1": "colwise"})
+
+
 def test_device_type_changes_key():
     cpu = net_key(plan=Plan(2, device_type="cpu"))
     assert_only(cpu, net_key(plan=Plan(2, device_type="cuda")), "device_type")

@@ -1,6 +1,6 @@
 """Tensor parallelism, alone (1-D mesh) and with FSDP (a (dp, tp) mesh): steps built offline,
 loaded and run on real gloo ranks match eager ``parallelize_module`` (+ ``fully_shard`` per
-block and on the root) after 3 steps, with SGD and AdamW; the stored graphs hold exactly the
+block and on the root) after 5 steps, with SGD and AdamW; the stored graphs hold exactly the
 collectives TP and FSDP need."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from spmd_aot.artifact import read_artifact
 from spmd_aot.store import LocalStore
 from multiproc import run_ranks
 
-STEPS = 3
+STEPS = 5
 TOL = 1e-5
 VOCAB, D, HEAD_DIM = 32, 16, 4  # 4 heads: 2 per rank at tp=2, 1 at tp=4
 
@@ -231,10 +231,12 @@ def test_stored_graph_has_exactly_the_collectives_tp_and_fsdp_need(built, world,
     found = _collectives(cache, result)
     tp_dim = len(CONFIGS[world][config][1]) - 1
     tp = [c for c in found if c[2].startswith("tp ")]
+    assert len(tp) == len(found) - by_kind.get("all_gather_into_tensor", 0) - by_kind.get("reduce_scatter_tensor", 0)
     # per block: attention input (q, k, v share one copy) and mlp input gradients in backward,
     # attention and mlp outputs in forward: 4 all_reduces over the TP dimension
     assert sorted(label for _, _, label in tp) == sorted(
-        ["tp blocks.0.attn.q", "tp blocks.0.attn.o", "tp blocks.0.up", "tp blocks.0.down"])
+        ["tp blocks.0.attn.q input gradient", "tp blocks.0.attn.o output", "tp blocks.0.up input gradient",
+         "tp blocks.0.down output"])
     assert {(kind, group) for kind, group, _ in tp} == {("all_reduce", tp_dim)}
     if config == "fsdp_tp":
         # FSDP over dp: the block gathered in forward and again in backward, the root once;
@@ -244,3 +246,15 @@ def test_stored_graph_has_exactly_the_collectives_tp_and_fsdp_need(built, world,
     else:
         assert "all_gather_into_tensor" not in by_kind and "reduce_scatter_tensor" not in by_kind
     assert by_kind["all_reduce"] == 4  # no gradient averaging over TP, none for the dp dimension
+
+
+def test_show_prints_the_tp_plan_and_the_tp_collectives(built, capsys):
+    from spmd_aot.cli import main
+
+    cache, result = built[4]["fsdp_tp", "adamw"]
+    assert main(["show", result.digest, "--cache-dir", cache]) == 0
+    out = capsys.readouterr().out
+    assert "world=4 mesh=2x2 shard tp=2 cpu" in out and "['blocks.*.attn.q', 'colwise']" in out
+    # the shared copy of the attention input serves q, k and v: one all_reduce names all three
+    row = next(line for line in out.splitlines() if "tp blocks.0.attn.q input gradient" in line)
+    assert "3: blocks.0.attn.q.weight, blocks.0.attn.k.weight, blocks.0.attn.v.weight" in row
