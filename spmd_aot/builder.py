@@ -49,7 +49,7 @@ def build(job: Job, *, world_size: int | None = None, placement: str = "replicat
 
     The options mean what they mean for ``spmd_aot.compile``; pass the same ones to both.
     ``comm_options`` are ``Plan``'s communication fields (``bucket_cap_mb``, ``shard_groups``,
-    ...); ``plan`` replaces every placement option at once.
+    ...) and ``tp_plan``; ``plan`` replaces every placement option at once.
     ``cache_dir`` may be a path or an ``s3://bucket/prefix`` URL (written through a local cache).
     """
     start = time.perf_counter()

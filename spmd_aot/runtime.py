@@ -62,7 +62,8 @@ def compile(fn: Callable | None = None, *, placement: str = "replicate", cache_d
     The returned step returns what ``fn`` returns, computed on this rank: for the usual
     ``return loss`` that is the rank-local loss, exactly what eager DDP returns.
     ``placement``/``mesh_shape``/``param_placements`` and ``comm_options`` (``bucket_cap_mb``,
-    ``first_bucket_cap_mb``, ``shard_groups``, ``reshard_after_forward``): see ``Plan``. ``module_override``,
+    ``first_bucket_cap_mb``, ``shard_groups``, ``reshard_after_forward``) and ``tp_plan`` (tensor
+    parallel, see ``tensor_parallel.py``): see ``Plan``. ``module_override``,
     ``gm_transformation``: build-time hooks (``override.py``); pass the same ones as the build.
     """
     options = dict(placement=placement, cache_dir=cache_dir, require_hit=require_hit,

@@ -258,3 +258,16 @@ def test_show_prints_the_tp_plan_and_the_tp_collectives(built, capsys):
     # the shared copy of the attention input serves q, k and v: one all_reduce names all three
     row = next(line for line in out.splitlines() if "tp blocks.0.attn.q input gradient" in line)
     assert "3: blocks.0.attn.q.weight, blocks.0.attn.k.weight, blocks.0.attn.v.weight" in row
+
+
+def test_plans_tp_cannot_serve_are_refused():
+    """What a build refuses before tracing: patterns naming no module, a style on a module it
+    cannot split, a split dimension that does not divide by the TP size."""
+    from spmd_aot.tensor_parallel import planned_modules
+
+    with pytest.raises(spmd_aot.UnsupportedError, match="match no module"):
+        planned_modules(TPNet(), (("blocks.*.attn.query", "colwise"),))
+    with pytest.raises(spmd_aot.UnsupportedError, match="nn.Linear modules"):
+        planned_modules(TPNet(), (("blocks.*.ln1", "colwise"),))
+    with pytest.raises(spmd_aot.SpmdAotError, match=r"head.weight of shape \[32, 16\] cannot be split colwise over 3"):
+        spmd_aot.Plan(3, tp_plan={"head": "colwise"}).layout_for("head.weight", (32, 16))

@@ -36,6 +36,13 @@ def configurations():
         for optim in OPTIMIZERS:
             for placement in ("replicate", "shard"):
                 yield f"{model}/{optim}/{placement}", make_job(model, optim), dict(world_size=2, placement=placement)
+    import test_tensor_parallel as tp
+
+    for world, configs in tp.CONFIGS.items():
+        for config in configs:
+            for optim in tp.OPTIMIZERS:
+                job = spmd_aot.Job(step=tp.step, model=tp.TPNet, optimizer=tp.OPTIMIZERS[optim], batch=tp.make_batch)
+                yield f"tp/{config}/{world}/{optim}", job, dict(world_size=world, **tp._options(config, world))
 
 
 def graph_ops(store: LocalStore, digest: str) -> set[str]:
