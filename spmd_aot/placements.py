@@ -189,6 +189,7 @@ class Shard(Placement):
     summary = ("FSDP/ZeRO-3: parameters and optimizer state Shard(0) (HSDP on a 2-D mesh: Replicate "
                "on dim 0, Shard(0) on dim 1), all-gather for compute, reduce-scatter for gradients")
     cli_fields = ("mesh_shape", "param_placements", "shard_groups", "reshard_after_forward")
+
     def dtensor_leaves(self, plan) -> bool:
         return True
 
