@@ -105,7 +105,7 @@ def make_batch(dp_rank: int = 0, s: int = 0):
 
 # (placement, mesh shape) per configuration and world size
 CONFIGS = {
-    2: {"tp": ("replicate", (2,))},
+    2: {"tp": ("replicate", (2,)), "fsdp_tp": ("shard", (1, 2))},  # FSDP over one rank: its code, not its savings
     4: {"tp": ("replicate", (4,)), "fsdp_tp": ("shard", (2, 2))},
 }
 
@@ -224,7 +224,7 @@ def _collectives(cache, result):
     return [(e["collective"], e["group"], e["label"]) for e in art.schema["nodes"].values() if "collective" in e]
 
 
-@pytest.mark.parametrize("world,config", [(2, "tp"), (4, "tp"), (4, "fsdp_tp")])
+@pytest.mark.parametrize("world,config", [(2, "tp"), (2, "fsdp_tp"), (4, "tp"), (4, "fsdp_tp")])
 def test_stored_graph_has_exactly_the_collectives_tp_and_fsdp_need(built, world, config):
     cache, result = built[world][config, "adamw"]
     by_kind = result.stats["by_kind"]
