@@ -108,12 +108,22 @@ def planned_modules(model: nn.Module, tp_plan) -> list[tuple[str, nn.Module, TPS
         raise UnsupportedError(
             f"tp_plan pattern(s) {unused} match no module of {type(model).__qualname__}; patterns "
             "match module FQNs (fnmatch), e.g. 'blocks.*.attn.q' (see model.named_modules())")
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
     for fqn, module, style in found:
         if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward \
                 or "forward" in vars(module):
             raise UnsupportedError(
                 f"tp_plan puts {fqn} ({type(module).__qualname__}) {style.name}; {style.name} splits "
                 "nn.Linear modules (with nn.Linear's own forward) only")
+        for attr, dim in style.param_dims.items():
+            param = getattr(module, attr, None)
+            if dim is not None and param is not None and len(names.get(id(param), [])) > 1:
+                raise UnsupportedError(
+                    f"tp_plan splits {fqn}.{attr} {style.name}, but it is tied to "
+                    f"{', '.join(n for n in names[id(param)] if n != f'{fqn}.{attr}')}; a tied parameter "
+                    "cannot be split for one of its modules only: leave it out of the tp_plan")
     return found
 
 

@@ -34,7 +34,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.q, self.v, self.o = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         # no key bias: softmax is shift invariant, so its gradient is rounding noise that Adam
-        # would turn into lr-sized steps (see README "Parity floor")
+        # would turn into lr-sized steps (as the example transformer, which has no qkv bias)
         self.k = nn.Linear(d, d, bias=False)
 
     def forward(self, x):
@@ -269,5 +269,9 @@ def test_plans_tp_cannot_serve_are_refused():
         planned_modules(TPNet(), (("blocks.*.attn.query", "colwise"),))
     with pytest.raises(spmd_aot.UnsupportedError, match="nn.Linear modules"):
         planned_modules(TPNet(), (("blocks.*.ln1", "colwise"),))
+    tied = TPNet()
+    tied.head.weight = tied.tok.weight
+    with pytest.raises(spmd_aot.UnsupportedError, match="tied to tok.weight"):
+        planned_modules(tied, (("head", "colwise"),))
     with pytest.raises(spmd_aot.SpmdAotError, match=r"head.weight of shape \[32, 16\] cannot be split colwise over 3"):
         spmd_aot.Plan(3, tp_plan={"head": "colwise"}).layout_for("head.weight", (32, 16))
