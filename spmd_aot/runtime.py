@@ -26,7 +26,7 @@ from .artifact import artifact_in_memory, layout_mismatch, read_artifact, read_m
 from .errors import (ArtifactMismatchError, CacheIOError, CacheMissError, CorruptArtifactError, LockTimeoutError,
                      SpmdAotError, UnsupportedError)
 from .explain import explain_miss
-from .hints import TARGET_PLACEHOLDER, build_command, cache_location
+from .hints import TARGET_PLACEHOLDER, build_command
 from .key import compute_key
 from .lookup import find_entry
 from .pipeline import Transforms, trace_and_store, trace_to_blobs
@@ -195,7 +195,7 @@ class CompiledStep:
         if artifact is not None:
             return artifact
         log.info("rank %d read artifact %s from rank 0 (%s)", dist.get_rank(), digest[:12], problem)
-        return read_artifact(MemoryStore(received), digest)
+        return read_artifact(MemoryStore(received, root="<blobs received from rank 0>"), digest)
 
     def _resolve_on_rank0(self, state, plan, key, mesh, leases) -> tuple[str, bool, bool, Any]:
         """Rank 0's decision: (manifest digest, hit, traced here, verified artifact).
@@ -220,7 +220,7 @@ class CompiledStep:
                 store.delete_ref(key.key)
         # reading every stored manifest to explain costs little beside the trace that follows
         why = explain_miss(store, key) if self.require_hit or log.isEnabledFor(logging.WARNING) else ""
-        command = build_command(plan, cache_dir=cache_location(store))
+        command = build_command(plan, cache_dir=store.location)  # what --cache-dir must say
         build_it = (f"Build it ahead of time with `{command}`, where {TARGET_PLACEHOLDER} names your "
                     "spmd_aot.Job ('pkg.module:job' or 'path/to/train.py:job').")
         if self.transforms.identities() or self.extra_sources:  # Python hooks: no CLI flags for them
@@ -244,7 +244,7 @@ class CompiledStep:
             # The cache cannot take the new entry (full, read-only, locked, tampered with): the
             # job still trains from its own trace, held in memory; other ranks get it from here.
             log.warning("cannot store the traced step for key %s in %s (%s); training from the trace "
-                        "without caching it", key.key[:12], getattr(store, "root", store), exc)
+                        "without caching it", key.key[:12], store.root, exc)
             blobs = trace_to_blobs(self.fn, state, plan, key, mesh, state.graph_inputs(), self.transforms)
             digest, self._unstored = artifact_in_memory(blobs)
             return digest, False, True, read_artifact(self._unstored, digest)
