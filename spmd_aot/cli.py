@@ -344,8 +344,9 @@ def cmd_build(args) -> int:
     from .store import local_files, open_store
 
     store = open_store(args.cache_dir)  # as the job opens it: s3:// behind a local cache, written through
-    if local_files(store) is not None:
-        local_files(store).clean_tmp()  # temp files older than an hour, left by killed writers
+    local = local_files(store)
+    if local is not None:
+        local.clean_tmp()  # temp files older than an hour, left by killed writers
     results = []
     try:
         with Progress(len(plans)) as bar:
