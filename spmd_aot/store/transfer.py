@@ -106,8 +106,8 @@ def copy_artifact(src: Store, dst: Store, key: str, digest: str | None = None) -
 def _copy_blob(src: Store, dst: Store, digest: str, data: bytes | None = None) -> int | None:
     """Make ``dst`` hold an intact copy of blob ``digest``; return the bytes written, or None
     when ``dst`` already had an intact copy."""
-    # A store of local files only checks its own copy by reading it (cheap): then the source
-    # is not read at all. (A layered store is not one: its remote part may still lack the blob.)
+    # A store that is all local files checks its own copy by reading it (cheap), and then the
+    # source is not read at all. (Not a layered store: its remote part may still lack the blob.)
     if local_files(dst) is dst and dst.has(digest):
         try:
             dst.get(digest)  # re-hashes; a damaged copy is quarantined and rewritten below
