@@ -264,7 +264,7 @@ def _synced_from_rank0(buffer: torch.Tensor, mesh) -> torch.Tensor:
 
 #: Optimizers whose ``fused=True`` kernel updates every parameter of a group in one pass; the
 #: second set also for DTensor parameters (the fused ops DTensor has a sharding rule for).
-_FUSED_OPTIMIZERS = {"SGD", "Adam", "AdamW", "Adagrad"}
+_FUSED_OPTIMIZERS = {"SGD", "Adam", "AdamW"}
 _FUSED_FOR_DTENSORS = {"Adam", "AdamW"}
 
 
