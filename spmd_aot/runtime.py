@@ -7,7 +7,7 @@ and verifies the same manifest digest and binds it to the live process group and
 Later calls only check the batch's shapes (and the modules' train/eval modes) and run the graph.
 
 A step compiled from ``fn(model, batch)`` is called ``step(model, batch)``: it is forward-only
-(evaluation, inference), has no optimizer, runs without autograd and never writes a parameter.
+(evaluation, inference): no optimizer, no autograd, so no parameter update.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Trace a whole train step (forward, backward, optimizer step) into one FX graph.
 
 A step without an optimizer is *forward-only* (evaluation, inference): ``step(model, batch)``
-traced under ``torch.no_grad()``, so it has no gradients, no gradient collectives and never
-writes a parameter.
+traced under ``torch.no_grad()``, so it has no gradients, no gradient collectives and no
+parameter update.
 
 Parameters, buffers, optimizer state and batch leaves become graph inputs in ``TrainState``
 order. The optimizer's in-place updates stay in-place ops on those inputs, so running the
