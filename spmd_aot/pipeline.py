@@ -110,7 +110,8 @@ def _check_collectives(stats: dict, slots, plan: Plan, groups=(), forward_only: 
     for kind, limit in limits.items():
         if kinds.get(kind, 0) > limit:
             raise UnsupportedError(
-                f"the expanded graph has {kinds[kind]} {kind} collectives where {plan.describe()} needs "
+                f"the expanded graph has {kinds[kind]} {kind} collectives where "
+                f"{'a forward-only step under ' if forward_only else ''}{plan.describe()} needs "
                 f"at most {limit}; is a parameter used as a DTensor in the step?"
             )
 

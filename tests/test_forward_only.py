@@ -148,6 +148,13 @@ def test_forward_only_misuse_is_refused_with_clear_errors(built, tmp_path):
     with pytest.raises(spmd_aot.UnsupportedError, match="forward-only"):
         spmd_aot.build(spmd_aot.Job(step=backward_step, model=make_model, optimizer=None, batch=batch),
                        world_size=1, cache_dir=tmp_path)
+
+    def norm_step(model, batch):  # the parameters' norms need all_reduces: no forward-only budget has them
+        return model(batch[0]).sum() + sum(p.norm() for p in model.parameters())
+
+    with pytest.raises(spmd_aot.UnsupportedError, match="all_reduce collectives where a forward-only step"):
+        spmd_aot.build(spmd_aot.Job(step=norm_step, model=lambda: make_model().eval(), optimizer=None, batch=batch),
+                       world_size=2, placement="shard", cache_dir=tmp_path)
     step = spmd_aot.compile(eval_step, cache_dir=cache)
     with pytest.raises(TypeError, match="step\\(model, batch\\)"):
         step(make_model(), None, batch())
