@@ -95,7 +95,7 @@ class SPMD(nn.Module):
 
     @property
     def cache_info(self):
-        """The ``CacheInfo`` of the first call (hit, key, digest, ...); None before it."""
+        """The ``CacheInfo`` of the latest resolution (hit, key, digest, ...); None before the first call."""
         return self._step.cache_info
 
     def forward(self, *inputs):
