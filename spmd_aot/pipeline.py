@@ -78,7 +78,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     traced.gm = gm
     stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm, traced.gradient_collectives),
              "peak_bytes": graph_peak_bytes(gm)}
-    _check_collectives(stats, slots, plan, traced.groups)
+    _check_collectives(stats, slots, plan, traced.groups, state.forward_only)
     stats["trace_seconds"] = round(time.perf_counter() - start, 4)
     recorded = guards.record(ran, key)
     log.debug("key %s: guarding %d files, %d distributions, %d tensor values", key.key[:12],
@@ -95,19 +95,23 @@ def _checked(result, gm, who: str) -> torch.fx.GraphModule:
     return out
 
 
-def _check_collectives(stats: dict, slots, plan: Plan, groups=()) -> None:
+def _check_collectives(stats: dict, slots, plan: Plan, groups=(), forward_only: bool = False) -> None:
     """Refuse graphs with more gradient collectives than the placement needs: under shard one
-    all_gather per group (two when it is gathered again in backward) and one reduce_scatter."""
+    all_gather per group (two when it is gathered again in backward) and one reduce_scatter.
+    A forward-only step needs one all_gather per group and no reduction at all."""
     grads = [s for s in slots if s.kind == "param" and s.requires_grad]
     kinds = stats["by_kind"]
     limits = {"all_gather_into_tensor": sum(2 if g.reshard else 1 for g in groups),
               "reduce_scatter_tensor": len(groups)}
     if plan.placement == "replicate":
         limits["all_reduce"] = len(grads)
+    if forward_only:
+        limits = {"all_gather_into_tensor": len(groups), "reduce_scatter_tensor": 0, "all_reduce": 0}
     for kind, limit in limits.items():
         if kinds.get(kind, 0) > limit:
             raise UnsupportedError(
-                f"the expanded graph has {kinds[kind]} {kind} collectives where {plan.describe()} needs "
+                f"the expanded graph has {kinds[kind]} {kind} collectives where "
+                f"{'a forward-only step under ' if forward_only else ''}{plan.describe()} needs "
                 f"at most {limit}; is a parameter used as a DTensor in the step?"
             )
 

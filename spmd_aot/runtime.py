@@ -4,7 +4,10 @@ The first call is collective: every rank computes the key from its live objects,
 check they agree, rank 0 decides hit or miss and the others follow (mixed hit/miss would
 hang a job), on a miss rank 0 traces and stores while the others wait, then every rank loads
 and verifies the same manifest digest and binds it to the live process group and device.
-Later calls only check the batch's shapes and run the graph.
+Later calls only check the batch's shapes (and the modules' train/eval modes) and run the graph.
+
+A step compiled from ``fn(model, batch)`` is called ``step(model, batch)``: it is forward-only
+(evaluation, inference): no optimizer, no autograd, so no parameter update.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ def compile(fn: Callable | None = None, *, placement: str = "replicate", cache_d
 
     The returned step returns what ``fn`` returns, computed on this rank: for the usual
     ``return loss`` that is the rank-local loss, exactly what eager DDP returns.
+    A forward-only step (evaluation, inference) ``fn(model, batch)`` is called the same way,
+    ``step(model, batch)``, with no optimizer; it runs under ``torch.no_grad()``.
     ``placement``/``mesh_shape``/``param_placements`` and ``comm_options`` (``bucket_cap_mb``,
     ``first_bucket_cap_mb``, ``shard_groups``, ``reshard_after_forward``): see ``Plan``. ``module_override``,
     ``gm_transformation``: build-time hooks (``override.py``); pass the same ones as the build.
@@ -92,7 +97,6 @@ class CompiledStep:
         self._cache_dir = cache_dir
         self._bound: _BoundStep | None = None
         self._unstored = None  # a traced artifact the cache could not take (rank 0 serves it)
-        self._prepared_models = weakref.WeakSet()  # broadcast (and sharded) once per model
         self.cache_info: CacheInfo | None = None
         self._traces = 0
         functools.update_wrapper(self, fn)
@@ -103,7 +107,18 @@ class CompiledStep:
             self._store = open_store(self._cache_dir)
         return self._store
 
-    def __call__(self, model, optim, batch):
+    def __call__(self, model, *args):
+        """``step(model, optim, batch)``, or ``step(model, batch)`` for a forward-only step."""
+        if len(args) == 1:
+            optim, batch = None, args[0]
+        elif len(args) == 2:
+            optim, batch = args
+            if optim is None:
+                raise TypeError(f"{_name(self.fn)}: a step without an optimizer is forward-only; "
+                                "call it as step(model, batch)")
+        else:
+            raise TypeError(f"{_name(self.fn)}: call a compiled step as step(model, optim, batch), or "
+                            f"step(model, batch) when it is forward-only; got {1 + len(args)} arguments")
         bound = self._bound
         leaves, spec = pytree.tree_flatten(batch)
         if bound is None or not bound.fits(model, optim, leaves, spec):
@@ -120,12 +135,15 @@ class CompiledStep:
                     **self.comm_options)
         mesh = device_mesh(plan)  # collective for 2-D meshes: every rank builds it
         sharded = plan.placement == "shard" and world > 1
-        if world > 1 and model not in self._prepared_models:
-            _broadcast_from_rank0(model)  # as DDP does at construction
-            if sharded:
-                shard_model_and_optimizer(model, optim, plan, mesh)  # as fully_shard does
-            self._prepared_models.add(model)
-        initialize_optimizer_state(optim, sharded_zeros if sharded else None)
+        if world > 1 and model not in _BROADCAST_MODELS:
+            # As DDP does at construction: once per model, whichever compiled step (train or
+            # eval) sees it first; later, FSDP2-style per-rank buffers must not be overwritten.
+            _broadcast_from_rank0(model)
+            _BROADCAST_MODELS.add(model)
+        if sharded:
+            shard_model_and_optimizer(model, optim, plan, mesh)  # as fully_shard does; idempotent
+        if optim is not None:
+            initialize_optimizer_state(optim, sharded_zeros if sharded else None)
         state = TrainState(model, optim, batch, plan)
         key = compute_key(self.fn, state, plan, self.transforms.identities(), self.extra_sources)
         _check_ranks_agree(key, world)
@@ -292,13 +310,17 @@ class _BoundStep:
         self.out_spec = artifact.out_spec()
         self.out_constants = dict((int(i), v) for i, v in artifact.layout["outputs"]["constants"])
         self._cached_state = None  # (optimizer state dict, watched entries, state inputs)
+        self.modules = list(state.model.modules())
+        self.modes = [m.training for m in self.modules]  # train/eval is in the key (dropout, BatchNorm)
 
     def fits(self, model, optim, leaves, spec) -> bool:
-        """Same objects, batch signature and baked hyperparameters; else the step is re-resolved."""
+        """Same objects, batch signature, train/eval modes and baked hyperparameters; else the
+        step is re-resolved."""
         return (model is self.state.model and optim is self.state.optim and spec == self.batch_spec
                 and len(leaves) == len(self.batch_sig)
                 and all(isinstance(t, torch.Tensor) and (tuple(t.shape), t.dtype) == sig
                         for t, sig in zip(leaves, self.batch_sig))
+                and [m.training for m in self.modules] == self.modes
                 and self.state.baked_hyperparameters() == self.baked)
 
     def _inputs(self, batch_leaves) -> list[torch.Tensor]:
@@ -306,10 +328,10 @@ class _BoundStep:
         state tensors (checked by identity every step: ``load_state_dict`` or a replaced entry
         rebuilds it), which spares small models a walk over every parameter per step."""
         state, cached = self.state, self._cached_state
-        optim_state = state.optim.state
+        optim_state = state.optim.state if state.optim is not None else {}
         if cached is None or cached[0] is not optim_state or \
                 not all(entries.get(k) is t for entries, k, t in cached[1]):
-            if self.sharded:
+            if self.sharded and state.optim is not None:
                 ensure_sharded_state(state.optim)
             slots = state.optimizer_slots()
             watched = [(optim_state[p], k, optim_state[p][k]) for p, k in slots]
@@ -345,6 +367,9 @@ def _comm_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_BROADCAST_MODELS = weakref.WeakSet()  # models this process has taken rank 0's values for
 
 
 def _broadcast_from_rank0(model) -> None:

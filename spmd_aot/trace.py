@@ -1,5 +1,9 @@
 """Trace a whole train step (forward, backward, optimizer step) into one FX graph.
 
+A step without an optimizer is *forward-only* (evaluation, inference): ``step(model, batch)``
+traced under ``torch.no_grad()``, so it has no gradients, no gradient collectives and no
+parameter update.
+
 Parameters, buffers, optimizer state and batch leaves become graph inputs in ``TrainState``
 order. The optimizer's in-place updates stay in-place ops on those inputs, so running the
 graph on the user's real tensors updates ``model`` and ``optim`` exactly as eager would.
@@ -41,7 +45,8 @@ class TracedStep:
 
 def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list[torch.Tensor],
                transform_model: Callable | None = None) -> TracedStep:
-    """Trace ``step(model, optim, batch)``; ``inputs`` (real or fake) follow ``state.slots()``.
+    """Trace ``step(model, optim, batch)``, or ``step(model, batch)`` for a forward-only state
+    (``state.optim is None``); ``inputs`` (real or fake) follow ``state.slots()``.
 
     ``transform_model`` is a context manager factory applied around the step while tracing
     (module overrides swap submodules there).
@@ -59,10 +64,12 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
     groups = assign_groups(state.model, plan, [(param_slots[i].fqn, param_slots[i].dtype) for i in sharded])
     slot_of = {param_slots[i].fqn: i for i in sharded}
     out_info: dict[str, Any] = {}
+    forward_only = state.forward_only
 
     def flat_step(*flat):
         take = lambda kind: [flat[i] for i in by_kind.get(kind, [])]  # noqa: E731
-        leaves = [expander.leaf(x, s.layout, s.requires_grad) for x, s in zip(take("param"), param_slots)]
+        leaves = [expander.leaf(x, s.layout, s.requires_grad and not forward_only)
+                  for x, s in zip(take("param"), param_slots)]
         for (names, _), leaf in zip(state.params, leaves):
             if leaf.requires_grad:
                 leaf.register_hook(functools.partial(_note_gradient_collectives, names[0], gradient_collectives))
@@ -76,7 +83,7 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
             bindings.update(dict.fromkeys(names, buf))
         by_real = {id(real): leaf for (_, real), leaf in zip(state.params, leaves)}
         traced_state = defaultdict(dict)
-        for real, entries in state.optim.state.items():
+        for real, entries in (state.optim.state.items() if not forward_only else ()):
             traced_state[by_real[id(real)]] = dict(entries)
         state_slots = [slots[i] for i in by_kind.get("optim_state", [])]
         for (real, key), x, s in zip(opt_slots, take("optim_state"), state_slots):
@@ -89,10 +96,12 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
                                                                            for f in g.fqns], mesh)
                    for g in groups]
         computes = _ComputeOnAccess(leaves, [s.layout for s in param_slots], expander, gathers)
+        optimizer = contextlib.nullcontext() if forward_only else \
+            _optimizer_swapped(state.optim, by_real, traced_state, lrs)
         with (transform_model() if transform_model else contextlib.nullcontext()), \
                 stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
-                _optimizer_swapped(state.optim, by_real, traced_state, lrs), where.tracking(state.model):
-            result = step(state.model, state.optim, batch)
+                optimizer, where.tracking(state.model):
+            result = step(state.model, batch) if forward_only else step(state.model, state.optim, batch)
         stale = [names[0] for (names, _), leaf in zip(state.params, leaves) if leaf.grad is not None]
         if stale:
             raise UnsupportedError(
@@ -113,13 +122,16 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
     where = _ModuleStack()
     gradient_collectives: dict[str, str] = {}
     try:
-        gm = make_fx(flat_step, tracing_mode="fake")(*inputs)
+        with _without_grad() if forward_only else contextlib.nullcontext():
+            gm = make_fx(flat_step, tracing_mode="fake")(*inputs)
     except UnsupportedError:
         raise
     except Exception as exc:
+        hint = ("; a step without an optimizer is forward-only: it is called step(model, batch) and "
+                "runs under torch.no_grad(), so it cannot call backward()") if forward_only else ""
         raise UnsupportedError(
             f"tracing the step failed for {plan.describe()}{where.describe()}: {type(exc).__name__}: "
-            f"{_first_lines(str(exc))}"
+            f"{_first_lines(str(exc))}{hint}"
         ) from exc
     return TracedStep(gm, out_info["spec"], out_info["constants"], _group_names(gm, mesh, plan),
                       gradient_collectives, groups)
@@ -251,6 +263,14 @@ class _ComputeOnAccess:
 
     def __exit__(self, *exc):
         torch.nn.Module.__getattr__ = self.original
+
+
+@contextlib.contextmanager
+def _without_grad():
+    """How a forward-only step is traced, whatever the caller's mode: no autograd recording,
+    outside inference mode (so the key need not read either mode for it)."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def _synced_from_rank0(buffer: torch.Tensor, mesh) -> torch.Tensor:
