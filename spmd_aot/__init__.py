@@ -3,6 +3,9 @@
     step = spmd_aot.compile(train_step, placement="replicate", cache_dir="cache")
     loss = step(model, optim, batch)        # rank-local loss, as eager DDP returns it
     print(step.cache_info)
+
+    evaluate = spmd_aot.compile(eval_step, placement="replicate", cache_dir="cache")
+    metrics = evaluate(model, batch)         # forward-only: eval_step(model, batch), no optimizer
 """
 
 import warnings
@@ -23,9 +26,10 @@ from .job import Job, load_target
 from .override import Override
 from .plan import Plan
 from .runtime import CacheInfo, CompiledStep, compile
+from .spmd import SPMD, Schema
 
 __all__ = [
-    "Job", "build", "compile", "load_target", "Override", "register_fingerprint",
+    "Job", "build", "compile", "load_target", "Override", "register_fingerprint", "SPMD", "Schema",
     "BuildResult", "CacheInfo", "CompiledStep", "Plan",
     "SpmdAotError", "TargetError", "UnsupportedError", "CacheMissError", "ArtifactMismatchError",
     "CorruptArtifactError", "UnsafeArtifactError", "LockTimeoutError",

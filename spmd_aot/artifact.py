@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import os
 import re
 from typing import Any
 
@@ -189,16 +188,14 @@ def artifact_in_memory(blobs: dict[str, bytes]):
     if key_bytes is not None:
         blobs["manifest"] = signing.sign_manifest_blob(blobs["manifest"], key_bytes)
     named = {hashlib.sha256(data).hexdigest(): data for data in blobs.values()}
-    return hashlib.sha256(blobs["manifest"]).hexdigest(), MemoryStore(named)
+    return hashlib.sha256(blobs["manifest"]).hexdigest(), MemoryStore(named, root="<this job's own trace>")
 
 
 def _get(store, digest: str, limit: int, what: str) -> bytes:
-    """A blob's bytes, refused before reading when its file is larger than ``limit``."""
-    path = getattr(store, "blob_path", None)
+    """A blob's bytes, refused before reading when the store says it is larger than ``limit``."""
     size = None
-    if path is not None:
-        with contextlib.suppress(OSError, SpmdAotError):
-            size = os.lstat(path(digest)).st_size
+    with contextlib.suppress(OSError, SpmdAotError):
+        size = store.size(digest)
     data = store.get(digest) if size is None or size <= limit else None
     if data is None or len(data) > limit:
         raise CorruptArtifactError(

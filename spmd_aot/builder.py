@@ -89,7 +89,8 @@ def job_key(job: Job, plan: Plan, transforms: Transforms = Transforms(), extra_s
 
 
 def _fake_state(job: Job, plan: Plan, fake_mode: FakeTensorMode) -> TrainState:
-    """The job's model, optimizer (with its state) and one rank's batch, all fake."""
+    """The job's model, optimizer (with its state; none for a forward-only step) and one
+    rank's batch, all fake."""
     if not isinstance(job, Job):
         raise SpmdAotError(f"build() takes a spmd_aot.Job, got {type(job).__name__}")
     device = plan.device_type
@@ -106,26 +107,46 @@ def _fake_state(job: Job, plan: Plan, fake_mode: FakeTensorMode) -> TrainState:
         if device != "cpu":
             model = model.to(device)
             batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
-        optim = job.optimizer(model)
-        if job.global_batch:
-            batch = local_batch(batch, plan.dp_size)  # TP ranks of one share see the same batch
-        initialize_optimizer_state(optim)
+        optim = job.optimizer(model) if job.optimizer is not None else None
+        if job.global_batch or job.batch_placements is not None:
+            batch = local_batch(batch, plan.dp_size, job.batch_placements)  # TP ranks of one share see the same batch
+        if optim is not None:
+            initialize_optimizer_state(optim)
     return TrainState(model, optim, batch, plan)
 
 
-def local_batch(global_batch, world_size: int):
-    """One rank's share (dim 0) of a global batch split over ``world_size`` data-parallel
-    ranks; every leaf must divide evenly."""
+def local_batch(global_batch, world_size: int, placements=None):
+    """One rank's share of a global batch split over ``world_size`` data-parallel ranks:
+    every leaf split on dim 0, or with ``placements``
+    (one ``Replicate()``/``Shard(d)`` per element of a tuple batch) element by element.
+    Every split must divide evenly."""
+    from torch.distributed.tensor import Shard
+
+    if placements is not None and (not isinstance(global_batch, (tuple, list))
+                                   or len(global_batch) != len(placements)):
+        got = f" of {len(global_batch)}" if isinstance(global_batch, (tuple, list)) else ""
+        raise SpmdAotError(f"batch_placements has {len(placements)} placement(s); the batch must be a tuple "
+                           f"of as many elements, got a {type(global_batch).__name__}{got}")
+
+    def split_dim(path) -> int | None:
+        """The dim a leaf is split on; None: every rank gets it whole (Replicate)."""
+        if placements is None:
+            return 0
+        placement = placements[path[0].idx]
+        return placement.dim if isinstance(placement, Shard) else None
+
     with_paths, spec = pytree.tree_flatten_with_path(global_batch)
     local = []
     for path, leaf in with_paths:
-        name = f"batch{pytree.keystr(path)}"
-        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
-            raise SpmdAotError(f"global batch leaf {name} has no batch dimension to split over ranks")
-        if leaf.shape[0] % world_size:
+        name, dim = f"batch{pytree.keystr(path)}", split_dim(path)
+        if dim is None:
+            local.append(leaf)
+            continue
+        if not isinstance(leaf, torch.Tensor) or not -leaf.dim() <= dim < leaf.dim():
+            raise SpmdAotError(f"global batch leaf {name} has no dimension {dim} to split over ranks")
+        if leaf.shape[dim] % world_size:
             raise SpmdAotError(
-                f"global batch leaf {name} has {leaf.shape[0]} samples on dim 0, not divisible by "
-                f"world size {world_size}; expected a multiple of {world_size}"
-            )
-        local.append(leaf[: leaf.shape[0] // world_size])
+                f"global batch leaf {name} has {leaf.shape[dim]} {'samples' if dim == 0 else 'entries'} "
+                f"on dim {dim}, not divisible by world size {world_size}; expected a multiple of {world_size}")
+        local.append(leaf.narrow(dim, 0, leaf.shape[dim] // world_size))
     return pytree.tree_unflatten(local, spec)

@@ -11,9 +11,10 @@ the cache they live in.
     spmd-aot rm REF...                                  spmd-aot gc --max-size 2G --max-age 7d
 
 Every subcommand takes ``--cache-dir`` (default: $SPMD_AOT_CACHE_DIR, else
-$XDG_CACHE_HOME/spmd_aot, else ~/.cache/spmd_aot; the same rule the training job uses). An
-``s3://bucket/prefix`` URL there works too: ``build`` then writes through a local cache
-($SPMD_AOT_LOCAL_CACHE) into the bucket, the other subcommands inspect the bucket itself.
+$XDG_CACHE_HOME/spmd_aot, else ~/.cache/spmd_aot; the same rule the training job uses). A store
+URL there works too (``s3://bucket/prefix``, ``memory://NAME``: ``store/registry.py``): ``build``
+opens it as a job does (an s3:// bucket behind a local cache, $SPMD_AOT_LOCAL_CACHE, written
+through), the other subcommands inspect the store itself.
 
 Exit status (the README's table):
   0    success (``explain``: the configuration is cached)
@@ -33,7 +34,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import pathlib
 import shlex
 import sys
 import traceback
@@ -359,13 +359,12 @@ def cmd_build(args) -> int:
 
     plans = _unique(_plan(args, w, p) for w in args.world_size for p in (args.placement or ["replicate"]))
     job = _load_job(args.target)
-    if _is_url(args.cache_dir):  # a local cache in front of the bucket, written through
-        from .store import open_store
+    from .store import local_files, open_store
 
-        store = open_store(args.cache_dir)
-    else:
-        store = _store(args.cache_dir, create=True)
-    store.clean_tmp()  # temp files older than an hour, left by killed writers
+    store = open_store(args.cache_dir)  # as the job opens it: s3:// behind a local cache, written through
+    local = local_files(store)
+    if local is not None:
+        local.clean_tmp()  # temp files older than an hour, left by killed writers
     results = []
     try:
         with Progress(len(plans)) as bar:
@@ -455,7 +454,7 @@ def _ls_columns(store, entry) -> list:
         manifest = read_manifest(store, entry.digest)
         size = 0
         for name, digest in [("manifest", entry.digest), *manifest["blobs"].items()]:
-            blob_size = _blob_size(store, digest)
+            blob_size = store.size(digest)
             if blob_size is None:
                 return [f"CORRUPT: {name} blob {digest[:12]} is missing"]
             size += blob_size
@@ -545,7 +544,7 @@ def _print_manifest(store, key: str, digest: str, m: dict) -> None:
     _print_communication(stats.get("comm"))
     print("blobs:")
     for name, d in [("manifest", digest), *m["blobs"].items()]:
-        blob_size = _blob_size(store, d)
+        blob_size = store.size(d)
         size = "MISSING" if blob_size is None else f"{blob_size} bytes"
         print(f"  {name:<12}{d}  {size}")
     print("ingredients:")
@@ -602,7 +601,11 @@ def cmd_verify(args) -> int:
                 for p in blob_problems]
     bad = {p.digest for p in blob_problems if p.digest}
     reported_paths = {os.path.abspath(p.path) for p in blob_problems}
-    entries = _refs(store)
+    try:
+        entries = _refs(store)
+    except SpmdAotError as exc:  # refs/ cannot be listed at all (e.g. it is a planted link)
+        problems.append(str(exc))
+        entries = []
     for entry in entries:
         if os.path.abspath(entry.path) in reported_paths:
             continue  # a damaged ref, or one to a missing manifest: store.verify reported it
@@ -679,19 +682,17 @@ def cmd_explain(args) -> int:
 def cmd_push(args) -> int:
     """Copy artifacts from the cache to a remote store."""
     src = _existing_store(args.cache_dir)
-    return _transfer(src, _open_remote(args.remote), args.refs, "pushed", "to")
+    return _transfer(src, _open_location(args.remote), args.refs, "pushed", "to")
 
 
 def cmd_pull(args) -> int:
     """Copy artifacts from a remote store into the cache."""
-    return _transfer(_open_remote(args.remote), _store(args.cache_dir, create=True), args.refs,
+    return _transfer(_open_location(args.remote), _store(args.cache_dir, create=True), args.refs,
                      "pulled", "from")
 
 
 def _transfer(src, dst, refs: list[str], verb: str, preposition: str) -> int:
-    import contextlib
-
-    from .store import LocalStore
+    from .store import local_files
     from .store.transfer import copy_artifact
 
     entries = _select(src, refs)
@@ -704,7 +705,7 @@ def _transfer(src, dst, refs: list[str], verb: str, preposition: str) -> int:
     for key, digest in entries:
         try:
             # into a local cache under the key's build lock, as every writer (gc relies on it)
-            with dst.lock(key) if isinstance(dst, LocalStore) else contextlib.nullcontext():
+            with dst.lock(key) if local_files(dst) is not None else contextlib.nullcontext():
                 result = copy_artifact(src, dst, key, digest)
         except SpmdAotError as exc:
             failures.append(f"{key[:12]}: {exc}")
@@ -766,9 +767,9 @@ def cmd_gc(args) -> int:
     store = _existing_store(args.cache_dir)
     used = {}
     if args.dry_run or args.max_size is not None or args.max_age is not None:
-        from .store import LocalStore
+        from .store import local_files
 
-        if isinstance(store, LocalStore):
+        if local_files(store) is not None:  # else collect_garbage says gc needs a local cache
             used = {key: last_used(store, key) for key in store.refs()}
     report = collect_garbage(store, max_size=args.max_size, max_age=args.max_age, grace=args.grace,
                              dry_run=args.dry_run)
@@ -833,76 +834,51 @@ class _Ref:
 
 
 def _is_url(cache_dir) -> bool:
-    from .store import is_s3_url
+    from .store.registry import is_url
 
-    return is_s3_url(cache_dir)
+    return is_url(cache_dir)
 
 
 def _cache_root(cache_dir):
-    from .store import resolve_cache_dir
+    """The location ``--cache-dir`` means (a URL, or the cache directory), as the job resolves it."""
+    from .store.registry import resolve_location
 
-    if _is_url(cache_dir):
-        return cache_dir
-    return resolve_cache_dir(cache_dir)
+    return resolve_location(cache_dir)
 
 
 def _store(cache_dir, *, create: bool = False):
-    """The store at ``cache_dir``; ``None`` when it does not exist and ``create`` is false
-    (so ``ls`` or ``verify`` on a mistyped path does not create an empty cache). An
-    ``s3://bucket/prefix`` URL gives the bucket itself (``S3Store``)."""
+    """The store at ``cache_dir``; ``None`` when it is a directory that does not exist and
+    ``create`` is false (so ``ls`` or ``verify`` on a mistyped path does not create an empty
+    cache). A URL gives that store itself (``s3://`` the bucket: ``S3Store``)."""
     from .store import LocalStore
 
-    if _is_url(cache_dir):
-        return _open_remote(cache_dir)
     root = _cache_root(cache_dir)
+    if _is_url(root):
+        return _open_location(root)
     if not create and not root.is_dir():
         return None
     return LocalStore(root)
 
 
-def _open_remote(location: str):
-    """``s3://bucket/prefix`` -> ``S3Store``; anything else is another cache directory."""
-    from .store import LocalStore, S3Store, is_s3_url
+def _open_location(location: str):
+    """A store URL (``s3://bucket/prefix``: ``S3Store``) or another cache directory."""
+    from .store import open_location
 
-    if is_s3_url(location):
-        return S3Store(location)
-    return LocalStore(pathlib.Path(location).expanduser())
-
-
-def _blob_size(store, digest: str) -> int | None:
-    """Size in bytes of a stored blob, None if it is missing."""
-    size = getattr(store, "size", None)
-    if size is not None:  # object storage
-        return size(digest)
-    try:
-        return store.blob_path(digest).stat().st_size
-    except OSError:
-        return None
+    return open_location(location)
 
 
 def _refs(store) -> list[_Ref]:
-    """Every ref, with a damaged one reported in place rather than failing the whole listing
-    (``LocalStore.refs()`` raises on the first damaged ref file)."""
-    from .store import LocalStore
-
-    if not isinstance(store, LocalStore):  # object storage: its refs() skips damaged ones
-        return [_Ref(key, f"{store.root}/refs/{key}", digest, None) for key, digest in store.refs().items()]
-    refs_dir = store.root / "refs"
-    try:
-        names = sorted(e.name for e in os.scandir(refs_dir) if e.is_file() and not e.name.startswith("."))
-    except FileNotFoundError:
-        return []
+    """Every ref, with a damaged one reported in place rather than dropped (``refs()`` skips them)."""
     out = []
-    for name in names:
+    for key in store.ref_keys():
+        path = f"{store.root}/refs/{key}"
         try:
-            digest = store.get_ref(name)
+            digest = store.get_ref(key)
         except CorruptArtifactError as exc:
-            out.append(_Ref(name, str(refs_dir / name), None, str(exc)))
+            out.append(_Ref(key, path, None, str(exc)))
             continue
-        except SpmdAotError:
-            continue  # not a valid key name: the store ignores such files too
-        if digest is not None:
-            out.append(_Ref(name, str(refs_dir / name), digest, None))
+        if digest is not None:  # removed since listing
+            out.append(_Ref(key, path, digest, None))
     return out
 
 

@@ -13,7 +13,7 @@ import shlex
 
 from .plan import Plan
 
-__all__ = ["build_command", "cache_location", "TARGET_PLACEHOLDER"]
+__all__ = ["build_command", "TARGET_PLACEHOLDER"]
 
 #: Stands for the user's ``module:function`` where the code giving the hint cannot know it.
 TARGET_PLACEHOLDER = "TARGET"
@@ -47,12 +47,3 @@ def build_command(plan: Plan, *, target: str | None = None, cache_dir: str | os.
         args += ["--cache-dir", str(cache_dir)]
     return shlex.join(args)
 
-
-def cache_location(store) -> str | None:
-    """What ``--cache-dir`` must say to reach ``store``: the bucket URL of an s3:// cache, the
-    absolute path of a local one, None for an in-memory store."""
-    remote = getattr(store, "remote", None)  # LayeredStore: local cache in front of a bucket
-    root = getattr(remote if remote is not None else store, "root", None)
-    if root is None or str(root).startswith("<"):
-        return None
-    return str(root)

@@ -12,11 +12,11 @@ import importlib
 import importlib.util
 import pathlib
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from .errors import TargetError
+from .errors import SpmdAotError, TargetError
 
-__all__ = ["Job", "load_target"]
+__all__ = ["Job", "load_target", "input_placements"]
 
 
 @dataclasses.dataclass
@@ -24,19 +24,48 @@ class Job:
     """One training job to build ahead of time.
 
     step:      ``step(model, optim, batch) -> Any``; the user's unchanged train step
-               (forward, ``loss.backward()``, ``optim.step()``, ``optim.zero_grad()``).
-    model:     zero-argument factory returning the ``nn.Module``.
-    optimizer: ``optimizer(model) -> torch.optim.Optimizer``.
+               (forward, ``loss.backward()``, ``optim.step()``, ``optim.zero_grad()``); or,
+               with ``optimizer=None``, a forward-only step ``step(model, batch) -> Any``
+               (evaluation, inference), traced and run under ``torch.no_grad()``.
+    model:     zero-argument factory returning the ``nn.Module`` (in the train/eval mode the
+               step runs it in: the mode is part of the key).
+    optimizer: ``optimizer(model) -> torch.optim.Optimizer``, or None for a forward-only step.
     batch:     zero-argument factory returning ONE RANK's batch (a pytree of tensors), or
                with ``global_batch=True`` the whole step's batch, whose dim 0 must divide by
-               the world size.
+               the world size, or with ``batch_placements`` the whole step's batch as a tuple
+               split element by element: ``Replicate()`` reaches every rank whole,
+               ``Shard(d)`` is split over the ranks on dim d (DTensor placement objects).
     """
 
     step: Callable[..., Any]
     model: Callable[[], Any]
-    optimizer: Callable[[Any], Any]
+    optimizer: Callable[[Any], Any] | None
     batch: Callable[[], Any]
     global_batch: bool = False  # True: ``batch`` returns the GLOBAL batch, split over ranks on dim 0
+    batch_placements: Sequence[Any] | None = None  # per batch element: Replicate() or Shard(d)
+
+    def __post_init__(self):
+        if self.batch_placements is not None:
+            if self.global_batch:
+                raise SpmdAotError("Job: pass global_batch=True (every leaf split on dim 0) or "
+                                   "batch_placements, not both")
+            self.batch_placements = input_placements(self.batch_placements, "Job batch_placements")
+
+
+def input_placements(placements, what: str) -> tuple:
+    """``placements`` as a tuple of ``Replicate()`` / ``Shard(d)``, or an error naming ``what``."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if isinstance(placements, (Replicate, Shard)) or not isinstance(placements, Sequence) \
+            or isinstance(placements, str):
+        raise SpmdAotError(f"{what} must be a sequence with one placement per input, e.g. "
+                           f"(Shard(0), Replicate()); got {placements!r}")
+    for i, p in enumerate(placements):
+        if type(p) not in (Replicate, Shard):
+            raise SpmdAotError(
+                f"{what}[{i}] is {p!r}; expected torch.distributed.tensor.Replicate() (every rank "
+                "passes the whole input) or Shard(dim) (each rank passes its piece along dim)")
+    return tuple(placements)
 
 
 _EXPECTED = "expected 'pkg.module:job' or 'path/to/file.py:job' naming a spmd_aot.Job or a zero-argument function returning one"

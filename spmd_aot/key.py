@@ -101,8 +101,12 @@ def torch_release(**_) -> str:
     return torch.__version__.split("+")[0]
 
 
-def global_state(*, tensors, inputs, **_) -> dict:
-    """Process-wide settings that change what make_fx records."""
+def global_state(*, state, tensors, inputs, **_) -> dict:
+    """Process-wide settings that change what make_fx records.
+
+    A forward-only step is always traced under ``no_grad`` outside inference mode (``trace``),
+    so the caller's grad and inference modes cannot change its graph and are not read for it.
+    """
     import torch.nn.modules.module as nn_module
     import torch.optim.optimizer as optim_module
 
@@ -119,8 +123,8 @@ def global_state(*, tensors, inputs, **_) -> dict:
     return {
         "python": f"{sys.implementation.name} {sys.version_info.major}.{sys.version_info.minor}",
         "default_dtype": dtype_name(torch.get_default_dtype()),
-        "grad_enabled": torch.is_grad_enabled(),
-        "inference_mode": torch.is_inference_mode_enabled(),
+        "grad_enabled": torch.is_grad_enabled() and not state.forward_only,
+        "inference_mode": torch.is_inference_mode_enabled() and not state.forward_only,
         "autocast": autocast,
         "autocast_cache": torch.is_autocast_cache_enabled(),
         "deterministic": [torch.are_deterministic_algorithms_enabled(),
@@ -188,8 +192,11 @@ def buffers(*, state, **_) -> list:
     return [[list(names), list(b.shape), dtype_name(b.dtype)] for names, b in state.buffers]
 
 
-def optimizer(*, state, tensors, inputs, **_) -> dict:
+def optimizer(*, state, tensors, inputs, **_) -> dict | None:
+    """``None`` for a forward-only step (no optimizer): it is called ``step(model, batch)``."""
     optim = state.optim
+    if optim is None:
+        return None
     groups = []
     for g in optim.param_groups:
         # The optimizer's own hyperparameters, less the learning rate (a graph input, so

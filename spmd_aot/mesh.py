@@ -12,6 +12,15 @@ import sys
 from typing import Any
 
 import torch
+# torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it is
+# first imported. Imported while a process group is up (torch._dynamo imports it lazily, and a
+# load or a trace imports torch._dynamo), those defaults keep that group and its gloo worker
+# threads alive past ``destroy_process_group()``, until interpreter teardown destroys them
+# mid-finalization and the process now and then aborts with "terminate called without an
+# active exception" (1 run in 60 of tools/stress_ranks.py --plain-ranks). Imported here, with
+# the package and before any group exists, the defaults are None: the default group at call
+# time, which is what they mean. ``_release_meshes_at_exit`` covers a package imported later.
+import torch.distributed.nn.functional  # noqa: F401,E402
 
 from .plan import Plan
 
@@ -71,13 +80,30 @@ def _forget_meshes() -> None:
     _redistribute._gen_transform_infos.cache_clear()
 
 
+def _unpin_destroyed_groups() -> None:
+    """Point default arguments of ``torch.distributed.nn.functional`` that still hold a
+    process group back to None once no group is up (see the import at the top)."""
+    import torch.distributed as dist
+
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    if functional is None or dist.is_initialized():
+        return
+    for fn in list(vars(functional).values()):
+        defaults = getattr(fn, "__defaults__", None)
+        if isinstance(defaults, tuple) and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+
+
 @atexit.register
 def _release_meshes_at_exit() -> None:
-    """Drop the meshes (and DTensor's cached decisions holding them) before the interpreter
-    tears itself down. Left to finalization, a live process group held there is destroyed
-    after torch's own teardown has begun, and gloo's worker threads abort the process
-    ("terminate called without an active exception", rank 0 after a job that traced).
-    Processes that end with ``os._exit`` (multiprocessing workers) never get there."""
+    """Drop every reference spmd-aot (or torch on its behalf) keeps to process groups the job
+    has destroyed: our meshes, DTensor's cached decisions holding them, stale default
+    arguments. Then a destroyed group really goes, while the interpreter is whole; left to
+    finalization, its gloo worker threads are torn down mid-teardown and abort the process
+    ("terminate called without an active exception"). Processes that end with ``os._exit``
+    (multiprocessing workers) never get here, and never tear anything down either."""
     with contextlib.suppress(Exception):
         _forget_meshes()
+    with contextlib.suppress(Exception):
+        _unpin_destroyed_groups()
 

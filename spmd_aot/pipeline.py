@@ -77,7 +77,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     traced.gm = gm
     stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm, traced.gradient_collectives),
              "peak_bytes": graph_peak_bytes(gm)}
-    _check_collectives(stats, slots, plan, traced.groups, traced.tp_budget)
+    _check_collectives(stats, slots, plan, traced.groups, traced.tp_budget, state.forward_only)
     stats["trace_seconds"] = round(time.perf_counter() - start, 4)
     recorded = guards.record(ran, key)
     log.debug("key %s: guarding %d files, %d distributions, %d tensor values", key.key[:12],
@@ -94,19 +94,25 @@ def _checked(result, gm, who: str) -> torch.fx.GraphModule:
     return out
 
 
-def _check_collectives(stats: dict, slots, plan: Plan, groups=(), tp_budget=None) -> None:
+def _check_collectives(stats: dict, slots, plan: Plan, groups=(), tp_budget=None, forward_only: bool = False) -> None:
     """Refuse graphs with more collectives than the placement (its budget) and the
-    tensor-parallel layers (theirs) need."""
+    tensor-parallel layers (theirs) need. A forward-only step needs one all_gather per group
+    and no reduction (beyond the forward all_reduces of tensor-parallel layers)."""
     kinds = stats["by_kind"]
     limits = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}
     limits.update(plan.strategy.budget(plan, slots, groups))
+    if forward_only:
+        limits = {"all_gather_into_tensor": len(groups), "reduce_scatter_tensor": 0}
+        if not plan.tp:
+            limits["all_reduce"] = 0
     for kind, n in (tp_budget or {}).items():
         if kind in limits:
             limits[kind] += n
     for kind, limit in limits.items():
         if kinds.get(kind, 0) > limit:
             raise UnsupportedError(
-                f"the expanded graph has {kinds[kind]} {kind} collectives where {plan.describe()} needs "
+                f"the expanded graph has {kinds[kind]} {kind} collectives where "
+                f"{'a forward-only step under ' if forward_only else ''}{plan.describe()} needs "
                 f"at most {limit}; is a parameter used as a DTensor in the step?"
             )
 

@@ -4,7 +4,10 @@ The first call is collective: every rank computes the key from its live objects,
 check they agree, rank 0 decides hit or miss and the others follow (mixed hit/miss would
 hang a job), on a miss rank 0 traces and stores while the others wait, then every rank loads
 and verifies the same manifest digest and binds it to the live process group and device.
-Later calls only check the batch's shapes and run the graph.
+Later calls only check the batch's shapes (and the modules' train/eval modes) and run the graph.
+
+A step compiled from ``fn(model, batch)`` is called ``step(model, batch)``: it is forward-only
+(evaluation, inference): no optimizer, no autograd, so no parameter update.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from .artifact import artifact_in_memory, layout_mismatch, read_artifact, read_m
 from .errors import (ArtifactMismatchError, CacheIOError, CacheMissError, CorruptArtifactError, LockTimeoutError,
                      SpmdAotError, UnsupportedError)
 from .explain import explain_miss
-from .hints import TARGET_PLACEHOLDER, build_command, cache_location
+from .hints import TARGET_PLACEHOLDER, build_command
 from .key import compute_key
 from .lookup import find_entry
 from .pipeline import Transforms, trace_and_store, trace_to_blobs
@@ -61,6 +64,8 @@ def compile(fn: Callable | None = None, *, placement: str = "replicate", cache_d
 
     The returned step returns what ``fn`` returns, computed on this rank: for the usual
     ``return loss`` that is the rank-local loss, exactly what eager DDP returns.
+    A forward-only step (evaluation, inference) ``fn(model, batch)`` is called the same way,
+    ``step(model, batch)``, with no optimizer; it runs under ``torch.no_grad()``.
     ``placement``/``mesh_shape``/``param_placements`` and ``comm_options`` (``bucket_cap_mb``,
     ``first_bucket_cap_mb``, ``shard_groups``, ``reshard_after_forward``) and ``tp_plan`` (tensor
     parallel, see ``tensor_parallel.py``): see ``Plan``. ``module_override``,
@@ -92,7 +97,6 @@ class CompiledStep:
         self._cache_dir = cache_dir
         self._bound: _BoundStep | None = None
         self._unstored = None  # a traced artifact the cache could not take (rank 0 serves it)
-        self._prepared_models = weakref.WeakSet()  # broadcast (and sharded) once per model
         self.cache_info: CacheInfo | None = None
         self._traces = 0
         functools.update_wrapper(self, fn)
@@ -103,7 +107,18 @@ class CompiledStep:
             self._store = open_store(self._cache_dir)
         return self._store
 
-    def __call__(self, model, optim, batch):
+    def __call__(self, model, *args):
+        """``step(model, optim, batch)``, or ``step(model, batch)`` for a forward-only step."""
+        if len(args) == 1:
+            optim, batch = None, args[0]
+        elif len(args) == 2:
+            optim, batch = args
+            if optim is None:
+                raise TypeError(f"{_name(self.fn)}: a step without an optimizer is forward-only; "
+                                "call it as step(model, batch)")
+        else:
+            raise TypeError(f"{_name(self.fn)}: call a compiled step as step(model, optim, batch), or "
+                            f"step(model, batch) when it is forward-only; got {1 + len(args)} arguments")
         bound = self._bound
         leaves, spec = pytree.tree_flatten(batch)
         if bound is None or not bound.fits(model, optim, leaves, spec):
@@ -120,11 +135,15 @@ class CompiledStep:
                     **self.comm_options)
         mesh = device_mesh(plan)  # collective for 2-D meshes: every rank builds it
         placement = plan.strategy if world > 1 else None  # one rank: nothing is spread
-        if placement is not None and model not in self._prepared_models:
-            _broadcast_from_rank0(model)  # as DDP does at construction
-            placement.prepare(model, optim, plan, mesh)  # shard: as fully_shard does
-            self._prepared_models.add(model)
-        initialize_optimizer_state(optim, placement.state_zeros if placement else None)
+        if placement is not None and model not in _BROADCAST_MODELS:
+            # As DDP does at construction: once per model, whichever compiled step (train or
+            # eval) sees it first; later, FSDP2-style per-rank buffers must not be overwritten.
+            _broadcast_from_rank0(model)
+            _BROADCAST_MODELS.add(model)
+        if placement is not None:
+            placement.prepare(model, optim, plan, mesh)  # as fully_shard / parallelize_module; idempotent
+        if optim is not None:
+            initialize_optimizer_state(optim, placement.state_zeros if placement else None)
         state = TrainState(model, optim, batch, plan)
         key = compute_key(self.fn, state, plan, self.transforms.identities(), self.extra_sources)
         _check_ranks_agree(key, world)
@@ -194,7 +213,7 @@ class CompiledStep:
         if artifact is not None:
             return artifact
         log.info("rank %d read artifact %s from rank 0 (%s)", dist.get_rank(), digest[:12], problem)
-        return read_artifact(MemoryStore(received), digest)
+        return read_artifact(MemoryStore(received, root="<blobs received from rank 0>"), digest)
 
     def _resolve_on_rank0(self, state, plan, key, mesh, leases) -> tuple[str, bool, bool, Any]:
         """Rank 0's decision: (manifest digest, hit, traced here, verified artifact).
@@ -219,7 +238,7 @@ class CompiledStep:
                 store.delete_ref(key.key)
         # reading every stored manifest to explain costs little beside the trace that follows
         why = explain_miss(store, key) if self.require_hit or log.isEnabledFor(logging.WARNING) else ""
-        command = build_command(plan, cache_dir=cache_location(store))
+        command = build_command(plan, cache_dir=store.location)  # what --cache-dir must say
         build_it = (f"Build it ahead of time with `{command}`, where {TARGET_PLACEHOLDER} names your "
                     "spmd_aot.Job ('pkg.module:job' or 'path/to/train.py:job').")
         if self.transforms.identities() or self.extra_sources:  # Python hooks: no CLI flags for them
@@ -243,7 +262,7 @@ class CompiledStep:
             # The cache cannot take the new entry (full, read-only, locked, tampered with): the
             # job still trains from its own trace, held in memory; other ranks get it from here.
             log.warning("cannot store the traced step for key %s in %s (%s); training from the trace "
-                        "without caching it", key.key[:12], getattr(store, "root", store), exc)
+                        "without caching it", key.key[:12], store.root, exc)
             blobs = trace_to_blobs(self.fn, state, plan, key, mesh, state.graph_inputs(), self.transforms)
             digest, self._unstored = artifact_in_memory(blobs)
             return digest, False, True, read_artifact(self._unstored, digest)
@@ -291,13 +310,17 @@ class _BoundStep:
         self.out_spec = artifact.out_spec()
         self.out_constants = dict((int(i), v) for i, v in artifact.layout["outputs"]["constants"])
         self._cached_state = None  # (optimizer state dict, watched entries, state inputs)
+        self.modules = list(state.model.modules())
+        self.modes = [m.training for m in self.modules]  # train/eval is in the key (dropout, BatchNorm)
 
     def fits(self, model, optim, leaves, spec) -> bool:
-        """Same objects, batch signature and baked hyperparameters; else the step is re-resolved."""
+        """Same objects, batch signature, train/eval modes and baked hyperparameters; else the
+        step is re-resolved."""
         return (model is self.state.model and optim is self.state.optim and spec == self.batch_spec
                 and len(leaves) == len(self.batch_sig)
                 and all(isinstance(t, torch.Tensor) and (tuple(t.shape), t.dtype) == sig
                         for t, sig in zip(leaves, self.batch_sig))
+                and [m.training for m in self.modules] == self.modes
                 and self.state.baked_hyperparameters() == self.baked)
 
     def _inputs(self, batch_leaves) -> list[torch.Tensor]:
@@ -305,10 +328,10 @@ class _BoundStep:
         state tensors (checked by identity every step: ``load_state_dict`` or a replaced entry
         rebuilds it), which spares small models a walk over every parameter per step."""
         state, cached = self.state, self._cached_state
-        optim_state = state.optim.state
+        optim_state = state.optim.state if state.optim is not None else {}
         if cached is None or cached[0] is not optim_state or \
                 not all(entries.get(k) is t for entries, k, t in cached[1]):
-            if self.placement is not None:
+            if self.placement is not None and state.optim is not None:
                 self.placement.rehome_state(state.optim)
             slots = state.optimizer_slots()
             watched = [(optim_state[p], k, optim_state[p][k]) for p, k in slots]
@@ -344,6 +367,9 @@ def _comm_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_BROADCAST_MODELS = weakref.WeakSet()  # models this process has taken rank 0's values for
 
 
 def _broadcast_from_rank0(model) -> None:

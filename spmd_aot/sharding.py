@@ -13,6 +13,7 @@ serves every rank even when dim 0 does not divide.
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import SpmdAotError
 from .layout import TensorLayout
@@ -21,6 +22,9 @@ __all__ = ["shard_model_and_optimizer", "sharded_zeros", "ensure_sharded_state",
 
 STORAGE_ATTR = "_spmd_aot_storage"  # padded local storage behind a DTensor
 LAYOUT_ATTR = "_spmd_aot_layout"
+# plain parameter -> the sharded one that replaced it in its model, for as long as something
+# (an optimizer built before a forward-only step sharded the model) still holds the plain one
+_REPLACED_BY = WeakIdKeyDictionary()
 
 
 def _to_dtensor(full: torch.Tensor, layout: TensorLayout, mesh) -> torch.Tensor:
@@ -49,9 +53,12 @@ def _tag(t: torch.Tensor, storage: torch.Tensor, layout: TensorLayout) -> torch.
     return t
 
 
-def shard_model_and_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, plan, mesh) -> None:
+def shard_model_and_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer | None, plan, mesh) -> None:
     """Replace parameters (and existing optimizer state) by sharded DTensors, in place, each
-    laid out as ``plan.layout_for`` says."""
+    laid out as ``plan.layout_for`` says.
+
+    ``optim`` is None for a forward-only step; an optimizer that still holds the plain
+    parameters of a model sharded that way is pointed at the sharded ones by a later call."""
     from torch.distributed.tensor import DTensor
 
     names_of: dict[int, list[str]] = {}
@@ -59,7 +66,6 @@ def shard_model_and_optimizer(model: torch.nn.Module, optim: torch.optim.Optimiz
     for name, p in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
         params[id(p)] = p
-    replaced: dict[int, torch.nn.Parameter] = {}
     for pid, p in params.items():
         if isinstance(p, DTensor):
             if getattr(p, STORAGE_ATTR, None) is None:
@@ -75,13 +81,15 @@ def shard_model_and_optimizer(model: torch.nn.Module, optim: torch.optim.Optimiz
         for name in names_of[pid]:
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, new)
-        replaced[pid] = new
+        _REPLACED_BY[p] = new
+    if optim is None:
+        return
     for group in optim.param_groups:
-        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
-    for pid, new in replaced.items():
-        old = params[pid]
-        if old in optim.state:
-            optim.state[new] = optim.state.pop(old)
+        news = [_REPLACED_BY.get(p, p) for p in group["params"]]
+        for old, new in zip(group["params"], news):
+            if new is not old and old in optim.state:
+                optim.state[new] = optim.state.pop(old)
+        group["params"] = news
     ensure_sharded_state(optim)
 
 

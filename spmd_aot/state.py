@@ -54,16 +54,21 @@ class Slot:
 
 
 class TrainState:
-    """Model, optimizer and batch of one step, with a fixed flat order of their tensors."""
+    """Model, optimizer and batch of one step, with a fixed flat order of their tensors.
 
-    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer, batch: Any, plan: Plan):
+    ``optim=None`` is a *forward-only* step (evaluation, inference): ``step(model, batch)``,
+    run under ``torch.no_grad()``, with no optimizer state, learning rates or gradients.
+    """
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None, batch: Any, plan: Plan):
         self.model = model
         self.optim = optim
         self.plan = plan
         self.params = _named_unique(model.named_parameters(remove_duplicate=False))
         self.buffers = _named_unique(model.named_buffers(remove_duplicate=False))
         self.param_fqn = {id(p): names[0] for names, p in self.params}
-        self._check_optimizer_params()
+        if optim is not None:
+            self._check_optimizer_params()
         self.batch_leaves, self.batch_spec = pytree.tree_flatten(batch)
         for i, leaf in enumerate(self.batch_leaves):
             if not isinstance(leaf, torch.Tensor):
@@ -71,6 +76,10 @@ class TrainState:
                     f"batch leaf {i} is a {type(leaf).__name__}; a batch must be a pytree "
                     "(tuple, list, dict) of tensors"
                 )
+
+    @property
+    def forward_only(self) -> bool:
+        return self.optim is None
 
     # ----------------------------------------------------------------- optimizer state
     def _check_optimizer_params(self) -> None:
@@ -95,6 +104,8 @@ class TrainState:
     def optimizer_slots(self) -> list[tuple[torch.Tensor, str]]:
         """(parameter, state key) for every tensor of optimizer state, in layout order."""
         slots = []
+        if self.optim is None:
+            return slots
         for names, p in self.params:
             for key in sorted(self.optim.state.get(p, {})):
                 if isinstance(self.optim.state[p][key], torch.Tensor):
@@ -104,6 +115,8 @@ class TrainState:
     def optimizer_state_structure(self) -> list:
         """Everything about optimizer state that shapes the graph (not tensor values)."""
         out = []
+        if self.optim is None:
+            return out
         for names, p in self.params:
             entry = {}
             for key, value in sorted(self.optim.state.get(p, {}).items()):
@@ -118,10 +131,14 @@ class TrainState:
     # ----------------------------------------------------------------- hyperparameters
     def hyper_groups(self) -> list[int]:
         """Param groups whose learning rate is a graph input (so schedulers need no retrace)."""
+        if self.optim is None:
+            return []
         return [i for i, g in enumerate(self.optim.param_groups) if lr_is_input(g.get("lr"))]
 
     def baked_hyperparameters(self) -> list[dict]:
         """Per group, the optimizer's own hyperparameters that are constants in the graph."""
+        if self.optim is None:
+            return []
         names = [k for k in self.optim.defaults if k != "lr"]
         return [{k: g.get(k) for k in names} for g in self.optim.param_groups]
 
@@ -154,8 +171,7 @@ class TrainState:
         return tensors
 
     def hyper_tensors(self) -> list[torch.Tensor]:
-        groups = self.optim.param_groups
-        return [torch.tensor(groups[i]["lr"], dtype=torch.float64) for i in self.hyper_groups()]
+        return [torch.tensor(self.optim.param_groups[i]["lr"], dtype=torch.float64) for i in self.hyper_groups()]
 
     def graph_inputs(self, slots: list[Slot] | None = None, batch_leaves=None) -> list[torch.Tensor]:
         """What the graph is called with: local storage of every state tensor, the learning

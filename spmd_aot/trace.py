@@ -1,5 +1,9 @@
 """Trace a whole train step (forward, backward, optimizer step) into one FX graph.
 
+A step without an optimizer is *forward-only* (evaluation, inference): ``step(model, batch)``
+traced under ``torch.no_grad()``, so it has no gradients, no gradient collectives and no
+parameter update.
+
 Parameters, buffers, optimizer state and batch leaves become graph inputs in ``TrainState``
 order. The optimizer's in-place updates stay in-place ops on those inputs, so running the
 graph on the user's real tensors updates ``model`` and ``optim`` exactly as eager would.
@@ -43,7 +47,8 @@ class TracedStep:
 
 def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list[torch.Tensor],
                transform_model: Callable | None = None) -> TracedStep:
-    """Trace ``step(model, optim, batch)``; ``inputs`` (real or fake) follow ``state.slots()``.
+    """Trace ``step(model, optim, batch)``, or ``step(model, batch)`` for a forward-only state
+    (``state.optim is None``); ``inputs`` (real or fake) follow ``state.slots()``.
 
     ``transform_model`` is a context manager factory applied around the step while tracing
     (module overrides swap submodules there).
@@ -62,10 +67,12 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
     # planned modules run their TP style's forward while tracing (checked here, before tracing)
     tp = TensorParallel(state.model, plan.tp_plan, mesh) if plan.tp and mesh is not None else None
     out_info: dict[str, Any] = {}
+    forward_only = state.forward_only
 
     def flat_step(*flat):
         take = lambda kind: [flat[i] for i in by_kind.get(kind, [])]  # noqa: E731
-        leaves = [expander.leaf(x, s.layout, s.requires_grad) for x, s in zip(take("param"), param_slots)]
+        leaves = [expander.leaf(x, s.layout, s.requires_grad and not forward_only)
+                  for x, s in zip(take("param"), param_slots)]
         for (names, _), leaf in zip(state.params, leaves):
             if leaf.requires_grad:
                 leaf.register_hook(functools.partial(_note_gradient_collectives, names[0], gradient_collectives))
@@ -79,7 +86,7 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
             bindings.update(dict.fromkeys(names, buf))
         by_real = {id(real): leaf for (_, real), leaf in zip(state.params, leaves)}
         traced_state = defaultdict(dict)
-        for real, entries in state.optim.state.items():
+        for real, entries in (state.optim.state.items() if not forward_only else ()):
             traced_state[by_real[id(real)]] = dict(entries)
         state_slots = [slots[i] for i in by_kind.get("optim_state", [])]
         for (real, key), x, s in zip(opt_slots, take("optim_state"), state_slots):
@@ -92,11 +99,12 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
                                                                            for f in g.fqns], mesh)
                    for g in groups]
         computes = _ComputeOnAccess(leaves, [s.layout for s in param_slots], expander, gathers)
+        optimizer = contextlib.nullcontext() if forward_only else \
+            _optimizer_swapped(state.optim, by_real, traced_state, lrs)
         with (transform_model() if transform_model else contextlib.nullcontext()), \
                 stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
-                _optimizer_swapped(state.optim, by_real, traced_state, lrs), where.tracking(state.model), \
-                (tp or contextlib.nullcontext()):
-            result = step(state.model, state.optim, batch)
+                optimizer, where.tracking(state.model), (tp or contextlib.nullcontext()):
+            result = step(state.model, batch) if forward_only else step(state.model, state.optim, batch)
         stale = [names[0] for (names, _), leaf in zip(state.params, leaves) if leaf.grad is not None]
         if stale:
             raise UnsupportedError(
@@ -117,13 +125,16 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
     where = _ModuleStack()
     gradient_collectives: dict[str, str] = {}
     try:
-        gm = make_fx(flat_step, tracing_mode="fake")(*inputs)
+        with _without_grad() if forward_only else contextlib.nullcontext():
+            gm = make_fx(flat_step, tracing_mode="fake")(*inputs)
     except UnsupportedError:
         raise
     except Exception as exc:
+        hint = ("; a step without an optimizer is forward-only: it is called step(model, batch) and "
+                "runs under torch.no_grad(), so it cannot call backward()") if forward_only else ""
         raise UnsupportedError(
             f"tracing the step failed for {plan.describe()}{where.describe()}: {type(exc).__name__}: "
-            f"{_first_lines(str(exc))}"
+            f"{_first_lines(str(exc))}{hint}"
         ) from exc
     return TracedStep(gm, out_info["spec"], out_info["constants"], _group_names(gm, mesh, plan),
                       gradient_collectives, groups, tp.budget() if tp else {})
@@ -258,6 +269,48 @@ class _ComputeOnAccess:
 
 
 @contextlib.contextmanager
+def _without_grad():
+    """How a forward-only step is traced, whatever the caller's mode: no autograd recording,
+    outside inference mode (so the key need not read either mode for it)."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+#: Optimizers whose ``fused=True`` kernel updates every parameter of a group in one pass; the
+#: second set also for DTensor parameters (the fused ops DTensor has a sharding rule for).
+_FUSED_OPTIMIZERS = {"SGD", "Adam", "AdamW"}
+_FUSED_FOR_DTENSORS = {"Adam", "AdamW"}
+
+
+def _default_implementation(optim, group: dict) -> str | None:
+    """``"fused"``, ``"foreach"`` or None (the user chose): which flag to set for a group whose
+    implementation the user left to torch (``foreach=None`` and ``fused=None``).
+
+    Fused kernels update a parameter, its gradient and its state in one pass per tensor, where
+    the multi-tensor path makes a dozen passes (and on CPU a dozen dispatches per tensor): on a
+    2-layer transformer that is most of what separates the step from eager's. torch itself
+    defaults to neither only for backward compatibility. The result differs from eager's
+    per-tensor loop by rounding only (parity tests hold it to the README's tolerances).
+    """
+    if group.get("foreach", False) is not None or group.get("fused") or group.get("differentiable"):
+        return None
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    from torch.distributed.tensor import DTensor
+
+    name = type(optim).__name__
+
+    def fusable(p) -> bool:  # the kernel wants its state (step counters too) on the parameter's device
+        state = [t for t in optim.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+        return p.is_floating_point() and p.device.type in _get_fused_kernels_supported_devices() and \
+            all(t.device == p.device for t in state) and (name in _FUSED_FOR_DTENSORS or not isinstance(p, DTensor))
+
+    if name in _FUSED_OPTIMIZERS and "fused" in group and all(map(fusable, group["params"])):
+        return "fused"
+    return "foreach"
+
+
+@contextlib.contextmanager
 def _optimizer_swapped(optim, by_real: dict, traced_state, lrs: dict):
     """Point the optimizer at the traced leaves and take its compile-friendly path.
 
@@ -270,25 +323,24 @@ def _optimizer_swapped(optim, by_real: dict, traced_state, lrs: dict):
     saved_state = optim.state
     original_step = optim.step
 
-    # Where the user left the implementation to torch (foreach=None, fused=None), take the
-    # multi-tensor path, torch's own default on CUDA: half the ops of the per-tensor loop.
-    default_impl = [g.get("foreach", False) is None and not g.get("fused") for g in optim.param_groups]
-
     def compile_path_step(*args, **kwargs):
-        for g, use_foreach in zip(optim.param_groups, default_impl):
+        # Where the user left the implementation to torch (foreach=None, fused=None), take the
+        # fastest one torch has for the group, judged on the traced leaves and their state.
+        default_impl = [_default_implementation(optim, g) for g in optim.param_groups]
+        for g, impl in zip(optim.param_groups, default_impl):
             if "capturable" in g:
                 g["capturable"] = True
-            if use_foreach:
-                g["foreach"] = True
+            if impl:
+                g[impl] = True
         try:
             with mock.patch("torch.compiler.is_compiling", lambda: True):
                 return original_step(*args, **kwargs)
         finally:
-            for g, c, use_foreach in zip(optim.param_groups, saved_capturable, default_impl):
+            for g, c, impl in zip(optim.param_groups, saved_capturable, default_impl):
                 if c is not None:
                     g["capturable"] = c
-                if use_foreach:
-                    g["foreach"] = None
+                if impl:
+                    g[impl] = None
 
     try:
         for g in optim.param_groups:

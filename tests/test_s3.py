@@ -20,8 +20,9 @@ pytest.importorskip("moto.server")
 import spmd_aot  # noqa: E402
 from spmd_aot.cli import main  # noqa: E402
 from spmd_aot.errors import CorruptArtifactError, LockTimeoutError, SpmdAotError  # noqa: E402
-from spmd_aot.store import LayeredStore, LocalStore, S3Store, open_store  # noqa: E402
+from spmd_aot.store import LayeredStore, LocalStore, S3Store, open_location, open_store  # noqa: E402
 from spmd_aot.store.transfer import artifact_blobs  # noqa: E402
+from store_contract import check_store_contract  # noqa: E402
 
 from jobs import fresh_objects, make_batch, make_job  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
@@ -119,6 +120,11 @@ def test_s3_store_blobs_and_refs(s3_endpoint, client):
     assert store.verify() == []
 
 
+def test_s3_stores_meet_the_store_contract(s3_endpoint, tmp_path):
+    check_store_contract(S3Store(_url("contract"), lock_poll=0.05))
+    check_store_contract(open_store(_url("contract-layered"), local_cache=tmp_path / "local"))
+
+
 def test_missing_bucket_is_a_clear_error(s3_endpoint):
     with pytest.raises(SpmdAotError, match="bucket 'no-such-bucket-spmd' does not exist"):
         S3Store("s3://no-such-bucket-spmd/x").refs()
@@ -128,6 +134,8 @@ def test_open_store(s3_endpoint, tmp_path, monkeypatch):
     assert isinstance(open_store(tmp_path / "a"), LocalStore)
     store = open_store(_url("open"), local_cache=tmp_path / "local")
     assert isinstance(store, LayeredStore) and store.local.root == tmp_path / "local"
+    assert store.location == _url("open")  # what --cache-dir says to reach it: the bucket
+    assert isinstance(open_location(_url("open")), S3Store)  # push --to / pull --from: the bucket itself
     monkeypatch.setenv("SPMD_AOT_CACHE_DIR", _url("env"))
     monkeypatch.setenv("SPMD_AOT_LOCAL_CACHE", str(tmp_path / "envlocal"))
     store = open_store()
@@ -220,6 +228,14 @@ def test_corrupted_object_in_s3_is_detected(built, client, tmp_path, capsys):
     capsys.readouterr()
     assert main(["verify", "--cache-dir", url]) == 1
     assert object_url in capsys.readouterr().out
+
+    # a damaged ref in the bucket is listed as such (Store.ref_keys), and reported once by verify
+    client.put_object(Bucket=BUCKET, Key="corrupt/refs/garbage", Body=b"not a digest")
+    assert main(["ls", "--cache-dir", url]) == 0
+    assert [line for line in capsys.readouterr().out.splitlines() if "CORRUPT" in line][0].startswith("garbage")
+    assert main(["verify", "--cache-dir", url]) == 1
+    assert sum("refs/garbage" in line for line in capsys.readouterr().out.splitlines()) == 1
+    client.delete_object(Bucket=BUCKET, Key="corrupt/refs/garbage")
     dest = tmp_path / "dest"
     assert main(["pull", "--from", url, "--cache-dir", str(dest)]) == 2
     assert object_url in capsys.readouterr().err

@@ -140,3 +140,22 @@ def test_verify_reports_a_planted_link(pristine, tmp_path, capsys):
     os.symlink(outside / "victim", cache / "refs" / "planted")
     assert cli(["verify", "--cache-dir", str(cache)]) == 1
     assert "refs/planted" in capsys.readouterr().out
+
+
+def test_a_linked_refs_directory_is_reported_not_listed(pristine, tmp_path, capsys):
+    """Listing refs (Store.ref_keys) refuses a linked refs/ instead of listing what it points at
+    or answering "no artifacts" (which would let gc sweep every blob)."""
+    src, key, digest = pristine
+    cache = tmp_path / "cache"
+    shutil.copytree(src, cache, symlinks=True)
+    outside = _outside(tmp_path, digest)
+    shutil.rmtree(cache / "refs")
+    os.symlink(outside, cache / "refs")
+    capsys.readouterr()
+    assert cli(["verify", "--cache-dir", str(cache)]) == 1
+    assert f"{cache / 'refs'} is a symbolic link" in capsys.readouterr().out
+    assert cli(["ls", "--cache-dir", str(cache)]) == 2
+    assert f"{cache / 'refs'} is a symbolic link" in capsys.readouterr().err
+    with pytest.raises(SpmdAotError, match="symbolic link"):
+        collect_garbage(LocalStore(cache), max_age=0)
+    assert LocalStore(cache).has(digest)

@@ -4,6 +4,7 @@
     python tools/bench_step.py --sweep            # layers {2, 12} x d_model {64, 256}, few steps
     python tools/bench_step.py --quick            # a smoke run of a few seconds per world
     python tools/bench_step.py --with-torch-compile --worlds 2 --placements replicate
+    python tools/bench_step.py --sweep --fused-adamw   # every variant's AdamW fused=True
 
 For each (world, placement) the artifact is built offline first (``spmd_aot.build``), then
 one process group per world size runs every configuration of that world. Each rank holds
@@ -14,6 +15,11 @@ identical copies of the example transformer + AdamW, one per variant:
             block then the root for shard; HSDP: the same on a (2, 2) mesh
   compiled  (``--with-torch-compile``) ``torch.compile`` of that eager model; its first step
             is reported separately as compile seconds
+
+The optimizer is ``AdamW(lr=1e-3)`` with torch's defaults, as users write it; the loaded step
+then runs the fused AdamW kernel (see README "Optimizer implementation") where eager runs
+torch's per-tensor loop on CPU. ``--fused-adamw`` gives every variant ``fused=True``, so the
+ratio shows what is left without that choice.
 
 Every variant is warmed up, then timed in interleaved blocks (the order rotates each block),
 each block framed by barriers so it ends when the slowest rank does. ms/step is rank 0's
@@ -88,12 +94,17 @@ class Settings:
     warmup: int
     with_compile: bool
     comm: dict
+    fused_adamw: bool = False  # every variant's AdamW gets fused=True (not torch's default)
+
+
+def _adamw(params, s: Settings):
+    return torch.optim.AdamW(params, lr=1e-3, **({"fused": True} if s.fused_adamw else {}))
 
 
 def _model_and_optim(cfg: Config, s: Settings):
     torch.manual_seed(0)  # identical copies on every rank and for every variant
     model = Transformer(vocab=VOCAB, d_model=cfg.d_model, n_heads=HEADS, n_layers=cfg.layers, max_len=s.seq)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, _adamw(model.parameters(), s)
 
 
 def _batch(s: Settings, rank: int):
@@ -105,7 +116,7 @@ def _batch(s: Settings, rank: int):
 def build(cfg: Config, s: Settings, cache_dir: str) -> float:
     """Build the artifact offline, as CI would; returns seconds (0 when it was cached)."""
     job = spmd_aot.Job(step=train_step, model=lambda: _model_and_optim(cfg, s)[0],
-                       optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                       optimizer=lambda m: _adamw(m.parameters(), s),
                        batch=lambda: _batch(s, 0))
     result = spmd_aot.build(job, world_size=cfg.world, placement=cfg.spmd_placement,
                             mesh_shape=cfg.mesh_shape, cache_dir=cache_dir, **s.comm)
@@ -129,7 +140,7 @@ def _eager_model(cfg: Config, world: int, s: Settings):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     # fully_shard swaps parameters for DTensors: the optimizer must see the new ones.
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, _adamw(model.parameters(), s)
 
 
 def _sync(world: int) -> None:
@@ -343,6 +354,9 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", default=os.path.join(tempfile.gettempdir(), "bench_step.svg"),
                         help="SVG file for the bar chart (default: %(default)s)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--fused-adamw", action="store_true",
+                        help="every variant's AdamW with fused=True, so the ratio does not count the loaded "
+                             "step's own choice of the fused kernel (torch's default on CPU is the per-tensor loop)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per world before giving up")
     args = parser.parse_args(argv)
 
@@ -362,13 +376,13 @@ def main(argv=None) -> int:
         parser.error(f"unknown placement(s) {sorted(unknown)}; expected replicate, shard, hsdp")
     s = Settings(seq=pick("seq"), batch=pick("batch"), steps=pick("steps"), blocks=pick("blocks"),
                  warmup=max(1, pick("warmup")), with_compile=args.with_torch_compile,
-                 comm=_parse_comm(args.comm))
+                 comm=_parse_comm(args.comm), fused_adamw=args.fused_adamw)
     configs = configs_for(args.worlds, placements, pick("layers"), pick("d_model"))
 
     command = "python tools/bench_step.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     print(f"# {command.strip()}")
     print(f"# torch {torch.__version__}, CPU, gloo, {os.cpu_count()} cores, 1 thread per rank; "
-          f"AdamW, vocab {VOCAB}, {HEADS} heads, context {s.seq}, batch {s.batch} per rank; "
+          f"AdamW{' fused=True' if s.fused_adamw else ' (defaults)'}, vocab {VOCAB}, {HEADS} heads, context {s.seq}, batch {s.batch} per rank; "
           f"{s.blocks} blocks x {s.steps} steps after {s.warmup} warm-up" +
           (f"; comm {s.comm}" if s.comm else ""), flush=True)
     rows, failures = [], []

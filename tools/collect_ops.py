@@ -14,6 +14,7 @@ import sys
 import tempfile
 
 import msgpack
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
@@ -45,6 +46,34 @@ def configurations():
                 yield f"tp/{config}/{world}/{optim}", job, dict(world_size=world, **tp._options(config, world))
 
 
+#: Built-in optimizers whose initial state is zeros (what a first compiled step supports), each
+#: traced in every implementation a user can ask for: the per-tensor loop, foreach, and torch's
+#: default (None: the traced step picks fused or foreach, see README "Optimizer implementation").
+OPTIMIZER_FACTORIES = {
+    "SGD": lambda ps, **kw: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, **kw),
+    "Adam": lambda ps, **kw: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, **kw),
+    "AdamW": lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, **kw),
+    "Adamax": lambda ps, **kw: torch.optim.Adamax(ps, lr=1e-2, **kw),
+    "RAdam": lambda ps, **kw: torch.optim.RAdam(ps, lr=1e-2, **kw),
+    "NAdam": lambda ps, **kw: torch.optim.NAdam(ps, lr=1e-2, **kw),
+    "RMSprop": lambda ps, **kw: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9, **kw),
+    "Adadelta": lambda ps, **kw: torch.optim.Adadelta(ps, **kw),
+    "Adagrad": lambda ps, **kw: torch.optim.Adagrad(ps, lr=1e-2, **kw),
+}
+
+
+def optimizer_configurations():
+    from jobs import make_job
+
+    for name, factory in OPTIMIZER_FACTORIES.items():
+        for impl in (False, True, None):
+            job = make_job("mlp", "sgd")
+            job.optimizer = lambda m, f=factory, i=impl: f(m.parameters(), foreach=i)
+            for world, placement in ((1, "replicate"), (2, "replicate"), (2, "shard")):
+                yield f"mlp/{name}/foreach={impl}/{placement}/world{world}", job, \
+                    dict(world_size=world, placement=placement)
+
+
 def graph_ops(store: LocalStore, digest: str) -> set[str]:
     graph = store.get(read_manifest(store, digest)["blobs"]["graph"])
     doc = msgpack.unpackb(graph, raw=False)
@@ -59,7 +88,7 @@ def main() -> int:
     cache = args.cache_dir or tempfile.mkdtemp(prefix="spmd_aot_ops_")
     store = LocalStore(cache)
     ops: set[str] = set()
-    for name, job, options in configurations():
+    for name, job, options in (*configurations(), *optimizer_configurations()):
         try:
             result = spmd_aot.build(job, store=store, **options)
         except spmd_aot.SpmdAotError as exc:

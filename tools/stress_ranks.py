@@ -8,6 +8,11 @@ placements) again and again, each run in fresh processes, and count crashes.
 feature configuration in turn) in one process (a "double free or corruption" was seen once
 after a dozen).
 
+``--plain-ranks``: instead, each run starts two plain ``python -c`` ranks (no multiprocessing)
+that join a gloo group, miss an empty cache (rank 0 traces; rank 1, with a cache of its own,
+gets the bytes over gloo), train three steps, destroy the group and exit normally: the path on
+which "terminate called without an active exception" was seen once at interpreter exit.
+
 Every run gets ``PYTHONFAULTHANDLER=1`` (a Python traceback on SIGSEGV/SIGABRT) and glibc's
 ``MALLOC_CHECK_=3`` (abort on heap corruption). A run counts as a crash when it exits non-zero
 or prints "terminate called", "double free", "corrupted" or "Fatal Python error"; the first
@@ -68,11 +73,56 @@ def child_builds(n: int) -> int:
     return 0
 
 
+_PLAIN_RANK = """
+import sys
+import spmd_aot
+import torch
+import torch.distributed as dist
+from jobs import fresh_objects, make_batch
+from spmd_aot.examples.models import train_step
+
+rank, port, cache = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+model, optim = fresh_objects("mlp", "sgd")
+step = spmd_aot.compile(train_step, cache_dir=cache)
+losses = [step(model, optim, make_batch("mlp", rank, s)).item() for s in range(3)]
+print("RESULT", step.cache_info.source, losses)
+dist.destroy_process_group()
+"""
+
+
+def run_plain_ranks(env: dict) -> subprocess.CompletedProcess:
+    """Two ``python -c`` ranks; one CompletedProcess whose text holds both ranks' output."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from multiproc import free_port
+
+    port = str(free_port())
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [subprocess.Popen([sys.executable, "-c", _PLAIN_RANK, str(rank), port, f"{tmp}/cache{rank}"],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for rank in range(2)]
+        outs = []
+        for rank, proc in enumerate(procs):
+            try:
+                out, _ = proc.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, _ = proc.communicate()
+                out += "\n[timed out]"
+            outs.append((proc.returncode, f"=== rank {rank} (exit {proc.returncode})\n{out}"))
+    rc = next((code for code, _ in outs if code), 0)
+    if rc == 0 and sum("RESULT" in text for _, text in outs) < 2:
+        rc = 1  # a rank that exits 0 without its result also counts
+    return subprocess.CompletedProcess([], rc, "".join(text for _, text in outs), "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--builds", type=int, default=0, help="sequential offline builds per run instead")
+    parser.add_argument("--plain-ranks", action="store_true", help="two python -c ranks per run instead")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -81,9 +131,12 @@ def main() -> int:
            "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
     crashes, kinds, start = 0, collections.Counter(), time.time()
     for run in range(1, args.runs + 1):
-        proc = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps),
-                               "--builds", str(args.builds)], env=env,
-                              capture_output=True, text=True, timeout=900)
+        if args.plain_ranks:
+            proc = run_plain_ranks(env)
+        else:
+            proc = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps),
+                                   "--builds", str(args.builds)], env=env,
+                                  capture_output=True, text=True, timeout=900)
         text = proc.stdout + proc.stderr
         signs = [s for s in SIGNS if s in text]
         if proc.returncode != 0 or signs:

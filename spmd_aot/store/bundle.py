@@ -30,7 +30,7 @@ import secrets
 import tarfile
 
 from ..errors import CorruptArtifactError, SpmdAotError
-from .local import _check_key, _is_digest
+from .names import DIGEST_PATTERN, check_key, is_digest
 from .transfer import artifact_blobs, manifest_key, manifest_parts
 
 __all__ = ["export_bundle", "import_bundle", "BundleError", "BundleSummary", "INDEX_NAME"]
@@ -38,7 +38,7 @@ __all__ = ["export_bundle", "import_bundle", "BundleError", "BundleSummary", "IN
 INDEX_NAME = "index.json"
 FORMAT = "spmd-aot-bundle"
 VERSION = 1
-_OBJECT_RE = re.compile(r"objects/([0-9a-f]{64})")
+_OBJECT_RE = re.compile(rf"objects/({DIGEST_PATTERN})")
 _CHUNK = 1 << 20
 
 
@@ -156,13 +156,13 @@ def _load_index(raw: bytes, path) -> tuple[dict[str, str], dict[str, int]]:
         raise BundleError(f"bundle {path}: {INDEX_NAME} lacks 'refs' or 'blobs'")
     for key, digest in refs.items():
         try:
-            _check_key(key)
+            check_key(key)
         except SpmdAotError as exc:
             raise BundleError(f"bundle {path}: {exc}") from None
-        if not _is_digest(digest):
+        if not is_digest(digest):
             raise BundleError(f"bundle {path}: ref {key!r} names invalid digest {str(digest)[:80]!r}")
     for digest, size in blobs.items():
-        if not _is_digest(digest) or not isinstance(size, int):
+        if not is_digest(digest) or not isinstance(size, int):
             raise BundleError(f"bundle {path}: bad blob entry {str(digest)[:80]!r}: {size!r}")
     return refs, blobs
 

@@ -33,6 +33,9 @@ a blob whose mtime changed since gc listed it (``LocalStore.put`` refreshes the 
 blob it re-uses) is kept. ``tools/stress_cache.py gc`` runs gc, builders and loaders together.
 
 Nothing here imports torch; leases need ``fcntl`` (POSIX). Without it ``reading`` is a no-op.
+All of it works on the host's cache directory: the store's ``LocalStore`` (``protocol.local_files``;
+for an s3:// cache, the local cache in front of the bucket). A store without one (object storage
+alone, memory) takes no leases and records no use, and ``collect_garbage`` refuses it.
 Every file is reached through the store's ``fsafe.Tree``: no symbolic link is followed, so a
 link planted at ``used/``, ``leases/``, ``locks/`` or a fan-out directory cannot make gc delete,
 or a load create, anything outside the cache.
@@ -53,8 +56,10 @@ from typing import Iterator
 
 from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError
 from .fsafe import LinkError
-from .local import LocalStore, _check_digest, _check_key, _is_digest
+from .local import LocalStore
 from .locks import FileLock, locks_supported
+from .names import check_digest, check_key, is_digest
+from .protocol import Store, local_files
 from .transfer import looks_like_manifest, manifest_parts
 
 __all__ = ["reading", "touch_used", "forget_used", "last_used", "collect_garbage", "GcReport", "Artifact",
@@ -71,15 +76,8 @@ class ArtifactGoneError(CorruptArtifactError):
 
 
 # ---------------------------------------------------------------------------- helpers
-def _local(store) -> LocalStore | None:
-    if isinstance(store, LocalStore):
-        return store
-    local = getattr(store, "local", None)
-    return local if isinstance(local, LocalStore) else None
-
-
-def _require_local(store) -> LocalStore:
-    local = _local(store)
+def _require_local(store: Store) -> LocalStore:
+    local = local_files(store)
     if local is None:
         raise SpmdAotError(f"gc works on a local cache directory, not on {store!r}; run it on the "
                            "hosts' caches (objects in a bucket are best expired by a lifecycle rule)")
@@ -117,8 +115,8 @@ def reading(store, digest: str, *, timeout: float = 120.0) -> Iterator[None]:
     ``LockTimeoutError`` if gc kept it locked for ``timeout`` seconds (it holds it only while
     deleting it). On a read-only cache, or without a local cache, no lease is taken.
     """
-    _check_digest(digest)
-    local = _local(store)
+    check_digest(digest)
+    local = local_files(store)
     lease = None
     if local is not None and locks_supported():
         lease = _lease(local, digest)
@@ -137,7 +135,7 @@ def reading(store, digest: str, *, timeout: float = 120.0) -> Iterator[None]:
     try:
         if not store.has(digest):
             raise ArtifactGoneError(
-                f"artifact {digest[:12]} is no longer in {getattr(store, 'root', store)} (removed "
+                f"artifact {digest[:12]} is no longer in {store.root} (removed "
                 "by gc or `spmd-aot rm`); look its key up again, or rebuild it")
         yield
     finally:
@@ -147,10 +145,10 @@ def reading(store, digest: str, *, timeout: float = 120.0) -> Iterator[None]:
 
 def touch_used(store, key: str) -> None:
     """Record that the artifact ``key`` was just loaded (gc evicts least recently used first)."""
-    local = _local(store)
+    local = local_files(store)
     if local is None:
         return
-    _check_key(key)
+    check_key(key)
     try:
         fd = local.tree.open((USED,), key, os.O_WRONLY | os.O_CREAT, create_dirs=True)
         try:
@@ -163,10 +161,10 @@ def touch_used(store, key: str) -> None:
 
 def forget_used(store, key: str) -> None:
     """Drop ``used/<key>`` (after its ref was removed); a regular file only."""
-    local = _local(store)
+    local = local_files(store)
     if local is not None:
         with contextlib.suppress(OSError, SpmdAotError):
-            local.tree.unlink((USED,), _check_key(key))
+            local.tree.unlink((USED,), check_key(key))
 
 
 def last_used(store, key: str) -> float:
@@ -498,7 +496,7 @@ def _tidy(local: LocalStore, dry_run: bool) -> None:
     with contextlib.suppress(OSError, SpmdAotError):
         for name, _ in tree.files(LEASES):
             digest = name[:-5]
-            if not name.endswith(".lock") or not _is_digest(digest) or local.has(digest):
+            if not name.endswith(".lock") or not is_digest(digest) or local.has(digest):
                 continue
             lease = _lease(local, digest)
             if _try_exclusive(lease):

@@ -16,6 +16,9 @@ every build lands in the shared bucket.
 * ``lock`` takes the local (filelock) lock, then the remote best-effort lock. Copies into
   the local store happen under the local lock of their key, as builds do, which is what lets
   ``gc`` run while jobs pull.
+* Capabilities (``protocol``): ``LOCAL_FILES`` through the local store (gc, reader leases and
+  last-use records work on the host's cache); ``location`` is the remote store's, since that is
+  what ``cache_dir=`` names.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import logging
 from typing import Iterator
 
 from ..errors import CorruptArtifactError, SpmdAotError
-from .local import BlobProblem, LocalStore
+from .local import LocalStore
+from .protocol import LOCAL_FILES, BlobProblem, Store
 from .transfer import copy_artifact
 
 __all__ = ["LayeredStore"]
@@ -34,10 +38,13 @@ log = logging.getLogger(__name__)
 
 
 class LayeredStore:
-    def __init__(self, local: LocalStore, remote) -> None:
+    capabilities = frozenset({LOCAL_FILES})
+
+    def __init__(self, local: LocalStore, remote: Store) -> None:
         self.local = local
         self.remote = remote
         self.root = local.root  # the local cache: where leases, used/ and locks live
+        self.location = remote.location
         self.lock_timeout = local.lock_timeout
         self._held: set[str] = set()  # keys whose lock this store holds (see get_ref)
 
@@ -45,10 +52,6 @@ class LayeredStore:
         return f"LayeredStore({self.local!r}, {self.remote!r})"
 
     # ------------------------------------------------------------------ blobs
-
-    def blob_path(self, digest: str):
-        """Where the local copy of ``digest`` lives (whether or not it exists)."""
-        return self.local.blob_path(digest)
 
     def put(self, data: bytes) -> str:
         digest = self.local.put(data)
@@ -63,7 +66,7 @@ class LayeredStore:
                 return self.local.get(digest)
             except CorruptArtifactError as exc:  # quarantined locally; the remote copy repairs it
                 log.warning("local copy of blob %s is damaged (%s); reading it from %s",
-                            digest[:12], exc, getattr(self.remote, "root", self.remote))
+                            digest[:12], exc, self.remote.root)
         data = self.remote.get(digest)  # verified against the name
         self._keep_locally(data)
         return data
@@ -76,6 +79,10 @@ class LayeredStore:
 
     def has(self, digest: str) -> bool:
         return self.local.has(digest) or self.remote.has(digest)
+
+    def size(self, digest: str) -> int | None:
+        size = self.local.size(digest)
+        return size if size is not None else self.remote.size(digest)
 
     def delete(self, digest: str) -> None:
         self.local.delete(digest)
@@ -114,6 +121,9 @@ class LayeredStore:
         self.local.delete_ref(key)
         self.remote.delete_ref(key)
 
+    def ref_keys(self) -> list[str]:
+        return sorted(set(self.local.ref_keys()) | set(self.remote.ref_keys()))
+
     def refs(self) -> dict[str, str]:
         merged = {**self.remote.refs(), **self.local.refs()}
         return dict(sorted(merged.items()))
@@ -131,6 +141,3 @@ class LayeredStore:
 
     def verify(self) -> list[BlobProblem]:
         return self.local.verify() + self.remote.verify()
-
-    def clean_tmp(self, *args, **kwargs) -> int:
-        return self.local.clean_tmp(*args, **kwargs)

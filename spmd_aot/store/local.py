@@ -35,21 +35,20 @@ import secrets
 import stat
 import threading
 import time
-from dataclasses import dataclass
 from typing import Iterator
 
 from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError, describe_os_error, os_error
 from ..faults import crash_point
 from .fsafe import LinkError, Tree
 from .locks import FileLock
+from .names import check_digest, check_key, digest_of, is_digest, is_key, parse_ref, ref_bytes
+from .protocol import LOCAL_FILES, BlobProblem
 
-__all__ = ["LocalStore", "resolve_cache_dir", "BlobProblem", "ENV_CACHE_DIR"]
+__all__ = ["LocalStore", "resolve_cache_dir", "default_cache_dir", "BlobProblem", "ENV_CACHE_DIR"]  # BlobProblem: see protocol
 
 #: Environment variable that overrides the default cache directory.
 ENV_CACHE_DIR = "SPMD_AOT_CACHE_DIR"
 
-_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
-_KEY_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 _TMP_SUFFIX = ".tmp"
 _PID_RE = re.compile(r"[1-9][0-9]{0,9}")
 _CHUNK = 1 << 20
@@ -75,56 +74,17 @@ def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Pat
     env = os.environ.get(ENV_CACHE_DIR)
     if env:
         return pathlib.Path(env).expanduser()
+    return default_cache_dir()
+
+
+def default_cache_dir() -> pathlib.Path:
+    """$XDG_CACHE_HOME/spmd_aot (when absolute), else ~/.cache/spmd_aot."""
     xdg = os.environ.get("XDG_CACHE_HOME")
     if xdg:
         xdg_path = pathlib.Path(xdg).expanduser()
         if xdg_path.is_absolute():
             return xdg_path / "spmd_aot"
     return pathlib.Path("~/.cache/spmd_aot").expanduser()
-
-
-@dataclass(frozen=True)
-class BlobProblem:
-    """One thing ``LocalStore.verify`` found wrong, for a person to read or a tool to act on."""
-
-    digest: str  # the name of the blob (or the digest a broken ref points to)
-    path: str  # the file concerned
-    reason: str  # e.g. "content hashes to <sha>", "unreadable: ...", "bad name"
-
-
-def _is_digest(digest: object) -> bool:
-    return isinstance(digest, str) and _DIGEST_RE.fullmatch(digest) is not None
-
-
-def parse_ref(raw: bytes, where: str, fix: str) -> str:
-    """The digest a ref's bytes name (``"<64 hex>\\n"``), or an error saying ``where`` and ``fix``."""
-    text = raw.decode("ascii", errors="replace").strip()
-    if not _is_digest(text):
-        raise CorruptArtifactError(
-            f"{where} is damaged: expected a sha256 hex digest, found {raw[:100]!r}; {fix}")
-    return text
-
-
-def _check_digest(digest: object) -> str:
-    if not _is_digest(digest):
-        raise CorruptArtifactError(
-            f"invalid blob digest {digest!r}: expected 64 lowercase hex characters (a sha256); "
-            "the manifest or ref that named it is damaged"
-        )
-    return digest  # type: ignore[return-value]
-
-
-def _check_key(key: object) -> str:
-    if (
-        not isinstance(key, str)
-        or _KEY_RE.fullmatch(key) is None
-        or key.startswith(".")
-    ):
-        raise SpmdAotError(
-            f"invalid store key {key!r}: keys must be 1-200 characters from [A-Za-z0-9._-] "
-            "and must not start with '.' (no path separators or traversal)"
-        )
-    return key
 
 
 def _fsync_dir(tree: Tree, parts: tuple[str, ...]) -> None:
@@ -161,6 +121,8 @@ class LocalStore:
     linked file is treated as damaged, and only regular files are deleted.
     """
 
+    capabilities = frozenset({LOCAL_FILES})
+
     def __init__(self, root: str | os.PathLike, *, lock_timeout: float = 600.0) -> None:
         self.tree = Tree(root)
         self.root = self.tree.root
@@ -184,6 +146,15 @@ class LocalStore:
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
+
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
+    @property
+    def local(self) -> LocalStore:
+        """The LocalStore holding the blobs as files (``protocol.LOCAL_FILES``): this one."""
+        return self
 
     # ------------------------------------------------------------------ helpers
 
@@ -232,11 +203,6 @@ class LocalStore:
             _fsync_dir(self.tree, parts)
             return
 
-    def _ref_files(self) -> Iterator[tuple[str, pathlib.Path]]:
-        for name, _ in self.tree.files("refs"):
-            if _KEY_RE.fullmatch(name) and not name.startswith("."):
-                yield name, self.tree.path("refs", name)
-
     def _quarantine_file(self, digest: str, st: os.stat_result) -> pathlib.Path | None:
         """Move a bad blob aside, unless someone replaced it since we read it."""
         parts, name = _blob_location(digest)
@@ -255,7 +221,7 @@ class LocalStore:
 
     def blob_path(self, digest: str) -> pathlib.Path:
         """Where the blob named ``digest`` lives (whether or not it exists)."""
-        parts, name = _blob_location(_check_digest(digest))
+        parts, name = _blob_location(check_digest(digest))
         return self.tree.path(*parts, name)
 
     def put(self, data: bytes) -> str:
@@ -265,7 +231,7 @@ class LocalStore:
         damaged copy is replaced. Safe to call concurrently with the same bytes.
         """
         data = bytes(data) if not isinstance(data, bytes) else data
-        digest = hashlib.sha256(data).hexdigest()
+        digest = digest_of(data)
         parts, name = _blob_location(digest)
         try:
             fd = self.tree.open(parts, name, os.O_RDONLY)
@@ -287,7 +253,7 @@ class LocalStore:
     def read_raw(self, digest: str) -> bytes:
         """The bytes stored under ``digest``, unchecked and with no side effect (for gc).
         Raises ``OSError`` / ``SpmdAotError`` when missing, unreadable or a link."""
-        return self.tree.read(*_blob_location(_check_digest(digest)))[0]
+        return self.tree.read(*_blob_location(check_digest(digest)))[0]
 
     def get(self, digest: str) -> bytes:
         """Return the bytes named ``digest``, checked against the name.
@@ -304,7 +270,7 @@ class LocalStore:
             raise CorruptArtifactError(f"blob {digest} unreadable at {path}: {describe_os_error(e)}") from None
         except LinkError as e:
             raise CorruptArtifactError(f"blob {digest} refused: {e}") from None
-        actual = hashlib.sha256(data).hexdigest()
+        actual = digest_of(data)
         if actual != digest:
             moved = self._quarantine_file(digest, st)
             where = (
@@ -321,14 +287,22 @@ class LocalStore:
     def has(self, digest: str) -> bool:
         """Whether a blob named ``digest`` exists as a regular file (its content is not checked)."""
         try:
-            return self.tree.is_file(*_blob_location(_check_digest(digest)))
+            return self.tree.is_file(*_blob_location(check_digest(digest)))
         except (OSError, LinkError):
             return False
+
+    def size(self, digest: str) -> int | None:
+        """The blob file's size in bytes; None if it is missing or not a regular file."""
+        try:
+            st = self.tree.lstat(*_blob_location(check_digest(digest)))
+        except (OSError, LinkError):
+            return None
+        return st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
 
     def delete(self, digest: str) -> None:
         """Remove a blob (a regular file only); no error if it is absent."""
         try:
-            self.tree.unlink(*_blob_location(_check_digest(digest)))
+            self.tree.unlink(*_blob_location(check_digest(digest)))
         except LinkError as e:
             log.warning("not deleting blob %s: %s", digest, e)
 
@@ -343,7 +317,7 @@ class LocalStore:
             except LinkError:
                 continue
             for name, st in files:
-                if _is_digest(fan + name):
+                if is_digest(fan + name):
                     out[fan + name] = st
         return out
 
@@ -355,13 +329,13 @@ class LocalStore:
 
     def set_ref(self, key: str, digest: str) -> None:
         """Point ``key`` at ``digest``, atomically (readers see the old or the new target)."""
-        _check_key(key)
-        _check_digest(digest)
-        self._write_atomic(("refs",), key, (digest + "\n").encode("ascii"), stage="ref")
+        check_key(key)
+        check_digest(digest)
+        self._write_atomic(("refs",), key, ref_bytes(digest), stage="ref")
 
     def get_ref(self, key: str) -> str | None:
         """The digest ``key`` points to, or None if there is no such ref."""
-        path = self.tree.path("refs", _check_key(key))
+        path = self.tree.path("refs", check_key(key))
         try:
             raw, _ = self.tree.read(("refs",), key)
         except FileNotFoundError:
@@ -374,7 +348,14 @@ class LocalStore:
 
     def delete_ref(self, key: str) -> None:
         """Remove a ref; no error if it is absent."""
-        self.tree.unlink(("refs",), _check_key(key))
+        self.tree.unlink(("refs",), check_key(key))
+
+    def ref_keys(self) -> list[str]:
+        """Every valid key with an entry in ``refs/`` that is a file or a link, sorted: a linked
+        or damaged ref is listed (its ``get_ref`` raises) so that listings can flag it. A linked
+        ``refs/`` raises ``LinkError``: no listing may look like an empty cache (gc would sweep)."""
+        return [name for name, st in self.tree.entries("refs")
+                if is_key(name) and (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode))]
 
     def refs(self) -> dict[str, str]:
         """All readable refs as key -> digest, sorted by key.
@@ -382,7 +363,7 @@ class LocalStore:
         A damaged ref file is skipped rather than failing every listing; ``verify()`` reports it.
         """
         out: dict[str, str] = {}
-        for key, _ in self._ref_files():
+        for key in self.ref_keys():
             try:
                 digest = self.get_ref(key)
             except CorruptArtifactError:
@@ -400,7 +381,7 @@ class LocalStore:
         ``timeout`` defaults to the store's ``lock_timeout``; a negative value waits forever.
         Yields the lock file's path.
         """
-        lock = FileLock(self.tree, ("locks",), f"{_check_key(key)}.lock")
+        lock = FileLock(self.tree, ("locks",), f"{check_key(key)}.lock")
         t = self.lock_timeout if timeout is None else timeout
         try:
             taken = lock.acquire(t)
@@ -454,7 +435,7 @@ class LocalStore:
                 if stat.S_ISLNK(est.st_mode):
                     problems.append(BlobProblem(name, epath, "symbolic link (never followed)"))
                     continue
-                if not _is_digest(name) or not stat.S_ISREG(est.st_mode):
+                if not is_digest(name) or not stat.S_ISREG(est.st_mode):
                     problems.append(BlobProblem(name, epath, "bad name"))
                     continue
                 try:
@@ -477,7 +458,7 @@ class LocalStore:
             if not stat.S_ISREG(st.st_mode):
                 problems.append(BlobProblem("", str(path), f"ref {key} is a symbolic link or not a file"))
                 continue
-            if not _KEY_RE.fullmatch(key) or key.startswith("."):
+            if not is_key(key):
                 continue
             try:
                 target = self.get_ref(key)

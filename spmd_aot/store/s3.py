@@ -1,8 +1,7 @@
 """The content-addressed store on S3-compatible object storage (AWS S3, MinIO, Ceph, moto).
 
-``S3Store("s3://bucket/prefix")`` has LocalStore's interface where it makes sense (``put``,
-``get``, ``has``, ``delete``, ``blobs``, ``set_ref``, ``get_ref``, ``delete_ref``, ``refs``,
-``lock``, ``verify``) and the same layout, flat instead of fanned out::
+``S3Store("s3://bucket/prefix")`` implements ``protocol.Store`` (plus ``holds``: the ``HOLDS``
+capability) with LocalStore's layout, flat instead of fanned out::
 
     <prefix>/objects/<64 hex sha256>     blobs, named by the sha256 of their bytes
     <prefix>/refs/<key>                  "<64 hex digest>\\n"
@@ -35,7 +34,8 @@ import time
 from typing import Iterator
 
 from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError
-from .local import BlobProblem, _check_digest, _check_key, _is_digest, parse_ref
+from .names import check_digest, check_key, check_path_parts, digest_of, is_digest, is_key, parse_ref, ref_bytes
+from .protocol import HOLDS, BlobProblem
 
 __all__ = ["S3Store", "parse_s3_url", "ENV_S3_ENDPOINT", "is_s3_url"]
 
@@ -61,9 +61,7 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     prefix = prefix.strip("/")
     if not bucket:
         raise SpmdAotError(f"S3 URL {url!r} names no bucket; expected s3://bucket/prefix")
-    if any(part in (".", "..") for part in prefix.split("/")) or "//" in prefix:
-        raise SpmdAotError(f"S3 URL {url!r}: the prefix must not contain '.', '..' or empty parts")
-    return bucket, prefix
+    return bucket, check_path_parts(prefix, f"S3 URL {url!r}")
 
 
 def _error_code(exc) -> str:
@@ -103,7 +101,11 @@ class S3Store:
     key store identical part blobs and each writes its ref last, so readers always see one
     complete artifact. On a backend without conditional writes the lock degrades to no lock,
     with a warning.
+
+    Capabilities (``protocol``): ``HOLDS`` (``holds`` compares the ETag, no download).
     """
+
+    capabilities = frozenset({HOLDS})
 
     def __init__(self, url: str, *, client=None, endpoint_url: str | None = None,
                  lock_timeout: float = 600.0, lock_stale_after: float = 120.0,
@@ -120,6 +122,10 @@ class S3Store:
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r})"
+
+    @property
+    def location(self) -> str:
+        return self.url
 
     def _make_client(self):
         try:
@@ -143,7 +149,7 @@ class S3Store:
 
     def blob_url(self, digest: str) -> str:
         """The ``s3://`` URL of the blob named ``digest`` (whether or not it exists)."""
-        return self._url(self._key("objects", _check_digest(digest)))
+        return self._url(self._key("objects", check_digest(digest)))
 
     def _call(self, op: str, **kwargs):
         """``client.<op>(Bucket=..., **kwargs)``; transport and permission failures become
@@ -219,7 +225,7 @@ class S3Store:
         (missing, damaged, uploaded in parts by another tool) is overwritten.
         """
         data = bytes(data) if not isinstance(data, bytes) else data
-        digest = hashlib.sha256(data).hexdigest()
+        digest = digest_of(data)
         if self.holds(digest, data):
             return digest
         from botocore.exceptions import ClientError
@@ -234,7 +240,7 @@ class S3Store:
     def holds(self, digest: str, data: bytes) -> bool:
         """Whether the stored object ``digest`` is exactly ``data`` (by size and ETag = MD5),
         without downloading it. False when absent or when the ETag is not a plain MD5."""
-        head = self._head(self._key("objects", _check_digest(digest)))
+        head = self._head(self._key("objects", check_digest(digest)))
         if head is None or head.get("ContentLength") != len(data):
             return False
         return str(head.get("ETag", "")).strip('"') == hashlib.md5(data).hexdigest()
@@ -245,7 +251,7 @@ class S3Store:
         data = self._read(self._key("objects", digest))
         if data is None:
             raise CorruptArtifactError(f"blob {digest} missing at {url}")
-        actual = hashlib.sha256(data).hexdigest()
+        actual = digest_of(data)
         if actual != digest:
             raise CorruptArtifactError(
                 f"blob {url} is corrupt: expected sha256 {digest}, content ({len(data)} bytes) "
@@ -256,33 +262,33 @@ class S3Store:
 
     def has(self, digest: str) -> bool:
         """Whether a blob named ``digest`` exists (its content is not checked)."""
-        return self._head(self._key("objects", _check_digest(digest))) is not None
+        return self._head(self._key("objects", check_digest(digest))) is not None
 
     def size(self, digest: str) -> int | None:
         """The stored object's size in bytes, or None if absent."""
-        head = self._head(self._key("objects", _check_digest(digest)))
+        head = self._head(self._key("objects", check_digest(digest)))
         return None if head is None else int(head.get("ContentLength", 0))
 
     def delete(self, digest: str) -> None:
         """Remove a blob; no error if it is absent."""
-        self._call("delete_object", Key=self._key("objects", _check_digest(digest)))
+        self._call("delete_object", Key=self._key("objects", check_digest(digest)))
 
     def blobs(self) -> Iterator[str]:
         """All stored digests, in sorted order (objects with malformed names are skipped)."""
-        yield from sorted(name for name in self._list("objects") if _is_digest(name))
+        yield from sorted(name for name in self._list("objects") if is_digest(name))
 
     # ------------------------------------------------------------------ refs
 
     def set_ref(self, key: str, digest: str) -> None:
         """Point ``key`` at ``digest`` (one atomic PUT)."""
-        _check_key(key)
-        _check_digest(digest)
-        self._call("put_object", Key=self._key("refs", key), Body=(digest + "\n").encode("ascii"),
+        check_key(key)
+        check_digest(digest)
+        self._call("put_object", Key=self._key("refs", key), Body=ref_bytes(digest),
                    ContentType="text/plain")
 
     def get_ref(self, key: str) -> str | None:
         """The digest ``key`` points to, or None if there is no such ref."""
-        object_key = self._key("refs", _check_key(key))
+        object_key = self._key("refs", check_key(key))
         raw = self._read(object_key)
         if raw is None:
             return None
@@ -290,12 +296,16 @@ class S3Store:
 
     def delete_ref(self, key: str) -> None:
         """Remove a ref; no error if it is absent."""
-        self._call("delete_object", Key=self._key("refs", _check_key(key)))
+        self._call("delete_object", Key=self._key("refs", check_key(key)))
+
+    def ref_keys(self) -> list[str]:
+        """The key of every ref object (damaged ones included), sorted; other names are skipped."""
+        return sorted(name for name in self._list("refs") if is_key(name))
 
     def refs(self) -> dict[str, str]:
         """All readable refs as key -> digest, sorted by key (damaged ones are skipped)."""
         out: dict[str, str] = {}
-        for name in sorted(self._list("refs")):
+        for name in self.ref_keys():
             try:
                 digest = self.get_ref(name)
             except CorruptArtifactError:  # damaged: verify() reports it
@@ -314,7 +324,7 @@ class S3Store:
         """
         from botocore.exceptions import ClientError
 
-        object_key = self._key("locks", f"{_check_key(key)}.lock")
+        object_key = self._key("locks", f"{check_key(key)}.lock")
         url = self._url(object_key)
         body = json.dumps({"token": secrets.token_hex(16), "host": socket.gethostname(),
                            "pid": os.getpid(), "created": time.time()}).encode()
@@ -439,14 +449,14 @@ class S3Store:
         present = set()
         for name in sorted(self._list("objects")):
             url = self._url(self._key("objects", name))
-            if not _is_digest(name):
+            if not is_digest(name):
                 problems.append(BlobProblem(name, url, "bad name"))
                 continue
             present.add(name)
             data = self._read(self._key("objects", name))
             if data is None:
                 continue  # deleted since listing
-            actual = hashlib.sha256(data).hexdigest()
+            actual = digest_of(data)
             if actual != name:
                 problems.append(BlobProblem(name, url, f"content hashes to {actual}"))
         for name in sorted(self._list("refs")):
@@ -459,7 +469,3 @@ class S3Store:
             if target is not None and target not in present and not self.has(target):
                 problems.append(BlobProblem(target, url, f"ref {name} points to missing blob"))
         return problems
-
-    def clean_tmp(self, older_than: float = 3600.0, **_) -> int:
-        """Nothing to clean: S3 PUTs are atomic and leave no temp objects."""
-        return 0
