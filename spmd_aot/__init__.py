@@ -26,6 +26,7 @@ from .job import Job, load_target
 from .override import Override
 from .plan import Plan
 from .runtime import CacheInfo, CompiledStep, compile
+from . import teardown  # noqa: E402  (registers what a job's end must do; see the module)
 from .spmd import SPMD, Schema
 
 __all__ = [
@@ -34,3 +35,4 @@ __all__ = [
     "SpmdAotError", "TargetError", "UnsupportedError", "CacheMissError", "ArtifactMismatchError",
     "CorruptArtifactError", "UnsafeArtifactError", "LockTimeoutError",
 ]
+del teardown  # imported for the exit handler it registers, not part of the API

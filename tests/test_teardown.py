@@ -2,8 +2,8 @@
 
 A group that outlives ``destroy_process_group()`` is destroyed during interpreter teardown,
 where gloo's worker threads now and then abort the process ("terminate called without an
-active exception"; tools/stress_ranks.py --plain-ranks saw 1 run in 60). Each rank here
-counts gloo's threads in the last exit handler, after spmd-aot's own: none may be left.
+active exception"; see spmd_aot/teardown.py). Each rank here counts gloo's threads in the
+last exit handler, after spmd-aot's own: none may be left.
 """
 
 import os

@@ -92,15 +92,25 @@ dist.destroy_process_group()
 """
 
 
-def run_plain_ranks(env: dict) -> subprocess.CompletedProcess:
-    """Two ``python -c`` ranks; one CompletedProcess whose text holds both ranks' output."""
+def _allow_core_dumps() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+def run_plain_ranks(env: dict, core_dir: str | None = None) -> subprocess.CompletedProcess:
+    """Two ``python -c`` ranks; one CompletedProcess whose text holds both ranks' output.
+    With ``core_dir`` each rank runs in its own directory there with core dumps on, and the
+    native backtrace of any core (gdb) is appended to the text."""
     sys.path.insert(0, str(REPO / "tests"))
     from multiproc import free_port
 
     port = str(free_port())
     with tempfile.TemporaryDirectory() as tmp:
+        cwds = [tempfile.mkdtemp(dir=core_dir) if core_dir else None for _ in range(2)]
         procs = [subprocess.Popen([sys.executable, "-c", _PLAIN_RANK, str(rank), port, f"{tmp}/cache{rank}"],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  cwd=cwds[rank], preexec_fn=_allow_core_dumps if core_dir else None)
                  for rank in range(2)]
         outs = []
         for rank, proc in enumerate(procs):
@@ -111,6 +121,16 @@ def run_plain_ranks(env: dict) -> subprocess.CompletedProcess:
                 out, _ = proc.communicate()
                 out += "\n[timed out]"
             outs.append((proc.returncode, f"=== rank {rank} (exit {proc.returncode})\n{out}"))
+    for rank, cwd in enumerate(cwds):
+        cores = sorted(pathlib.Path(cwd).glob("core*")) if cwd else []
+        if cores:
+            bt = subprocess.run(["gdb", "-batch", "-ex", "thread apply all bt 30", sys.executable, str(cores[0])],
+                                capture_output=True, text=True, timeout=300)
+            outs.append((0, f"=== rank {rank} core {cores[0]}\n{bt.stdout[-12000:]}"))
+        elif cwd:
+            import shutil
+
+            shutil.rmtree(cwd, ignore_errors=True)
     rc = next((code for code, _ in outs if code), 0)
     if rc == 0 and sum("RESULT" in text for _, text in outs) < 2:
         rc = 1  # a rank that exits 0 without its result also counts
@@ -123,6 +143,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--builds", type=int, default=0, help="sequential offline builds per run instead")
     parser.add_argument("--plain-ranks", action="store_true", help="two python -c ranks per run instead")
+    parser.add_argument("--core-dir", help="--plain-ranks: keep core dumps here and print their gdb backtraces")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -132,7 +153,7 @@ def main() -> int:
     crashes, kinds, start = 0, collections.Counter(), time.time()
     for run in range(1, args.runs + 1):
         if args.plain_ranks:
-            proc = run_plain_ranks(env)
+            proc = run_plain_ranks(env, args.core_dir)
         else:
             proc = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps),
                                    "--builds", str(args.builds)], env=env,
@@ -143,7 +164,7 @@ def main() -> int:
             crashes += 1
             kind = signs[0] if signs else f"exit {proc.returncode}"
             if kinds[kind] == 0:
-                print(f"--- run {run}: {kind}\n{text[-4000:]}")
+                print(f"--- run {run}: {kind}\n{text[-16000:]}")
             kinds[kind] += 1
         print(f"run {run}: {'crash' if proc.returncode or signs else 'ok'} "
               f"({time.time() - start:.0f} s, {crashes} crashes so far)", flush=True)
