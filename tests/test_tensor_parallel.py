@@ -327,7 +327,7 @@ def test_plans_tp_cannot_serve_are_refused():
     (2, {**SP_PLAN, "blocks.*.up": "colwise", "blocks.*.down": "rowwise"}, "plan it colwise_seq"),
     (3, {"tok": "seq_shard_output", "ln_f": "sequence_parallel", "head": "seq_gather_input"},
      r"dim 1 \(the sequence\) divides by the TP size 3"),
-])
+], ids=["no-entry", "norm-left-out", "plain-styles-on-shards", "sequence-not-divisible"])
 def test_sequence_parallel_plans_that_cannot_hold_are_refused_at_build(tmp_path, world, plan, message):
     job = spmd_aot.Job(step=step, model=TPNet, optimizer=OPTIMIZERS["sgd"], batch=make_batch)
     with pytest.raises(spmd_aot.UnsupportedError, match=message):
