@@ -292,7 +292,8 @@ def _add_shard_options(p) -> None:
                         "(more memory, fewer all_gathers) instead of gathering them again")
     p.add_argument("--tp-plan", action="append", type=_tp_style, default=[], metavar="PATTERN=STYLE",
                    help="tensor parallel on the last mesh dimension: modules whose FQN matches PATTERN "
-                        "(fnmatch) are split STYLE (colwise or rowwise), e.g. 'blocks.*.attn.q=colwise' "
+                        "(fnmatch) run STYLE (colwise, rowwise or a sequence-parallel style, see README), "
+                        "e.g. 'blocks.*.attn.q=colwise' "
                         "(repeat for several; first match wins). Placement replicate: TP alone over the "
                         "world; placement shard: FSDP x TP on --mesh-shape DPxTP")
     p.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, metavar="MIB",

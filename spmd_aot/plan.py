@@ -22,7 +22,7 @@ class Plan:
     ``shard``; the first matching pattern wins.
 
     ``tp_plan`` maps module FQN patterns (fnmatch, first match wins) to a tensor-parallel style
-    (``tensor_parallel.py``: ``"colwise"``, ``"rowwise"``), e.g.
+    (``tensor_parallel.py``: ``"colwise"``, ``"rowwise"`` and the sequence-parallel styles), e.g.
     ``{"blocks.*.attn.q": "colwise", "blocks.*.attn.o": "rowwise"}``. With one, the last mesh
     dimension is the TP dimension: under ``replicate`` the whole (1-D) mesh is TP (TP alone);
     under ``shard`` the mesh is ``(dp, tp)``, FSDP over dp and TP over tp."""

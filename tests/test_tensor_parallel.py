@@ -1,7 +1,7 @@
-"""Tensor parallelism, alone (1-D mesh) and with FSDP (a (dp, tp) mesh): steps built offline,
-loaded and run on real gloo ranks match eager ``parallelize_module`` (+ ``fully_shard`` per
-block and on the root) after 5 steps, with SGD and AdamW; the stored graphs hold exactly the
-collectives TP and FSDP need."""
+"""Tensor parallelism, alone (1-D mesh) and with FSDP (a (dp, tp) mesh), without and with
+sequence parallel: steps built offline, loaded and run on real gloo ranks match eager
+``parallelize_module`` (+ ``fully_shard`` per block and on the root) after 5 steps, with SGD and
+AdamW; the stored graphs hold exactly the collectives TP, sequence parallel and FSDP need."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch import nn
 import spmd_aot
 from spmd_aot.artifact import read_artifact
 from spmd_aot.store import LocalStore
+from spmd_aot.tensor_parallel import TP_STYLES
 from multiproc import run_ranks
 
 STEPS = 5
@@ -27,7 +28,8 @@ VOCAB, D, HEAD_DIM = 32, 16, 4  # 4 heads: 2 per rank at tp=2, 1 at tp=4
 class Attention(nn.Module):
     """Heads from the local tensor (``q.shape[-1] // head_dim``), as TP needs: a rank holds
     ``n_heads / tp`` heads of ``q``, ``k``, ``v`` (colwise) and the matching rows of ``o``'s
-    input (rowwise)."""
+    input (rowwise). The sequence length comes from ``q`` too: under sequence parallel the
+    input is this rank's sequence shard and ``q`` the gathered sequence."""
 
     def __init__(self, d, head_dim):
         super().__init__()
@@ -38,8 +40,8 @@ class Attention(nn.Module):
         self.k = nn.Linear(d, d, bias=False)
 
     def forward(self, x):
-        b, t, _ = x.shape
         q, k, v = self.q(x), self.k(x), self.v(x)
+        b, t, _ = q.shape
         heads = q.shape[-1] // self.head_dim  # this rank's heads
         split = lambda z: z.view(b, t, heads, self.head_dim).transpose(1, 2)  # noqa: E731
         q, k, v = split(q), split(k), split(v)
@@ -52,7 +54,7 @@ class Attention(nn.Module):
 class Block(nn.Module):
     def __init__(self, d, head_dim):
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.RMSNorm(d)  # both norms sequence parallel serves
         self.attn = Attention(d, head_dim)
         self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
@@ -80,6 +82,10 @@ class TPNet(nn.Module):
 
 TP_PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
            "blocks.*.attn.o": "rowwise", "blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+# sequence parallel (torchtitan's plan): the residual stream split on the sequence from the
+# embedding's output to the head's input, norms on sequence shards
+SP_PLAN = {"tok": "seq_shard_output", "blocks.*.ln1": "sequence_parallel", "blocks.*.ln2": "sequence_parallel",
+           **{k: v + "_seq" for k, v in TP_PLAN.items()}, "ln_f": "sequence_parallel", "head": "seq_gather_input"}
 
 OPTIMIZERS = {
     "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
@@ -100,19 +106,37 @@ def step(model, optim, batch):
 def make_batch(dp_rank: int = 0, s: int = 0):
     """One data-parallel share's batch: the TP ranks of a share get the same one."""
     g = torch.Generator().manual_seed(1000 * dp_rank + s)
-    return torch.randint(0, VOCAB, (2, 6), generator=g), torch.randint(0, VOCAB, (2, 6), generator=g)
+    return torch.randint(0, VOCAB, (2, 8), generator=g), torch.randint(0, VOCAB, (2, 8), generator=g)
 
 
 # (placement, mesh shape) per configuration and world size
 CONFIGS = {
-    2: {"tp": ("replicate", (2,)), "fsdp_tp": ("shard", (1, 2))},  # FSDP over one rank: its code, not its savings
-    4: {"tp": ("replicate", (4,)), "fsdp_tp": ("shard", (2, 2))},
+    2: {"tp": ("replicate", (2,)), "fsdp_tp": ("shard", (1, 2)),  # FSDP over one rank: its code, not its savings
+        "sp": ("replicate", (2,))},
+    4: {"tp": ("replicate", (4,)), "fsdp_tp": ("shard", (2, 2)), "fsdp_sp": ("shard", (2, 2))},
 }
+PLANS = {"tp": TP_PLAN, "fsdp_tp": TP_PLAN, "sp": SP_PLAN, "fsdp_sp": SP_PLAN}
 
 
 def _options(config, world):
     placement, mesh = CONFIGS[world][config]
-    return {"placement": placement, "mesh_shape": mesh if len(mesh) > 1 else None, "tp_plan": TP_PLAN}
+    return {"placement": placement, "mesh_shape": mesh if len(mesh) > 1 else None, "tp_plan": PLANS[config]}
+
+
+def _torch_styles():
+    """The torch style equivalent to each spmd-aot style (torchtitan's sequence-parallel plan)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+            "colwise_seq": lambda: ColwiseParallel(input_layouts=Shard(1)),
+            "rowwise_seq": lambda: RowwiseParallel(output_layouts=Shard(1)),
+            "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
+            "seq_shard_output": lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                                            use_local_output=True),
+            "seq_gather_input": lambda: PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                                           use_local_output=True)}
 
 
 # ---------------------------------------------------------------------------- the ranks
@@ -121,14 +145,14 @@ def _eager(config, optim_name, rank, world):
     over the dp mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     _, shape = CONFIGS[world][config]
     torch.manual_seed(0)
     model = TPNet()
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[-len(shape):])
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, mesh["tp"], {k: styles[v]() for k, v in TP_PLAN.items()})
+    styles = _torch_styles()
+    parallelize_module(model, mesh["tp"], {k: styles[v]() for k, v in PLANS[config].items()})
     if "dp" in mesh.mesh_dim_names:
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"])
@@ -214,8 +238,9 @@ def test_tp_matches_eager_parallelize_module(parity, built, world, config, optim
             if len(eager) == ndim:
                 assert placements == eager, (name, placements, eager)
             else:
-                planned = any(fnmatch.fnmatchcase(name.rpartition(".")[0], p) for p in TP_PLAN)
-                assert placements == eager + ["R"] and not planned, (name, placements, eager)
+                split = any(fnmatch.fnmatchcase(name.rpartition(".")[0], p) for p, style in PLANS[config].items()
+                            if any(d is not None for d in TP_STYLES[style].param_dims.values()))
+                assert placements == eager + ["R"] and not split, (name, placements, eager)
         assert r["q_local"] == (D // world, D)  # split over TP (and its rows over dp under FSDP)
 
 
@@ -224,28 +249,42 @@ def _collectives(cache, result):
     return [(e["collective"], e["group"], e["label"]) for e in art.schema["nodes"].values() if "collective" in e]
 
 
-@pytest.mark.parametrize("world,config", [(2, "tp"), (2, "fsdp_tp"), (4, "tp"), (4, "fsdp_tp")])
+# per block, TP alone: attention input (q, k, v share one copy) and mlp input gradients in
+# backward, attention and mlp outputs in forward: 4 all_reduces over the TP dimension
+TP_COLLECTIVES = [("all_reduce", "tp blocks.0.attn.q input gradient"), ("all_reduce", "tp blocks.0.attn.o output"),
+                  ("all_reduce", "tp blocks.0.up input gradient"), ("all_reduce", "tp blocks.0.down output")]
+# sequence parallel: each of those all_reduces becomes a reduce_scatter and an all_gather
+# (q, k, v share one gather); one all_reduce per norm for its parameters' gradients; the
+# entry (tok) and exit (head) cut and gather the sequence
+SP_COLLECTIVES = [
+    ("reduce_scatter_tensor", "tp tok output"), ("all_gather_into_tensor", "tp tok output gradient"),
+    ("all_gather_into_tensor", "tp blocks.0.attn.q input"), ("reduce_scatter_tensor", "tp blocks.0.attn.q input gradient"),
+    ("reduce_scatter_tensor", "tp blocks.0.attn.o output"), ("all_gather_into_tensor", "tp blocks.0.attn.o output gradient"),
+    ("all_gather_into_tensor", "tp blocks.0.up input"), ("reduce_scatter_tensor", "tp blocks.0.up input gradient"),
+    ("reduce_scatter_tensor", "tp blocks.0.down output"), ("all_gather_into_tensor", "tp blocks.0.down output gradient"),
+    ("all_gather_into_tensor", "tp head input"), ("reduce_scatter_tensor", "tp head input gradient"),
+    ("all_reduce", "tp blocks.0.ln1 parameter gradients"), ("all_reduce", "tp blocks.0.ln2 parameter gradients"),
+    ("all_reduce", "tp ln_f parameter gradients")]
+
+
+@pytest.mark.parametrize("world,config", [(w, c) for w, configs in CONFIGS.items() for c in configs])
 def test_stored_graph_has_exactly_the_collectives_tp_and_fsdp_need(built, world, config):
     cache, result = built[world][config, "adamw"]
     by_kind = result.stats["by_kind"]
     found = _collectives(cache, result)
     tp_dim = len(CONFIGS[world][config][1]) - 1
     tp = [c for c in found if c[2].startswith("tp ")]
-    assert len(tp) == len(found) - by_kind.get("all_gather_into_tensor", 0) - by_kind.get("reduce_scatter_tensor", 0)
-    # per block: attention input (q, k, v share one copy) and mlp input gradients in backward,
-    # attention and mlp outputs in forward: 4 all_reduces over the TP dimension
-    assert sorted(label for _, _, label in tp) == sorted(
-        ["tp blocks.0.attn.q input gradient", "tp blocks.0.attn.o output", "tp blocks.0.up input gradient",
-         "tp blocks.0.down output"])
-    assert {(kind, group) for kind, group, _ in tp} == {("all_reduce", tp_dim)}
-    if config == "fsdp_tp":
+    assert {group for _, group, _ in tp} == {tp_dim}
+    assert sorted((kind, label) for kind, _, label in tp) == sorted(
+        SP_COLLECTIVES if config.endswith("sp") else TP_COLLECTIVES)
+    fsdp = [(kind, group) for kind, group, label in found if not label.startswith("tp ")]
+    if config.startswith("fsdp"):
         # FSDP over dp: the block gathered in forward and again in backward, the root once;
-        # one reduce_scatter each
-        assert by_kind["all_gather_into_tensor"] == 3 and by_kind["reduce_scatter_tensor"] == 2
-        assert {g for k, g, _ in found if k != "all_reduce"} == {0}
+        # one reduce_scatter each; no gradient averaging over TP, none for the dp dimension
+        assert sorted(fsdp) == [("all_gather_into_tensor", 0)] * 3 + [("reduce_scatter_tensor", 0)] * 2
     else:
-        assert "all_gather_into_tensor" not in by_kind and "reduce_scatter_tensor" not in by_kind
-    assert by_kind["all_reduce"] == 4  # no gradient averaging over TP, none for the dp dimension
+        assert fsdp == []
+    assert sum(by_kind.values()) == len(found)
 
 
 def test_show_prints_the_tp_plan_and_the_tp_collectives(built, capsys):
@@ -275,3 +314,21 @@ def test_plans_tp_cannot_serve_are_refused():
         planned_modules(tied, (("head", "colwise"),))
     with pytest.raises(spmd_aot.SpmdAotError, match=r"head.weight of shape \[32, 16\] cannot be split colwise over 3"):
         spmd_aot.Plan(3, tp_plan={"head": "colwise"}).layout_for("head.weight", (32, 16))
+    with pytest.raises(spmd_aot.UnsupportedError, match="nn.LayerNorm and nn.RMSNorm"):
+        planned_modules(TPNet(), (("head", "sequence_parallel"),))
+
+
+@pytest.mark.parametrize("world,plan,message", [
+    # a norm on sequence shards needs the entry that cuts the sequence
+    (2, {k: v for k, v in SP_PLAN.items() if k != "tok"}, "no module planned seq_shard_output ran before it"),
+    # a norm left out: its gradients would be partial over TP
+    (2, {k: v for k, v in SP_PLAN.items() if k != "blocks.*.ln2"}, "blocks.0.ln2 .RMSNorm. has parameters and runs"),
+    # plain TP styles on sequence shards would add up different ranks' tokens
+    (2, {**SP_PLAN, "blocks.*.up": "colwise", "blocks.*.down": "rowwise"}, "plan it colwise_seq"),
+    (3, {"tok": "seq_shard_output", "ln_f": "sequence_parallel", "head": "seq_gather_input"},
+     r"dim 1 \(the sequence\) divides by the TP size 3"),
+], ids=["no-entry", "norm-left-out", "plain-styles-on-shards", "sequence-not-divisible"])
+def test_sequence_parallel_plans_that_cannot_hold_are_refused_at_build(tmp_path, world, plan, message):
+    job = spmd_aot.Job(step=step, model=TPNet, optimizer=OPTIMIZERS["sgd"], batch=make_batch)
+    with pytest.raises(spmd_aot.UnsupportedError, match=message):
+        spmd_aot.build(job, world_size=world, cache_dir=str(tmp_path), tp_plan=plan)
