@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 
 # What ranks import anyway (and what a first trace imports lazily), imported once in the server.
@@ -166,3 +167,52 @@ def run_ranks(fn, world: int, *args, timeout: float = 240.0, expect_errors: bool
     if errors:
         raise AssertionError("\n".join(errors))
     return [v for _, v in ordered]
+
+
+def _call(fn, args, conn, inherited):
+    inherited.adopt()
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        conn.send(("ok", fn(*args)))
+    except BaseException as exc:  # report, never leave the parent guessing
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_processes(fn, arg_lists, *, parallel: int = 4, timeout: float = 240.0):
+    """``fn(*args)`` in one fresh process per ``args`` (no process group), ``parallel`` at a time.
+
+    Returns ``[(exitcode, status, value)]`` in order: status "ok" with fn's return value,
+    "error" with the traceback, or "died" (value None) when the process ended without
+    answering (killed by a signal: exitcode is minus its number).
+    """
+    ctx = preloaded_context()
+    inherited = Inherited()
+    out = []
+    for start in range(0, len(arg_lists), parallel):
+        running = []
+        try:
+            for args in arg_lists[start:start + parallel]:
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_call, args=(fn, tuple(args), send, inherited))
+                proc.start()
+                send.close()  # the child holds the only write end: its death reads as EOF
+                running.append((proc, recv))
+            deadline = time.monotonic() + timeout
+            for proc, recv in running:
+                if not recv.poll(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish in {timeout}s")
+                try:
+                    status, value = recv.recv()
+                except EOFError:
+                    status, value = "died", None
+                proc.join(timeout=10)
+                out.append((proc.exitcode, status, value))
+        finally:
+            for proc, recv in running:
+                recv.close()
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
+    return out
