@@ -169,6 +169,31 @@ def run_ranks(fn, world: int, *args, timeout: float = 240.0, expect_errors: bool
     return [v for _, v in ordered]
 
 
+def start_ranks(fn, world: int, *args, timeout: float = 240.0):
+    """``run_ranks`` in a background thread; returns a ``concurrent.futures.Future`` of its result.
+
+    The caller keeps the CPUs busy meanwhile: builds the next artifacts, or starts another
+    launch (while one launch's rank 0 traces, its peers wait and a CPU would idle).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    preloaded_context()  # the server starts here, in the caller's thread, not in the launch's
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        return pool.submit(run_ranks, fn, world, *args, timeout=timeout)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with the launch
+
+
+def run_launches(*launches, timeout: float = 240.0) -> list:
+    """Several independent launches at the same time, each ``(fn, world, *args)`` with its own
+    processes, port and process group; their results in order (a failure raises once all ended)."""
+    futures = [start_ranks(fn, world, *args, timeout=timeout) for fn, world, *args in launches]
+    for f in futures:
+        f.exception()  # wait for every launch before raising any launch's error
+    return [f.result() for f in futures]
+
+
 def _call(fn, args, conn, inherited):
     inherited.adopt()
     import torch
