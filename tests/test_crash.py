@@ -1,8 +1,10 @@
 """Crash safety: builders SIGKILLed at every stage of a cache write leave a usable cache.
 
 Each case runs a real builder process (``spmd_aot.build`` of a small MLP job at world size
-2) with ``SPMD_AOT_CRASH_AT`` set, so it kills itself with SIGKILL at that stage (see
-``spmd_aot.faults``). After each kill: every ref names an artifact that reads fully (or the
+2, forked from the tests' torch-preloaded server: ``multiproc.run_processes``) with
+``SPMD_AOT_CRASH_AT`` set, so it kills itself with SIGKILL at that stage (see
+``spmd_aot.faults``). ``tools/stress_cache.py crash`` kills builders at random stages, many
+times over. After each kill: every ref names an artifact that reads fully (or the
 key has no ref), the next build takes the lock at once and succeeds with the same parts as a
 clean build, the dead writer's temp files are gone and ``LocalStore.verify()`` is clean.
 """
@@ -15,31 +17,19 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 import spmd_aot
 from jobs import make_job
+from multiproc import run_processes
 from spmd_aot import faults
 from spmd_aot.artifact import read_artifact, read_manifest
 from spmd_aot.errors import LockTimeoutError
 from spmd_aot.store import LocalStore
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-TESTS = REPO / "tests"
-
-_BUILDER = f"""
-import sys
-sys.path[:0] = [{str(REPO)!r}, {str(TESTS)!r}]
-import torch
-torch.set_num_threads(1)
-import spmd_aot
-from jobs import make_job
-r = spmd_aot.build(make_job("mlp", "sgd"), world_size=2, cache_dir=sys.argv[1])
-print("BUILT", r.digest, r.traced)
-"""
 
 # Every stage once, plus later occurrences of the blob stages: the 6th blob written is the
 # manifest, so "blob.partial:6" dies half-way through writing the manifest.
@@ -48,13 +38,11 @@ CASES = list(faults.STAGES) + ["blob.partial:6", "blob.before_rename:6", "blob.a
 REF_WRITTEN = {"ref.after_rename", "artifact.ref_set"}
 
 
-def run_builder(cache: pathlib.Path, crash_at: str | None, timeout: float = 120.0):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop(faults.ENV_CRASH_AT, None)
-    if crash_at:
-        env[faults.ENV_CRASH_AT] = crash_at
-    return subprocess.run([sys.executable, "-c", _BUILDER, str(cache)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+def build_mlp(cache: str, crash_at: str) -> str:
+    """The builder (run in its own process): ``spmd-aot build`` of the MLP job, told to die at a stage."""
+    os.environ[faults.ENV_CRASH_AT] = crash_at
+    r = spmd_aot.build(make_job("mlp", "sgd"), world_size=2, cache_dir=cache)
+    return f"BUILT {r.digest} {r.traced}"
 
 
 def check_refs_serve_whole_artifacts(store: LocalStore) -> int:
@@ -77,12 +65,11 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory):
-    """Run every crash case (4 builders at a time); returns {case: (cache dir, process)}."""
+    """Run every crash case (4 builders at a time); returns {case: (cache dir, (exitcode, status, output))}."""
     root = tmp_path_factory.mktemp("crashes")
     caches = {case: root / case.replace(":", "_") for case in CASES}
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        procs = dict(zip(CASES, pool.map(lambda c: run_builder(caches[c], c), CASES)))
-    return {case: (caches[case], procs[case]) for case in CASES}
+    ends = run_processes(build_mlp, [(str(caches[case]), case) for case in CASES], parallel=4, timeout=120)
+    return {case: (caches[case], end) for case, end in zip(CASES, ends)}
 
 
 def test_stages_are_documented():
@@ -93,10 +80,9 @@ def test_stages_are_documented():
 
 @pytest.mark.parametrize("case", CASES)
 def test_builder_killed_at_stage_leaves_a_usable_cache(case, crashed, reference):
-    cache, proc = crashed[case]
-    assert proc.returncode == -signal.SIGKILL, (
-        f"builder was not killed at {case}: rc {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}")
-    assert "BUILT" not in proc.stdout
+    cache, (exitcode, status, output) = crashed[case]
+    assert exitcode == -signal.SIGKILL, f"builder was not killed at {case}: exit code {exitcode}, {status}: {output}"
+    assert status == "died" and output is None  # it never got to report a finished build
     store = LocalStore(cache, lock_timeout=5.0)  # a lock left held would fail the rebuild fast
     key, parts = reference
 

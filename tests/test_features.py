@@ -4,7 +4,7 @@
 import pytest
 
 from features import FEATURES
-from multiproc import run_ranks
+from multiproc import run_launches
 
 STEPS = 5
 
@@ -26,21 +26,21 @@ def _all_features_worker(rank, world, variants, cache_dir):
     return out
 
 
+WORLD_VARIANTS = {2: ["replicate", "shard", "shard_keep_1d_whole"],
+                  4: ["replicate", "shard", "hsdp", "hsdp_keep_1d_whole"]}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """One run per world size (torch starts once per rank), checked feature by feature below."""
+    """One launch per world size (each rank starts once), both at the same time: while one
+    launch's rank 0 traces, the other's ranks use the other CPU. Checked feature by feature below."""
     cache = tmp_path_factory.mktemp("features")
-    return {
-        2: run_ranks(_all_features_worker, 2, ["replicate", "shard", "shard_keep_1d_whole"], str(cache / "w2"),
-                     timeout=600),
-        4: run_ranks(_all_features_worker, 4, ["replicate", "shard", "hsdp", "hsdp_keep_1d_whole"],
-                     str(cache / "w4"), timeout=600),
-    }
+    launches = [(_all_features_worker, world, variants, str(cache / f"w{world}"))
+                for world, variants in WORLD_VARIANTS.items()]
+    return dict(zip(WORLD_VARIANTS, run_launches(*launches, timeout=600)))
 
 
-CASES = [(w, f, v) for w, vs in ((2, ["replicate", "shard", "shard_keep_1d_whole"]),
-                                 (4, ["replicate", "shard", "hsdp", "hsdp_keep_1d_whole"]))
-         for f in FEATURES for v in vs]
+CASES = [(w, f, v) for w, vs in WORLD_VARIANTS.items() for f in FEATURES for v in vs]
 
 
 @pytest.mark.parametrize("world,feature,variant", CASES)

@@ -255,8 +255,9 @@ _READER = textwrap.dedent("""
 
 
 def test_gc_concurrent_with_a_reader_in_another_process(pristine, tmp_path):
-    """A reader process loads artifact A in a loop under leases while this process keeps
-    refilling the cache and running gc with a bound that always wants A (the LRU) gone."""
+    """A reader process loads artifact A in a loop under leases for a few seconds while this
+    process keeps refilling the cache and running gc with a bound that always wants A (the LRU)
+    gone. ``tools/stress_cache.py gc`` runs builders, loaders and gc together for a minute."""
     src, keys = pristine
     store = LocalStore(tmp_path / "cache")
     for key in keys:
@@ -265,7 +266,7 @@ def test_gc_concurrent_with_a_reader_in_another_process(pristine, tmp_path):
     bound = max(_closure_bytes(src, [a, b]) for a in keys for b in keys if a != b)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
-    reader = subprocess.Popen([sys.executable, "-c", _READER, str(store.root), reader_key, "6"],
+    reader = subprocess.Popen([sys.executable, "-c", _READER, str(store.root), reader_key, "3"],
                               stdout=subprocess.PIPE, text=True, env=env)
     rounds = skipped = evicted_reader = 0
     max_after = peak = 0

@@ -10,7 +10,7 @@ from spmd_aot.examples.models import Transformer, train_step
 from spmd_aot.groups import assign_groups, block_prefixes
 from spmd_aot.plan import Plan
 from spmd_aot.store import LocalStore
-from multiproc import run_ranks
+from multiproc import run_launches
 
 LAYERS, D, VOCAB, CTX = 3, 16, 41, 8  # 41: uneven shards (padding) in the root group
 
@@ -93,12 +93,20 @@ def test_a_sequential_root_groups_each_layer():
 
 
 # ---------------------------------------------------------------- stored graph
-def test_shard_gathers_and_reduces_once_per_group(tmp_path):
-    built = spmd_aot.build(JOB, world_size=2, placement="shard", cache_dir=tmp_path)
+@pytest.fixture(scope="module")
+def shard_build(tmp_path_factory):
+    """(cache dir, build result) of JOB sharded over 2 ranks with the default groups, built once
+    for the tests that read its graph."""
+    cache = tmp_path_factory.mktemp("shard")
+    return cache, spmd_aot.build(JOB, world_size=2, placement="shard", cache_dir=cache)
+
+
+def test_shard_gathers_and_reduces_once_per_group(shard_build):
+    cache, built = shard_build
     groups = LAYERS + 1
     # resharded blocks are gathered twice (forward, backward); the root once (never resharded)
     assert built.stats["by_kind"] == {"all_gather_into_tensor": 2 * LAYERS + 1, "reduce_scatter_tensor": groups}
-    _, colls = _collectives(tmp_path, built)
+    _, colls = _collectives(cache, built)
     numels = _group_numels(2)
     gathered = sorted(_gathered_sizes(n) for kind, n in colls if kind == "all_gather_into_tensor")
     assert gathered == sorted([numels["root"]] + [numels[f"blocks.{i}"] for i in range(LAYERS)] * 2)
@@ -117,17 +125,24 @@ def test_custom_shard_groups(tmp_path):
     assert scattered == sorted(numels.values())
 
 
-def test_hsdp_reduces_each_group_over_the_replicas_once(tmp_path):
-    built = spmd_aot.build(JOB, world_size=4, placement="shard", mesh_shape=(2, 2), cache_dir=tmp_path)
+@pytest.fixture(scope="module")
+def hsdp_build(tmp_path_factory):
+    """(cache dir, build result) of JOB as HSDP on a (2, 2) mesh."""
+    cache = tmp_path_factory.mktemp("hsdp")
+    return cache, spmd_aot.build(JOB, world_size=4, placement="shard", mesh_shape=(2, 2), cache_dir=cache)
+
+
+def test_hsdp_reduces_each_group_over_the_replicas_once(hsdp_build):
+    _, built = hsdp_build
     groups = LAYERS + 1
     assert built.stats["by_kind"] == {"all_gather_into_tensor": 2 * LAYERS + 1, "reduce_scatter_tensor": groups,
                                       "all_reduce": groups}
 
 
-def test_keeping_parameters_after_forward_gathers_once(tmp_path):
+def test_keeping_parameters_after_forward_gathers_once(tmp_path, shard_build):
     built = spmd_aot.build(JOB, world_size=2, placement="shard", cache_dir=tmp_path, reshard_after_forward=False)
     assert built.stats["by_kind"] == {"all_gather_into_tensor": LAYERS + 1, "reduce_scatter_tensor": LAYERS + 1}
-    resharded = spmd_aot.build(JOB, world_size=2, placement="shard", cache_dir=tmp_path)
+    _, resharded = shard_build
     assert resharded.stats["peak_bytes"] < built.stats["peak_bytes"]
 
 
@@ -135,9 +150,8 @@ def _compute_ops(nodes):
     return [n for n in nodes if getattr(n.target, "__name__", "").split(".")[0] in ("mm", "addmm", "bmm")]
 
 
-def test_next_group_is_gathered_while_the_current_one_computes(tmp_path):
-    built = spmd_aot.build(JOB, world_size=2, placement="shard", cache_dir=tmp_path)
-    gm, colls = _collectives(tmp_path, built)
+def test_next_group_is_gathered_while_the_current_one_computes(shard_build):
+    gm, colls = _collectives(*shard_build)
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     gathers = [n for kind, n in colls if kind == "all_gather_into_tensor"]
@@ -191,7 +205,7 @@ def _reads(node, source):
 STEPS = 3
 
 
-def _parity_worker(rank, world, cache_dir, variants):
+def _parity_worker(rank, world, caches, variants):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -211,19 +225,33 @@ def _parity_worker(rank, world, cache_dir, variants):
         torch.manual_seed(0)
         model = _model()
         optim = _optim(model)
-        fn = spmd_aot.compile(train_step, cache_dir=f"{cache_dir}/{name}", placement="shard", **options)
+        fn = spmd_aot.compile(train_step, cache_dir=caches[name], placement="shard", **options)
         losses = [fn(model, optim, _batch(rank, s)).detach() for s in range(STEPS)]
-        out[name] = features.max_diffs(ref, ref_optim, model, optim, ref_losses, losses)
+        out[name] = features.max_diffs(ref, ref_optim, model, optim, ref_losses, losses), fn.cache_info.hit
     return out
 
 
-@pytest.mark.parametrize("world,variants", [
-    (2, {"shard": {}, "custom_groups_kept": {"shard_groups": ("blocks.*.mlp.*", "blocks.*"),
-                                             "reshard_after_forward": False}}),
-    (4, {"hsdp": {"mesh_shape": (2, 2)}}),
-])
-def test_grouped_shard_matches_fsdp2_per_block(tmp_path, world, variants):
-    results = run_ranks(_parity_worker, world, str(tmp_path), variants, timeout=400)
-    for rank, per_rank in enumerate(results):
-        for name, diffs in per_rank.items():
-            assert max(diffs.values()) <= 1e-5, f"rank {rank} {name}: {diffs}"
+PARITY_VARIANTS = {
+    2: {"shard": {}, "custom_groups_kept": {"shard_groups": ("blocks.*.mlp.*", "blocks.*"),
+                                            "reshard_after_forward": False}},
+    4: {"hsdp": {"mesh_shape": (2, 2)}},
+}
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory, shard_build, hsdp_build):
+    """world -> per-rank {variant: (diffs, cache hit)}; both worlds' ranks run at the same time.
+    "shard" and "hsdp" load the artifacts built above (offline, as CI would); the job that keeps
+    its parameters traces its own at the first call."""
+    caches = {"shard": str(shard_build[0]), "hsdp": str(hsdp_build[0]),
+              "custom_groups_kept": str(tmp_path_factory.mktemp("custom_groups_kept"))}
+    launches = [(_parity_worker, world, caches, variants) for world, variants in PARITY_VARIANTS.items()]
+    return dict(zip(PARITY_VARIANTS, run_launches(*launches, timeout=400)))
+
+
+@pytest.mark.parametrize("world,variant", [(w, v) for w, vs in PARITY_VARIANTS.items() for v in vs])
+def test_grouped_shard_matches_fsdp2_per_block(parity, world, variant):
+    for rank, per_rank in enumerate(parity[world]):
+        diffs, hit = per_rank[variant]
+        assert max(diffs.values()) <= 1e-5, f"rank {rank} {variant}: {diffs}"
+        assert hit == (variant != "custom_groups_kept"), f"rank {rank} {variant}: cache hit {hit}"

@@ -4,8 +4,9 @@
   bytes, one blob's bytes under another's name): every load raises CorruptArtifactError.
 * Crafted graphs that name dangerous callables or smuggle code into names: the manifest and
   every blob hash correctly, so the op allowlist is the only thing that can refuse them.
-* Fuzzing: 2000+ structurally mutated manifests and graph docs; the loaders may accept a
-  harmless mutation or refuse with an ``SpmdAotError``, never raise anything else.
+* Fuzzing: 1600 structurally mutated manifests and graph docs (``tools/fuzz_artifacts.py``:
+  as many as you like); the loaders may accept a harmless mutation or refuse with an
+  ``SpmdAotError``, never raise anything else.
 * Signing (``SPMD_AOT_SIGNING_KEY``): unsigned, wrongly signed and modified manifests refused.
 """
 
@@ -340,9 +341,13 @@ class FuzzTally:
             self.accepted += 1
 
 
-def test_fuzzed_manifests_raise_only_spmd_aot_errors(store, built):
-    manifest = read_manifest(store, built[1])
-    rng = random.Random(7)
+# Rounds per run of the suite; ``tools/fuzz_artifacts.py`` runs the same fuzzers for thousands
+# of rounds from any seed.
+MANIFEST_ROUNDS, GRAPH_ROUNDS = 400, 1200
+
+
+def fuzz_manifests(store: LocalStore, manifest_digest: str, rounds: int, seed: int) -> FuzzTally:
+    """Mutated copies of a manifest through everything a job start reads from one."""
     tally = FuzzTally()
 
     def feed(data: bytes):
@@ -352,30 +357,40 @@ def test_fuzzed_manifests_raise_only_spmd_aot_errors(store, built):
         art = read_artifact(store, digest)
         art.plan, art.out_spec()  # what the runtime reads next
 
-    for data in _fuzz_inputs(rng, manifest, 1200):
+    for data in _fuzz_inputs(random.Random(seed), read_manifest(store, manifest_digest), rounds):
         tally.run(feed, data)
-    print(f"\nmanifest fuzz: {tally.tried} tried, {tally.refused} refused, {tally.accepted} accepted, "
-          f"{len(tally.foreign)} foreign exceptions")
-    # Most accepted mutations land in ingredient_values, free-form JSON shown in miss messages.
-    assert tally.tried >= 1000 and tally.refused >= tally.tried // 3
-    assert tally.foreign == [], "\n".join(tally.foreign[:10])
+    return tally
 
 
-def test_fuzzed_graphs_raise_only_spmd_aot_errors(store, built):
-    doc = _graph(store, built)
-    rng = random.Random(11)
+def fuzz_graphs(store: LocalStore, manifest_digest: str, rounds: int, seed: int) -> FuzzTally:
+    """Mutated copies of a graph doc through the decoder and ``Program``, then deep nestings."""
+    graph_bytes = store.get(read_manifest(store, manifest_digest)["blobs"]["graph"])
     tally = FuzzTally()
 
     def feed(data: bytes):
         Program(decode_graph(data, groups=GROUPS, device=CPU), {})
 
-    for data in _fuzz_inputs(rng, doc, 1200):
+    for data in _fuzz_inputs(random.Random(seed), _unpack(graph_bytes), rounds):
         tally.run(feed, data)
     for depth in (50, 200, 300):  # nesting the decoder and Program handle (deeper: see below)
-        tally.run(feed, _pack(_nested_arg_graph(_graph(store, built), depth)))
+        tally.run(feed, _pack(_nested_arg_graph(_unpack(graph_bytes), depth)))
+    return tally
+
+
+def test_fuzzed_manifests_raise_only_spmd_aot_errors(store, built):
+    tally = fuzz_manifests(store, built[1], MANIFEST_ROUNDS, seed=7)
+    print(f"\nmanifest fuzz: {tally.tried} tried, {tally.refused} refused, {tally.accepted} accepted, "
+          f"{len(tally.foreign)} foreign exceptions")
+    # Most accepted mutations land in ingredient_values, free-form JSON shown in miss messages.
+    assert tally.tried >= MANIFEST_ROUNDS * 5 // 6 and tally.refused >= tally.tried // 3
+    assert tally.foreign == [], "\n".join(tally.foreign[:10])
+
+
+def test_fuzzed_graphs_raise_only_spmd_aot_errors(store, built):
+    tally = fuzz_graphs(store, built[1], GRAPH_ROUNDS, seed=11)
     print(f"\ngraph fuzz: {tally.tried} tried, {tally.refused} refused, {tally.accepted} accepted, "
           f"{len(tally.foreign)} foreign exceptions")
-    assert tally.tried >= 1000 and tally.refused >= tally.tried // 2
+    assert tally.tried >= GRAPH_ROUNDS * 5 // 6 and tally.refused >= tally.tried // 2
     assert tally.foreign == [], "\n".join(tally.foreign[:10])
 
 

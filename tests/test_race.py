@@ -1,9 +1,9 @@
 """Races: builder processes released together on one key trace once and agree on the digest.
 
-A pool of 4 spawned worker processes (one torch import each) runs 3 rounds; in each round
-every worker waits on one barrier, then calls ``spmd_aot.build`` on the same small MLP job
-(world size 2) into that round's fresh cache dir. ``tools/stress_cache.py race`` runs the
-same code at 16 workers x 20 rounds (the suite keeps to a few, to stay quick on 2 CPUs).
+A pool of 4 worker processes (forked from the tests' torch-preloaded server) runs 3 rounds;
+in each round every worker waits on one barrier, then calls ``spmd_aot.build`` on the same
+small MLP job (world size 2) into that round's fresh cache dir. ``tools/stress_cache.py race``
+runs the same code at 16 workers x 20 rounds (the suite keeps to a few, to stay quick on 2 CPUs).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
 import stress_cache  # noqa: E402
 
+from multiproc import preloaded_context  # noqa: E402
 from spmd_aot.store import LocalStore  # noqa: E402
 
 WORKERS, ROUNDS = 4, 3
@@ -24,7 +25,7 @@ WORKERS, ROUNDS = 4, 3
 @pytest.fixture(scope="module")
 def race(tmp_path_factory):
     root = tmp_path_factory.mktemp("race")
-    return root, stress_cache.race_rounds(WORKERS, ROUNDS, root, timeout=120)
+    return root, stress_cache.race_rounds(WORKERS, ROUNDS, root, timeout=120, context=preloaded_context())
 
 
 def test_every_round_traces_once_and_agrees(race):

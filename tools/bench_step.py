@@ -229,9 +229,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def rank_context():
+    """How ranks start: spawned, fresh interpreters, so the environment ``run_world`` sets is
+    theirs from their first import (the tests' smoke run forks them from a torch-preloaded
+    server instead, to start quickly)."""
+    return mp.get_context("spawn")
+
+
 def run_world(world: int, configs: list[Config], s: Settings, cache_dir: str, timeout: float) -> list[dict]:
-    """Spawn ``world`` ranks (one process without a group at world 1); rank 0's rows."""
-    ctx = mp.get_context("spawn")
+    """Start ``world`` ranks (one process without a group at world 1); rank 0's rows."""
+    ctx = rank_context()
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, configs, s, cache_dir, results))

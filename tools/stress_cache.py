@@ -75,12 +75,16 @@ def _race_worker(index, tasks, results, barrier):
             results.put((index, round_no, (None, None, f"{type(exc).__name__}: {exc}")))
 
 
-def race_rounds(workers: int, rounds: int, root: pathlib.Path, timeout: float = 300.0):
-    """Run the race; returns one list per round of ``(traced, digest, error)`` per worker."""
+def race_rounds(workers: int, rounds: int, root: pathlib.Path, timeout: float = 300.0, context=None):
+    """Run the race; returns one list per round of ``(traced, digest, error)`` per worker.
+
+    ``context``: the multiprocessing context that starts the workers (default: spawn; the
+    tests pass one that forks them from a server with torch already imported).
+    """
     import multiprocessing as mp
     import queue as queue_mod
 
-    ctx = mp.get_context("spawn")
+    ctx = context or mp.get_context("spawn")
     results = ctx.Queue()
     barrier = ctx.Barrier(workers)
     tasks = [ctx.Queue() for _ in range(workers)]
