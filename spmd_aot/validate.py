@@ -17,6 +17,7 @@ overhead, once per load.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -99,6 +100,8 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
             env[i] = constants[node.target].to(_META)
         elif node.op == "call_function":
             args, kwargs = meta(node.args), meta(node.kwargs)
+            if kwargs.get("device") is None and _makes_tensors_on_a_device(node.target):
+                kwargs["device"] = _META  # no device: the default (CPU) would allocate for real
             tensors: list[torch.Tensor] = []
             storages: dict[int, int] = {}  # storage id -> index of the first tensor on it
             if any(isinstance(a, (list, tuple)) and len(a) > 16 for a in args):
@@ -122,6 +125,13 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
             _check_result(node, env[i], limit)
             if key is not None:
                 memo[key] = _describe(env[i], storages)
+
+
+@functools.lru_cache(maxsize=None)
+def _makes_tensors_on_a_device(op) -> bool:
+    """Factory ops (``full``, ``empty``, ``arange``, ...): their device is a keyword argument."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(a.name == "device" and a.kwarg_only for a in schema.arguments)
 
 
 def _fused_optimizer_step(*args, **kwargs) -> None:
