@@ -63,6 +63,21 @@ def compiled_run(model_name, optim_name, rank, world, steps, cache_dir, seed=0, 
     return model, optim, losses, step.cache_info
 
 
+def build_unsigned(cache_dir, model_name: str = "mlp", optim_name: str = "sgd", world_size: int = 2):
+    """``spmd_aot.build`` of a test job with no signing key set, whatever the caller's environment
+    (the trust-boundary tests tamper with unsigned artifacts)."""
+    import os
+
+    from spmd_aot import signing
+
+    saved = os.environ.pop(signing.ENV_SIGNING_KEY, None)
+    try:
+        return spmd_aot.build(make_job(model_name, optim_name), world_size=world_size, cache_dir=cache_dir)
+    finally:
+        if saved is not None:
+            os.environ[signing.ENV_SIGNING_KEY] = saved
+
+
 def ddp_bucket_count(model, cap_mb: float = 25.0, first_cap_mb: float = 1.0) -> int:
     """How many gradient buckets torch's DDP makes for ``model`` with these caps."""
     import torch.distributed as dist

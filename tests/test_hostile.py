@@ -8,7 +8,6 @@ nothing but meta kernels) and flagged by ``spmd-aot verify``.
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import msgpack
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 import spmd_aot
-from jobs import make_job
+from jobs import build_unsigned, make_job
 from spmd_aot import signing
 from spmd_aot.artifact import read_artifact, read_manifest
 from spmd_aot.cli import main as cli
@@ -35,13 +34,8 @@ def _pack(obj) -> bytes:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    saved = os.environ.pop(signing.ENV_SIGNING_KEY, None)
-    try:
-        cache = tmp_path_factory.mktemp("hostile-pristine")
-        result = spmd_aot.build(make_job("mlp", "sgd"), world_size=2, cache_dir=cache)
-    finally:
-        if saved is not None:
-            os.environ[signing.ENV_SIGNING_KEY] = saved
+    cache = tmp_path_factory.mktemp("hostile-pristine")
+    result = build_unsigned(cache)
     return cache, result.digest
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import os
 import random
 import shutil
 
@@ -23,7 +22,7 @@ import pytest
 import torch
 
 import spmd_aot
-from jobs import make_job
+from jobs import build_unsigned, make_job
 from spmd_aot import signing
 from spmd_aot.artifact import read_artifact, read_manifest
 from spmd_aot.errors import CorruptArtifactError, SpmdAotError, UnsafeArtifactError
@@ -52,13 +51,8 @@ def load(store: LocalStore, digest: str):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """(cache dir, manifest digest, {blob name: digest}) of an unsigned MLP build, world size 2."""
-    saved = os.environ.pop(signing.ENV_SIGNING_KEY, None)
-    try:
-        cache = tmp_path_factory.mktemp("pristine")
-        result = spmd_aot.build(make_job("mlp", "sgd"), world_size=2, cache_dir=cache)
-    finally:
-        if saved is not None:
-            os.environ[signing.ENV_SIGNING_KEY] = saved
+    cache = tmp_path_factory.mktemp("pristine")
+    result = build_unsigned(cache)
     blobs = read_manifest(LocalStore(cache), result.digest)["blobs"]
     return cache, result.digest, {"manifest": result.digest, **blobs}
 

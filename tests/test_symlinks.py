@@ -17,9 +17,7 @@ import time
 
 import pytest
 
-import spmd_aot
-from jobs import make_job
-from spmd_aot import signing
+from jobs import build_unsigned
 from spmd_aot.artifact import read_artifact, read_manifest
 from spmd_aot.cli import main as cli
 from spmd_aot.errors import SpmdAotError
@@ -31,13 +29,8 @@ OLD = time.time() - 7200  # older than clean_tmp's hour
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
-    saved = os.environ.pop(signing.ENV_SIGNING_KEY, None)
-    try:
-        cache = tmp_path_factory.mktemp("links") / "cache"
-        result = spmd_aot.build(make_job("mlp", "sgd"), world_size=2, cache_dir=cache)
-    finally:
-        if saved is not None:
-            os.environ[signing.ENV_SIGNING_KEY] = saved
+    cache = tmp_path_factory.mktemp("links") / "cache"
+    result = build_unsigned(cache)
     store = LocalStore(cache)
     touch_used(store, result.key)
     return cache, result.key, result.digest
