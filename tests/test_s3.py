@@ -25,7 +25,7 @@ from spmd_aot.store.transfer import artifact_blobs  # noqa: E402
 from store_contract import check_store_contract  # noqa: E402
 
 from jobs import fresh_objects, make_batch, make_job  # noqa: E402
-from multiproc import run_ranks  # noqa: E402
+from multiproc import free_port, run_ranks  # noqa: E402
 
 BUCKET = "spmd-aot-test"
 _ENV = {
@@ -35,17 +35,11 @@ _ENV = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A moto S3 server in a separate process on a free port; the environment points at it
     (spawned ranks inherit it)."""
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
