@@ -15,6 +15,7 @@ from torch import nn
 
 import spmd_aot
 from spmd_aot.artifact import read_artifact
+from spmd_aot.examples.models import train_step as step  # the canonical step: token cross-entropy
 from spmd_aot.store import LocalStore
 from spmd_aot.tensor_parallel import TP_STYLES
 from multiproc import run_ranks
@@ -91,16 +92,6 @@ OPTIMIZERS = {
     "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
     "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
 }
-
-
-def step(model, optim, batch):
-    x, y = batch
-    logits = model(x)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 def make_batch(dp_rank: int = 0, s: int = 0):
