@@ -322,22 +322,23 @@ def _mesh_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _param_placement(text: str) -> tuple[str, str]:
-    pattern, sep, placement = text.rpartition("=")
-    if not sep or not pattern or placement not in PLACEMENTS:
+def _pattern_pair(text: str, what: str, choices) -> tuple[str, str]:
+    """``PATTERN=VALUE`` (the last ``=`` splits) with VALUE one of ``choices``."""
+    pattern, sep, value = text.rpartition("=")
+    if not sep or not pattern or value not in choices:
         raise argparse.ArgumentTypeError(
-            f"expected PATTERN=PLACEMENT with PLACEMENT one of {', '.join(PLACEMENTS)}, got {text!r}")
-    return pattern, placement
+            f"expected PATTERN={what} with {what} one of {', '.join(choices)}, got {text!r}")
+    return pattern, value
+
+
+def _param_placement(text: str) -> tuple[str, str]:
+    return _pattern_pair(text, "PLACEMENT", PLACEMENTS)
 
 
 def _tp_style(text: str) -> tuple[str, str]:
     from .tensor_parallel import TP_STYLES
 
-    pattern, sep, style = text.rpartition("=")
-    if not sep or not pattern or style not in TP_STYLES:
-        raise argparse.ArgumentTypeError(
-            f"expected PATTERN=STYLE with STYLE one of {', '.join(TP_STYLES)}, got {text!r}")
-    return pattern, style
+    return _pattern_pair(text, "STYLE", TP_STYLES)
 
 
 def _plan(args, world_size: int, placement: str):
