@@ -25,7 +25,7 @@ from .lookup import find_entry
 from .memory import graph_peak_bytes
 from .numpy_absent import numpy_lookups_skipped
 from .override import Override, swapped_submodules
-from .passes import (collective_stats, dedupe_collectives, prefetch_groups,
+from .passes import (collective_stats, dedupe_collectives, fold_views, prefetch_groups,
                      remove_detach, sink_waits, strip_profiler_ops)
 from .plan import Plan
 from .state import TrainState
@@ -73,6 +73,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
         if transforms.gm_transformation is not None:
             gm = _checked(transforms.gm_transformation(gm), gm, "gm_transformation")
     sink_waits(gm)  # after user transformations too: they may add collectives
+    fold_views(gm)  # last: the passes above add views too
     gm.recompile()  # passes edit gm.graph only; the stored code is generated once, here
     traced.gm = gm
     stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm, traced.gradient_collectives),

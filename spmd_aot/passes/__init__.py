@@ -4,10 +4,10 @@ Passes edit ``gm.graph`` and never call ``gm.recompile()``: generating Python co
 70B-shaped step's graph (35k nodes) takes seconds, so the pipeline does it once, at the end."""
 
 from .buckets import bucket_gradient_all_reduces
-from .cleanup import remove_detach, strip_profiler_ops
+from .cleanup import fold_views, remove_detach, strip_profiler_ops
 from .collectives import collective_stats, dedupe_collectives, is_collective
 from .prefetch import prefetch_groups
 from .schedule import sink_waits
 
-__all__ = ["strip_profiler_ops", "remove_detach", "collective_stats", "dedupe_collectives", "is_collective",
+__all__ = ["strip_profiler_ops", "remove_detach", "fold_views", "collective_stats", "dedupe_collectives", "is_collective",
            "bucket_gradient_all_reduces", "prefetch_groups", "sink_waits"]

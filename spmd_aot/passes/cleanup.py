@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["strip_profiler_ops", "remove_detach"]
+__all__ = ["strip_profiler_ops", "remove_detach", "fold_views"]
 
 
 def strip_profiler_ops(gm: torch.fx.GraphModule) -> int:
@@ -37,4 +37,49 @@ def remove_detach(gm: torch.fx.GraphModule) -> int:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             removed += 1
+    return removed
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _meta(node) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def fold_views(gm: torch.fx.GraphModule) -> int:
+    """Drop views that change nothing and collapse chains of views into one.
+
+    Expanding DTensor at the parameter boundary leaves two ``view(p, p.shape)`` per parameter
+    and use, and bucketing flattens and reshapes every gradient: on a small model about half the
+    step's ops are views, each an op call the loaded step pays for every step. Under ``no_grad``
+    ``view(x, x.shape)`` is ``x`` (same storage, sizes and strides), and on a contiguous ``x``
+    ``view(view(x, a), b)`` is ``view(x, b)``. A view the step returns is kept, so an output
+    is never the very tensor object of an input. Returns how many view nodes were removed.
+    """
+    graph = gm.graph
+    outputs = set(graph.output_node().all_input_nodes) if any(n.op == "output" for n in graph.nodes) else set()
+    removed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _VIEWS or node in outputs:
+            continue
+        source, out = node.args[0], _meta(node)
+        src = _meta(source)
+        if src is None or out is None:
+            continue
+        if tuple(src.shape) == tuple(out.shape) and src.stride() == out.stride():
+            node.replace_all_uses_with(source)
+            graph.erase_node(node)
+            removed += 1
+            continue
+        # view(view(x, a), b) -> view(x, b) on a contiguous x; the inner one goes when unused
+        if isinstance(source, torch.fx.Node) and source.op == "call_function" and source.target in _VIEWS:
+            base = source.args[0]
+            base_val = _meta(base)
+            if base_val is not None and base_val.is_contiguous():
+                node.args = (base,) + tuple(node.args[1:])
+                if not source.users and source not in outputs:
+                    graph.erase_node(source)
+                    removed += 1
     return removed
