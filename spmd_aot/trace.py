@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
+from . import fused_meta
 from .errors import UnsupportedError
 from .expand import Expander
 from .groups import GroupGather, ParamGroup, assign_groups, resharding
@@ -125,7 +126,7 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
     where = _ModuleStack()
     gradient_collectives: dict[str, str] = {}
     try:
-        with _without_grad() if forward_only else contextlib.nullcontext():
+        with _without_grad() if forward_only else contextlib.nullcontext(), fused_meta.registered():
             gm = make_fx(flat_step, tracing_mode="fake")(*inputs)
     except UnsupportedError:
         raise

@@ -25,6 +25,7 @@ import torch
 import torch.distributed._functional_collectives  # noqa: F401  (meta kernels of the collectives)
 
 from .errors import CorruptArtifactError, UnsafeArtifactError
+from .fused_meta import FUSED_STEPS, check_lists
 from .limits import LoadLimits, load_limits
 from .serialize import DecodedNode, Ref
 
@@ -134,26 +135,7 @@ def _makes_tensors_on_a_device(op) -> bool:
     return schema is not None and any(a.name == "device" and a.kwarg_only for a in schema.arguments)
 
 
-def _fused_optimizer_step(*args, **kwargs) -> None:
-    """Meta stand-in for fused optimizer steps torch has no meta kernel for: they update
-    parallel tensor lists in place and create nothing, so check that the lists line up."""
-    lists = [a for a in args if isinstance(a, (list, tuple))]
-    params = lists[0]
-    for other in lists[1:]:
-        if len(other) not in (0, len(params)):
-            raise ValueError(f"tensor lists of lengths {len(params)} and {len(other)}")
-        for p, t in zip(params, other):
-            if not isinstance(t, torch.Tensor) or (t.shape != p.shape and t.numel() != 1):
-                raise ValueError(f"a state tensor of shape {getattr(t, 'shape', t)} for a parameter "
-                                 f"of shape {tuple(p.shape)}")
-    for value in kwargs.values():
-        if isinstance(value, torch.Tensor) and value.numel() != 1:
-            raise ValueError(f"a scalar argument is a tensor of shape {tuple(value.shape)}")
-
-
-_STANDINS = {op: _fused_optimizer_step for op in (
-    torch.ops.aten._fused_adamw_.tensor_lr, torch.ops.aten._fused_adam_.tensor_lr,
-    torch.ops.aten._fused_sgd_.tensor_lr, torch.ops.aten._fused_sgd_.default)}
+_STANDINS = dict.fromkeys(FUSED_STEPS, check_lists)  # fused steps torch has no meta kernel for
 
 
 def _signature(v, tensors: list, storages: dict[int, int]) -> Any:

@@ -35,7 +35,13 @@ def _job(optimizer):
     (1, "replicate", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False), None),
 ], ids=["adamw-default", "adamw-default-shard", "sgd-default", "sgd-default-shard", "adamw-foreach",
         "adamw-per-tensor"])
-def test_implementation_chosen_for_the_step(tmp_path, world, placement, optimizer, expected):
+def test_implementation_chosen_for_the_step(tmp_path, monkeypatch, world, placement, optimizer, expected):
+    def real_kernel_on_fake_tensors(mode, func, *args):
+        raise AssertionError(f"tracing ran {func} for real: a fake tensor op without a meta kernel "
+                             "allocates its real bytes (a 70B model's, for a fused AdamW step)")
+
+    import torch._subclasses.fake_tensor as fake_tensor
+    monkeypatch.setattr(fake_tensor, "run_fallback_kernel", real_kernel_on_fake_tensors)
     built = spmd_aot.build(_job(optimizer), world_size=world, placement=placement, cache_dir=tmp_path)
     ops = _optimizer_ops(tmp_path, built)
     fused = {n for n in ops if "_fused_" in n}
