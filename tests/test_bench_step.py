@@ -36,3 +36,40 @@ def test_quick_run_prints_a_row_per_configuration_and_writes_a_chart(tmp_path, m
     svg = ET.parse(chart).getroot()
     bars = [e for e in svg.iter("{http://www.w3.org/2000/svg}rect") if e.find("{http://www.w3.org/2000/svg}title") is not None]
     assert len(bars) == 2 * len(rows)  # loaded and eager side by side per configuration
+
+
+def test_profile_step_splits_communication_from_compute(monkeypatch, capsys):
+    """tools/profile_step.py: the four variants, with the loaded program's collectives skipped
+    in one of them (it reaches into ``Program``: this keeps it working)."""
+    monkeypatch.syspath_prepend(TOOLS)
+    import bench_step
+    import profile_step
+
+    monkeypatch.setattr(bench_step, "rank_context", preloaded_context)
+    code = profile_step.main(["--world", "2", "--layers", "1", "--d-model", "16", "--seq", "8", "--batch", "2",
+                              "--steps", "1", "--blocks", "2", "--warmup", "1"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    variants = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")][1:]
+    assert variants == ["loaded", "eager", "local", "loaded-local"], out
+    assert "# communication per step: eager" in out
+
+
+def test_without_collectives_skips_every_collective_of_a_replicate_program(monkeypatch):
+    monkeypatch.syspath_prepend(TOOLS)
+    from profile_step import _without_collectives
+
+    import torch
+    from spmd_aot.program import Program
+    from spmd_aot.serialize import DecodedNode, Ref
+
+    c10d = torch.ops._c10d_functional
+    nodes = [DecodedNode("placeholder", "x", "x", (), {}),
+             DecodedNode("call_function", "mul", torch.ops.aten.mul.Tensor, (Ref(0), 2.0), {}),
+             DecodedNode("call_function", "reduce", c10d.all_reduce_.default, (Ref(1), "avg", "0"), {}),
+             DecodedNode("call_function", "wait", c10d.wait_tensor.default, (Ref(2),), {}),
+             DecodedNode("output", "output", "output", ([Ref(3)],), {})]
+    program = Program(nodes, {})
+    assert _without_collectives(program) == 2
+    out = program(torch.ones(3))  # no process group exists: a collective left in would fail
+    assert torch.equal(out[0], torch.full((3,), 2.0))

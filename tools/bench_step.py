@@ -236,12 +236,14 @@ def rank_context():
     return mp.get_context("spawn")
 
 
-def run_world(world: int, configs: list[Config], s: Settings, cache_dir: str, timeout: float) -> list[dict]:
-    """Start ``world`` ranks (one process without a group at world 1); rank 0's rows."""
+def run_world(world: int, configs: list, s: Settings, cache_dir: str, timeout: float, rank_main=None) -> list:
+    """Start ``world`` ranks (one process without a group at world 1); rank 0's result.
+    ``rank_main`` (default: this tool's) is called on every rank as ``rank_main(rank, world,
+    port, configs, s, cache_dir, results)`` and puts ``(rank, "ok" | "error", value)``."""
     ctx = rank_context()
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, configs, s, cache_dir, results))
+    procs = [ctx.Process(target=rank_main or _rank_main, args=(r, world, port, configs, s, cache_dir, results))
              for r in range(world)]
     # A fresh inductor cache per world: "compile s" is a cold first step, not a disk-cache hit.
     child_env = dict(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONWARNINGS=QUIET,
