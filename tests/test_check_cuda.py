@@ -18,9 +18,10 @@ def _verdicts(out: str) -> list[str]:
 
 def test_every_check_passes_on_cpu_and_a_difference_fails(monkeypatch, capsys):
     monkeypatch.syspath_prepend(TOOLS)
+    import bench_step
     import check_cuda
 
-    monkeypatch.setattr(check_cuda, "rank_context", preloaded_context)
+    monkeypatch.setattr(bench_step, "rank_context", preloaded_context)
     code = check_cuda.main(SMALL)
     out = capsys.readouterr().out
     assert code == 0, out

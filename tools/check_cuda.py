@@ -27,7 +27,7 @@ into a temporary cache and leaves nothing behind).
 from __future__ import annotations
 
 import argparse
-import socket
+import os
 import statistics
 import sys
 import tempfile
@@ -40,10 +40,12 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import spmd_aot  # noqa: E402
 from spmd_aot.examples.models import Transformer, train_step  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_step as bench  # noqa: E402  (a sibling file: its rank launcher)
 
 VOCAB, HEADS, SEQ, BATCH = 256, 4, 64, 8
 
@@ -152,31 +154,20 @@ def _report(row: dict, tolerance: float, eager_name: str) -> bool:
     return ok
 
 
-def _rank_main(rank, world, port, args, cache_dir, results):
+def _rank_main(rank, world, port, args, _settings, cache_dir, results):
+    """One world-2 rank, started by ``bench_step.run_world`` (which passes ``args`` through)."""
     try:
         if args.device == "cuda":
             torch.cuda.set_device(rank)
         backend = "nccl" if args.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         rows = [check(p, world, rank, args, cache_dir) for p in ("replicate", "shard")]
-        results.put((rank, rows))
+        results.put((rank, "ok", rows))
     except BaseException as exc:  # report it; never leave the parent waiting
-        results.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def rank_context():
-    """How world-2 ranks start: spawned, fresh interpreters (CUDA cannot be forked into); the
-    tests fork them from a torch-preloaded server instead, on CPU."""
-    return mp.get_context("spawn")
 
 
 def main(argv=None) -> int:
@@ -216,31 +207,13 @@ def main(argv=None) -> int:
             return 0 if all_ok else 1
         for placement in ("replicate", "shard"):
             spmd_aot.build(job, world_size=2, placement=placement, device=args.device, cache_dir=cache_dir)
-        ctx = rank_context()
-        results = ctx.Queue()
-        port = _free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, 2, port, args, cache_dir, results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        got = {}
-        try:
-            for _ in procs:
-                rank, value = results.get(timeout=args.timeout)
-                got[rank] = value
-        except Exception:
-            print(f"FAIL world 2: ranks did not report within {args.timeout:.0f}s", flush=True)
-            all_ok = False
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-        for rank in sorted(got):
-            if isinstance(got[rank], str):
-                print(f"FAIL world 2 rank {rank}: {got[rank]}", flush=True)
-                all_ok = False
-        if isinstance(got.get(0), list):
-            for row in got[0]:
-                all_ok &= _report(row, args.tolerance, "DDP" if row["placement"] == "replicate" else "FSDP2")
+        try:  # spawned ranks (CUDA cannot be forked into), as bench_step starts them
+            rows = bench.run_world(2, args, None, cache_dir, args.timeout, rank_main=_rank_main)
+        except RuntimeError as exc:
+            print(f"FAIL world 2: {exc}", flush=True)
+            return 1
+        for row in rows:
+            all_ok &= _report(row, args.tolerance, "DDP" if row["placement"] == "replicate" else "FSDP2")
     return 0 if all_ok else 1
 
 
