@@ -10,7 +10,8 @@ interleaved blocks (the ratios are taken within each block, as in bench_step):
 
   loaded        the loaded step (``spmd_aot.compile(..., require_hit=True)``)
   eager         eager DDP (replicate) or FSDP2 (shard): the oracle
-  local         the same eager model and optimizer without DDP/FSDP2: eager compute, no communication
+  local         (world > 1) the same eager model and optimizer without DDP/FSDP2: eager compute,
+                no communication
   loaded-local  (replicate) the loaded program with its collectives and waits skipped: the loaded
                 step's compute alone (its results are not synchronized; timing only)
 
@@ -76,8 +77,9 @@ def _rank_main(rank, world, port, job, s, cache_dir, results):
         variants["loaded"] = lambda: step(model, optim, batch)
         eager, eager_optim = bench._eager_model(cfg, world, s)
         variants["eager"] = lambda: train_step(eager, eager_optim, batch)
-        local, local_optim = bench._model_and_optim(cfg, s)
-        variants["local"] = lambda: train_step(local, local_optim, batch)
+        if world > 1:  # at world 1 the eager oracle is already local
+            local, local_optim = bench._model_and_optim(cfg, s)
+            variants["local"] = lambda: train_step(local, local_optim, batch)
         if cfg.spmd_placement == "replicate" and world > 1:
             bare, bare_model, bare_optim = loaded()
             _without_collectives(bare._bound.program)
@@ -144,10 +146,12 @@ def main(argv=None) -> int:
                                         rank_main=_rank_main)
     median = {n: statistics.median(v) for n, v in times.items()}
     ratio = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b]))  # noqa: E731
-    print("| variant | ms/step | / eager | / local |")
-    print("|---|---|---|---|")
+    local = "local" in times
+    print("| variant | ms/step | / eager |" + (" / local |" if local else ""))
+    print("|---|---|---|" + ("---|" if local else ""))
     for name in times:
-        print(f"| {name} | {median[name]:.2f} | {ratio(name, 'eager'):.3f} | {ratio(name, 'local'):.3f} |")
+        print(f"| {name} | {median[name]:.2f} | {ratio(name, 'eager'):.3f} |"
+              + (f" {ratio(name, 'local'):.3f} |" if local else ""))
     if "loaded-local" in times:
         print(f"# communication per step: eager {median['eager'] - median['local']:.1f} ms "
               f"(eager - local), loaded {median['loaded'] - median['loaded-local']:.1f} ms "
