@@ -82,11 +82,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _max_difference(a_model, a_optim, b_model, b_optim) -> float:
-    """Largest absolute difference over parameters and optimizer state (whole values)."""
+    """Largest absolute difference over parameters and optimizer state (whole values); inf when
+    a parameter's state is missing on either side (after a step, AdamW has state for each)."""
     worst = 0.0
     for p, q in zip(a_model.parameters(), b_model.parameters()):
         worst = max(worst, (_full(p) - _full(q)).abs().max().item())
         sa, sb = a_optim.state.get(p, {}), b_optim.state.get(q, {})
+        if not sa or set(sa) != set(sb):  # a state not found is a failed comparison, not a pass
+            return float("inf")
         for k in sorted(sa):
             if isinstance(sa[k], torch.Tensor) and sa[k].dim() > 0:
                 worst = max(worst, (_full(sa[k]) - _full(sb[k])).abs().max().item())
