@@ -93,8 +93,19 @@ def _compile_call(index: int, node: DecodedNode, unpack: Sequence[tuple[int, int
     fn = getattr(node.target, "_op", node.target)  # the C++ handle behind an OpOverload
     if not _has_ref(node.kwargs):
         return (fn, index, _gatherer(node.args), node.kwargs, tuple(unpack), tuple(frees))
+    if all(isinstance(v, Ref) or not _has_ref(v) for v in node.kwargs.values()):
+        # a kwarg that is a value (``mm.out(a, b, out=bucket_slice)``): gathered like the args
+        gather, constant = _gatherer(node.args), {k: v for k, v in node.kwargs.items() if not isinstance(v, Ref)}
+        refs = [(k, v.index) for k, v in node.kwargs.items() if isinstance(v, Ref)]
 
-    def with_kwargs(env, _f=fn, _a=node.args, _kw=node.kwargs):  # rare: a kwarg reads a value
+        def value_kwargs(env, _f=fn):
+            kwargs = constant.copy()
+            for k, i in refs:
+                kwargs[k] = env[i]
+            return _f(*gather(env), **kwargs)
+        return (value_kwargs, index, lambda env: (env,), {}, tuple(unpack), tuple(frees))
+
+    def with_kwargs(env, _f=fn, _a=node.args, _kw=node.kwargs):  # rare: a kwarg holds values deeper
         return _f(*_materialize(_a, env), **_materialize(_kw, env))
     return (with_kwargs, index, lambda env: (env,), {}, tuple(unpack), tuple(frees))
 

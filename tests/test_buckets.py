@@ -143,3 +143,27 @@ def test_a_gradient_read_before_its_bucket_is_complete_keeps_its_own_all_reduce(
     bucket_gradient_all_reduces(apart, 25.0, 25.0)
     assert kinds(apart).count(torch.ops._c10d_functional.all_reduce.default) == 2
     apart.graph.lint()
+
+
+def test_weight_gradients_are_written_straight_into_their_bucket(small_buckets):
+    """Every weight gradient (a matmul's output) is computed into its slice of the bucket, so no
+    bucket is copied in whole; the other gradients (biases, norms, embeddings) are copied in."""
+    cache, built = small_buckets
+    nodes = _artifact(cache, built).check()
+    by_target = {}
+    for n in nodes:
+        if n.op == "call_function":
+            by_target.setdefault(str(n.target), []).append(n)
+    weights = [p for name, p in MODELS["transformer"]().named_parameters()
+               if p.ndim == 2 and not name.startswith(("tok", "pos"))]
+    written = by_target.get("aten.mm.out", [])
+    assert len(written) == len(weights)
+    index = {n.name: i for i, n in enumerate(nodes)}
+    for n in written:  # out= is a view of a slice of a fresh flat buffer that an all_reduce_ reduces
+        view = nodes[n.kwargs["out"].index]
+        sliced = nodes[view.args[0].index]
+        flat = nodes[sliced.args[0].index]
+        assert (str(view.target), str(sliced.target), str(flat.target)) == (
+            "aten.view.default", "aten.slice.Tensor", "aten.empty.memory_format")
+        reducers = [m for m in by_target["_c10d_functional.all_reduce_.default"] if m.args[0].index == index[flat.name]]
+        assert len(reducers) == 1 and index[reducers[0].name] > index[n.name]
