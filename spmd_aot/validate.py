@@ -116,6 +116,7 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
             if known is not None:  # same op on the same metadata: same (already checked) result
                 env[i] = _rebuild(known, tensors)
                 continue
+            written = [(t, _geometry(t)) for t in _written_tensors(node.target, args, kwargs)]
             try:
                 run = _STANDINS.get(node.target, node.target)
                 env[i] = run(*args, **kwargs)
@@ -123,9 +124,34 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
                 raise CorruptArtifactError(
                     f"node {node.name} ({_name(node.target)}) cannot run on the artifact's layout: "
                     f"{type(exc).__name__}: {str(exc)[:300]}") from None
+            for t, before in written:
+                if _geometry(t) != before:  # e.g. ``mm.out`` into a wrongly shaped ``out`` resizes it
+                    raise UnsafeArtifactError(
+                        f"node {node.name} ({_name(node.target)}) changes the shape or strides of a tensor "
+                        f"it writes, from {before} to {_geometry(t)}")
             _check_result(node, env[i], limit)
             if key is not None:
                 memo[key] = _describe(env[i], storages)
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.storage_offset()
+
+
+def _written_tensors(op, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op writes (schema ``(a!)``): it may change their values, never their
+    geometry, which is what the checks of later nodes rely on (ops that change geometry in
+    place are refused by name: allowlist.REFUSED)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for pos, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[pos] if pos < len(args) else kwargs.get(arg.name)
+        out += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor)]
+    return out
 
 
 @functools.lru_cache(maxsize=None)

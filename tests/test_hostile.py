@@ -212,6 +212,25 @@ def test_meta_check_catches_a_view_past_its_storage():
     check_graph(nodes, {}, layout)  # inside the storage: fine
 
 
+
+def test_meta_check_refuses_an_op_that_resizes_the_tensor_it_writes():
+    """``mm.out`` (allowed: buckets write weight gradients with it) into a wrongly shaped ``out``
+    would resize ``out`` in place; later checks assume written tensors keep their geometry."""
+    def nodes(out_shape):
+        layout = [{"local_shape": [4, 8], "dtype": "float32"}, {"local_shape": [8, 16], "dtype": "float32"},
+                  {"local_shape": out_shape, "dtype": "float32"}]
+        graph = [DecodedNode("placeholder", n, n, (), {}) for n in "abo"] + [
+            DecodedNode("call_function", "mm", torch.ops.aten.mm.out, (Ref(0), Ref(1)), {"out": Ref(2)}),
+            DecodedNode("output", "output", "output", ([Ref(3)],), {})]
+        return graph, layout
+
+    graph, layout = nodes([4, 16])
+    check_graph(graph, {}, layout)  # the shape it computes: fine
+    graph, layout = nodes([64, 64])
+    with pytest.warns(UserWarning, match="resized"), \
+            pytest.raises(UnsafeArtifactError, match=r"mm.out\) changes the shape or strides of a tensor it writes"):
+        check_graph(graph, {}, layout)
+
 # ---------------------------------------------------------------- manifests: exact bytes, explain
 
 def _widen_int(data: bytes, field: bytes) -> bytes:
