@@ -19,7 +19,7 @@ how:
   with one all_reduce.
 
 A "DTensor everywhere" trace re-reduces a Partial gradient at every use and fails on ordinary
-model code (masks from ``torch.ones``, CPU attention kernels); see shared/DESIGN.md.
+model code (masks from ``torch.ones``, CPU attention kernels).
 """
 
 from __future__ import annotations
