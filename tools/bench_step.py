@@ -148,6 +148,32 @@ def _sync(world: int) -> None:
         torch.distributed.barrier()
 
 
+def timed_blocks(variants: dict, blocks: int, steps: int, sync, last: dict | None = None) -> dict:
+    """Milliseconds per call of each variant (name -> zero-argument callable), one figure per
+    block: ``blocks`` rounds in which every variant makes ``steps`` calls, the order rotating
+    each round, each run framed by ``sync()`` (barriers, a device synchronize) so it ends when
+    the slowest rank does. ``last`` receives each variant's last return value."""
+    names = list(variants)
+    times = {name: [] for name in names}
+    for b in range(blocks):
+        for name in names[b % len(names):] + names[:b % len(names)]:
+            fn = variants[name]
+            sync()
+            start = time.perf_counter()
+            for _ in range(steps):
+                value = fn()
+            sync()
+            times[name].append((time.perf_counter() - start) / steps * 1000)
+            if last is not None:
+                last[name] = value
+    return times
+
+
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """The median over blocks of one variant's time over another's in the same block."""
+    return statistics.median(a / b for a, b in zip(numerators, denominators))
+
+
 def _measure(cfg: Config, s: Settings, cache_dir: str, rank: int, world: int) -> dict:
     batch = _batch(s, rank)
     variants = {}
@@ -162,7 +188,7 @@ def _measure(cfg: Config, s: Settings, cache_dir: str, rank: int, world: int) ->
         compiled_module = torch.compile(compiled_module)
         variants["compiled"] = lambda: train_step(compiled_module, compiled_optim, batch)
 
-    first_s, losses = {}, {}
+    first_s = {}
     for name, fn in variants.items():  # warm up; the first call binds, loads or compiles
         _sync(world)
         start = time.perf_counter()
@@ -171,18 +197,10 @@ def _measure(cfg: Config, s: Settings, cache_dir: str, rank: int, world: int) ->
         first_s[name] = time.perf_counter() - start
         for _ in range(s.warmup - 1):
             fn()
+    last = {}
+    times = timed_blocks(variants, s.blocks, s.steps, lambda: _sync(world), last)
     names = list(variants)
-    times = {name: [] for name in names}
-    for b in range(s.blocks):
-        for name in names[b % len(names):] + names[:b % len(names)]:
-            fn = variants[name]
-            _sync(world)
-            start = time.perf_counter()
-            for _ in range(s.steps):
-                loss = fn()
-            _sync(world)
-            times[name].append((time.perf_counter() - start) / s.steps * 1000)
-            losses[name] = float(loss.detach().float())
+    losses = {name: float(loss.detach().float()) for name, loss in last.items()}
     program = getattr(getattr(step, "_bound", None), "program", None)  # op count, if exposed
     row = dict(world=world, placement=cfg.placement, layers=cfg.layers, d_model=cfg.d_model,
                eager_kind=EAGER_NAME[cfg.placement], ops=getattr(program, "n_ops", None),
@@ -192,7 +210,7 @@ def _measure(cfg: Config, s: Settings, cache_dir: str, rank: int, world: int) ->
         row[f"{name}_ms"] = statistics.median(times[name])
         row[f"{name}_blocks_ms"] = times[name]
         if name != "eager":
-            row[f"{name}_ratio"] = statistics.median(v / e for v, e in zip(times[name], times["eager"]))
+            row[f"{name}_ratio"] = median_ratio(times[name], times["eager"])
     if s.with_compile:
         row["compile_s"] = first_s["compiled"]
         torch._dynamo.reset()  # the next configuration compiles from scratch

@@ -132,20 +132,11 @@ def check(placement: str, world: int, rank: int, args, cache_dir: str) -> dict:
     for fn in variants.values():
         for _ in range(2):
             fn()
-    times = {name: [] for name in variants}
-    names = list(variants)
-    for b in range(args.blocks):
-        for name in names[b % 2:] + names[:b % 2]:
-            _sync(device, world)
-            start = time.perf_counter()
-            for _ in range(args.timed_steps):
-                variants[name]()
-            _sync(device, world)
-            times[name].append((time.perf_counter() - start) / args.timed_steps * 1000)
+    times = bench.timed_blocks(variants, args.blocks, args.timed_steps, lambda: _sync(device, world))
     return dict(placement=placement, world=world, hit=step.cache_info.hit, loss_diff=max(losses),
                 param_diff=param_diff, loaded_ms=statistics.median(times["loaded"]),
                 eager_ms=statistics.median(times["eager"]),
-                ratio=statistics.median(a / b for a, b in zip(times["loaded"], times["eager"])))
+                ratio=bench.median_ratio(times["loaded"], times["eager"]))
 
 
 def _report(row: dict, tolerance: float, eager_name: str) -> bool:

@@ -27,7 +27,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step as bench  # noqa: E402  (a sibling file: the same model, batches and oracles)
@@ -88,16 +87,7 @@ def _rank_main(rank, world, port, job, s, cache_dir, results):
         for fn in variants.values():
             for _ in range(s.warmup):
                 fn()
-        names = list(variants)
-        times = {n: [] for n in names}
-        for b in range(s.blocks):
-            for name in names[b % len(names):] + names[:b % len(names)]:
-                bench._sync(world)
-                start = time.perf_counter()
-                for _ in range(s.steps):
-                    variants[name]()
-                bench._sync(world)
-                times[name].append((time.perf_counter() - start) / s.steps * 1000)
+        times = bench.timed_blocks(variants, s.blocks, s.steps, lambda: bench._sync(world))
         tables = {}
         if with_profile:
             from torch.profiler import ProfilerActivity, profile
@@ -145,7 +135,7 @@ def main(argv=None) -> int:
         times, tables = bench.run_world(args.world, (cfg, args.profile, args.rows), s, cache_dir, args.timeout,
                                         rank_main=_rank_main)
     median = {n: statistics.median(v) for n, v in times.items()}
-    ratio = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b]))  # noqa: E731
+    ratio = lambda a, b: bench.median_ratio(times[a], times[b])  # noqa: E731
     local = "local" in times
     print("| variant | ms/step | / eager |" + (" / local |" if local else ""))
     print("|---|---|---|" + ("---|" if local else ""))
