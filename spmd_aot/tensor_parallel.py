@@ -203,12 +203,18 @@ class SeqGatherInput(TPStyle):
         return type(module).forward(module, _GatherSeq.apply(x, tp, [fqn], "max"), *args, **kwargs)
 
 
-def style_for(tp_plan, fqn: str) -> TPStyle | None:
-    """The style of module ``fqn`` under ``tp_plan`` ((pattern, style name) pairs), or None."""
+def _first_match(tp_plan, fqn: str) -> tuple[str, str] | None:
+    """The (pattern, style name) pair of ``tp_plan`` that module ``fqn`` takes (first match wins)."""
     for pattern, name in tp_plan:
         if fnmatch.fnmatchcase(fqn, pattern):
-            return TP_STYLES[name]
+            return pattern, name
     return None
+
+
+def style_for(tp_plan, fqn: str) -> TPStyle | None:
+    """The style of module ``fqn`` under ``tp_plan`` ((pattern, style name) pairs), or None."""
+    match = _first_match(tp_plan, fqn)
+    return TP_STYLES[match[1]] if match else None
 
 
 def planned_modules(model: nn.Module, tp_plan) -> list[tuple[str, nn.Module, TPStyle]]:
@@ -216,11 +222,10 @@ def planned_modules(model: nn.Module, tp_plan) -> list[tuple[str, nn.Module, TPS
     module and modules a style cannot split."""
     found, used = [], set()
     for fqn, module in model.named_modules():
-        for pattern, name in tp_plan:
-            if fnmatch.fnmatchcase(fqn, pattern):
-                used.add(pattern)
-                found.append((fqn, module, TP_STYLES[name]))
-                break
+        match = _first_match(tp_plan, fqn)
+        if match:
+            used.add(match[0])
+            found.append((fqn, module, TP_STYLES[match[1]]))
     unused = [pattern for pattern, _ in tp_plan if pattern not in used]
     if unused:
         raise UnsupportedError(
