@@ -130,8 +130,6 @@ class SPMD(nn.Module):
             made = inputs()
             return tuple(made) if isinstance(made, (tuple, list)) else (made,)
 
-        if input_placements is None:
-            return Job(step=module_forward, model=model, optimizer=None, batch=global_inputs,
-                       global_batch=True)
+        # no placements: every input split on dim 0 (the default input placement, Shard(0))
         return Job(step=module_forward, model=model, optimizer=None, batch=global_inputs,
-                   batch_placements=input_placements)
+                   global_batch=input_placements is None, batch_placements=input_placements)
