@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .artifact import read_manifest
 from .errors import SpmdAotError
+from .fake_factories import fake_factories
 from .job import Job
 from .key import CacheKey, compute_key
 from .pipeline import Transforms, trace_and_store
@@ -100,7 +101,7 @@ def _fake_state(job: Job, plan: Plan, fake_mode: FakeTensorMode) -> TrainState:
             f"everything is traced on fake tensors); this torch {torch.__version__} is CPU-only, and "
             "its autograd cannot run on fake CUDA tensors. Install the CUDA wheel on the build box."
         )
-    with fake_mode:
+    with fake_factories(fake_mode):
         # Factories run on CPU (their init kernels need no accelerator), then the fake tensors
         # move to the target device: with a CUDA-enabled torch, a GPU-less box builds for CUDA.
         model, batch = job.model(), job.batch()
