@@ -366,12 +366,13 @@ class Fingerprinter:
         self._refuse(v, path)
 
     def _instance_state(self, v, path: str, depth: int) -> dict:
+        skip = _derived_attributes(type(v))
         state = {}
         if dataclasses.is_dataclass(v):
             for f in dataclasses.fields(v):
                 state[f.name] = self.of(getattr(v, f.name, None), f"{path}.{f.name}", depth)
         for name, value in sorted(getattr(v, "__dict__", {}).items()):
-            if name not in state:
+            if name not in state and name not in skip:
                 state[name] = self.of(value, f"{path}.{name}", depth)
         for name in _slot_names(type(v)):
             if name not in state:
@@ -470,6 +471,24 @@ class Fingerprinter:
             "where fn(obj) returns the values the step depends on (or None if none), at import "
             "time of the module that defines the model, so the build and the job both see it"
         )
+
+
+# Attributes that hold a digest of their object's other attributes, which are in the key
+# themselves: hashing them again adds nothing, and some are process-random. Each entry:
+# (module, class qualname) -> attribute names, with the reason. Any class in the MRO matches.
+_DERIVED_ATTRIBUTES: dict[tuple[str, str], frozenset] = {
+    # hash() of the config's JSON text: PYTHONHASHSEED makes it differ between processes, so it
+    # made every transformers model's key differ between ranks and between build and job.
+    ("transformers.generation.configuration_utils", "GenerationConfig"): frozenset({"_original_object_hash"}),
+}
+
+
+@functools.lru_cache(maxsize=1024)
+def _derived_attributes(cls: type) -> frozenset:
+    names = frozenset()
+    for klass in cls.__mro__:
+        names |= _DERIVED_ATTRIBUTES.get((klass.__module__, klass.__qualname__), frozenset())
+    return names
 
 
 def _slot_names(cls: type) -> list[str]:
