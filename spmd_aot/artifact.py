@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 import re
 from typing import Any
 
@@ -18,18 +19,24 @@ import msgpack
 import torch
 import torch.utils._pytree as pytree
 
-from . import signing
-from .errors import CorruptArtifactError, SpmdAotError
+from . import bounded, signing
+from .errors import CorruptArtifactError, SpmdAotError, UnsupportedError
 from .faults import crash_point
-from .key import FORMAT_VERSION, CacheKey
-from .limits import ENV_LOAD_LIMITS, load_limits
+from .guards import is_safe_path
+from .key import CacheKey
+from .limits import ENV_LOAD_LIMITS, LoadLimits, load_limits
 from .numpy_absent import numpy_lookups_skipped
 from .plan import Plan
 from .serialize import decode_graph, encode_graph, to_fx_graph
 from .state import Slot
 
 __all__ = ["Artifact", "encode_artifact", "store_artifact", "artifact_in_memory", "read_artifact", "read_manifest",
-           "layout_entries", "layout_mismatch"]
+           "layout_entries", "layout_mismatch", "pack_manifest", "check_entry", "FORMAT", "encode_spec", "decode_spec"]
+
+#: The artifact format (the manifest's ``format``; cache/README.md). 3: the manifest blob is an
+#: envelope whose header carries the signature (``signing``), and the output spec is spmd-aot's
+#: own (``encode_spec``), not torch's pytree JSON.
+FORMAT = 3
 
 _PARTS = ("graph", "code", "schema", "layout", "constants")
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
@@ -44,6 +51,7 @@ class Artifact:
     schema: dict
     layout: dict
     constants: dict[str, torch.Tensor]
+    spec: pytree.TreeSpec | None = None  # the decoded output spec (``read_artifact`` sets it)
 
     @property
     def plan(self) -> Plan:
@@ -92,10 +100,10 @@ class Artifact:
         return {name: t.to(device) for name, t in self.constants.items()}
 
     def out_spec(self) -> pytree.TreeSpec:
-        try:
-            return pytree.treespec_loads(self.layout["outputs"]["spec"])
-        except Exception as exc:
-            raise CorruptArtifactError(f"artifact {self.digest[:12]}: bad output spec: {exc}") from None
+        """The structure of the step's return value (decoded by ``decode_spec``: nothing imported)."""
+        if self.spec is None:
+            self.spec = decode_spec(self.layout["outputs"]["spec"], f"artifact {self.digest[:12]}")
+        return self.spec
 
 
 def encode_artifact(traced, key: CacheKey, plan: Plan, slots: list[Slot], stats: dict,
@@ -115,7 +123,7 @@ def encode_artifact(traced, key: CacheKey, plan: Plan, slots: list[Slot], stats:
         raise AssertionError(f"{len(placeholders)} graph inputs for {len(slots)} state slots")
     layout = {
         "inputs": layout_entries(slots, plan),
-        "outputs": {"spec": pytree.treespec_dumps(traced.out_spec),
+        "outputs": {"spec": encode_spec(traced.out_spec),
                     "constants": [[i, v] for i, v in sorted(traced.out_constants.items())],
                     "tensors": [_val_entry(v) for v in _output_vals(gm)]},
     }
@@ -142,7 +150,7 @@ def encode_artifact(traced, key: CacheKey, plan: Plan, slots: list[Slot], stats:
         "constants": save_safetensors(constants),
     }
     manifest = {
-        "format": FORMAT_VERSION,
+        "format": FORMAT,
         "key": key.key,
         "ingredients": key.ingredients,
         "ingredient_values": key.values,
@@ -152,8 +160,13 @@ def encode_artifact(traced, key: CacheKey, plan: Plan, slots: list[Slot], stats:
         "guards": guards if guards is not None else {"files": [], "distributions": [], "tensors": []},
         "previous": previous,
     }
-    blobs["manifest"] = _pack(manifest)
+    blobs["manifest"] = pack_manifest(manifest)
     return blobs
+
+
+def pack_manifest(manifest: dict) -> bytes:
+    """An (unsigned) manifest blob: the envelope header, then the canonical msgpack body."""
+    return signing.wrap(_pack(manifest))
 
 
 def store_artifact(store, key: str, blobs: dict[str, bytes]) -> str:
@@ -192,11 +205,12 @@ def artifact_in_memory(blobs: dict[str, bytes]):
 
 
 def _get(store, digest: str, limit: int, what: str) -> bytes:
-    """A blob's bytes, refused before reading when the store says it is larger than ``limit``."""
+    """A blob's bytes, refused before reading when the store says it is larger than ``limit``
+    (and the store's ``get`` reads at most ``limit`` bytes, whatever the file became since)."""
     size = None
     with contextlib.suppress(OSError, SpmdAotError):
         size = store.size(digest)
-    data = store.get(digest) if size is None or size <= limit else None
+    data = store.get(digest, limit=limit) if size is None or size <= limit else None
     if data is None or len(data) > limit:
         raise CorruptArtifactError(
             f"{what} blob {digest} is {size if data is None else len(data)} bytes, more than the load "
@@ -206,19 +220,20 @@ def _get(store, digest: str, limit: int, what: str) -> bytes:
 
 def read_manifest(store, digest: str) -> dict:
     """The validated manifest ``digest``; with a signing key set, only a correctly signed one."""
-    data = _get(store, digest, load_limits().part_bytes, "manifest")
-    manifest = _unpack(data, f"manifest {digest}")
+    limits = load_limits()
+    data = _get(store, digest, limits.part_bytes, "manifest")
+    body = signing.verified_body(data, digest)  # with a key set: before anything is decoded
+    manifest = _unpack(body, f"manifest {digest}", limits)
     if not isinstance(manifest, dict):
         raise CorruptArtifactError(f"manifest {digest}: not a map")
     try:
-        canonical = _pack(manifest) == data
+        canonical = _pack(manifest) == body
     except Exception:  # a value msgpack cannot encode back
         canonical = False
-    if not canonical:  # so the signature, computed over this encoding, covers the exact bytes
+    if not canonical:  # one manifest content, one blob (and one digest)
         raise CorruptArtifactError(
             f"manifest {digest} is not in canonical form (msgpack, shortest encodings, as spmd-aot writes "
             "it): another writer re-encoded it; refusing it. Rebuild the artifact.")
-    signing.verify_manifest(manifest, digest)  # before looking at any field
     _check_manifest(manifest, digest)
     return manifest
 
@@ -240,16 +255,32 @@ def read_artifact(store, digest: str) -> Artifact:
         code = parts["code"].decode()
     except UnicodeDecodeError:
         raise CorruptArtifactError(f"artifact {digest[:12]}: code blob is not UTF-8") from None
-    layout = _unpack(parts["layout"], f"layout of {digest[:12]}")
-    _check_layout(layout, digest)
+    layout = _unpack(parts["layout"], f"layout of {digest[:12]}", limits)
+    _check_layout(layout, digest, plan_from_manifest(manifest["plan"]).world_size)
     artifact = Artifact(digest, manifest, parts["graph"], code,
-                        _unpack(parts["schema"], f"schema of {digest[:12]}"), layout, constants)
+                        _unpack(parts["schema"], f"schema of {digest[:12]}", limits), layout, constants)
     artifact.out_spec()  # parse now: a bad spec is a corrupt artifact, not a failure mid-step
     return artifact
 
 
-def _check_layout(layout, digest: str) -> None:
-    """Every field the runtime reads, with its type (the blob's hash only proves who wrote it)."""
+def check_entry(store, key: str, digest: str) -> Artifact:
+    """Every check a load runs before it binds live state, for ``spmd-aot verify``: read and
+    verify every blob (``read_artifact``), the manifest must be of ``key`` (a ref or ``previous``
+    naming another key's manifest is refused), and the graph must pass ``Artifact.check``."""
+    artifact = read_artifact(store, digest)
+    if artifact.manifest["key"] != key:
+        raise CorruptArtifactError(f"ref {key[:64]} leads to manifest {digest[:12]}, which is the manifest "
+                                   f"of key {artifact.manifest['key'][:64]!r}")
+    artifact.check()
+    return artifact
+
+
+def _check_layout(layout, digest: str, world_size: int) -> None:
+    """Every field the runtime reads, with its type (the blob's hash only proves who wrote it).
+
+    Sizes are not taken on the layout's word: a global shape may hold at most ``world_size``
+    times its local shape's elements (load limits derive from it), and at load every shape is
+    compared with the live job's (``layout_mismatch``)."""
     def bad(why):
         raise CorruptArtifactError(f"artifact {digest[:12]}: layout {why}")
 
@@ -261,8 +292,14 @@ def _check_layout(layout, digest: str) -> None:
         for field, types in _LAYOUT_FIELDS.items():
             if not isinstance(entry.get(field), types):
                 bad(f"input {i} field {field!r} is {type(entry.get(field)).__name__}")
+        local, global_ = entry["local_shape"], entry.get("global_shape", entry["local_shape"])
+        if not (_is_shape(local) and _is_shape(global_)):
+            bad(f"input {i} has a shape that is not a list of at most 64 sizes")
+        if math.prod(global_) > math.prod(local) * world_size:
+            bad(f"input {i} ({str(entry['fqn'])[:80]}) claims global shape {global_}, more than "
+                f"{world_size} ranks x its local shape {local}")
     outputs = layout.get("outputs")
-    if not isinstance(outputs, dict) or not isinstance(outputs.get("spec"), str) \
+    if not isinstance(outputs, dict) or "spec" not in outputs \
             or not isinstance(outputs.get("constants"), list):
         bad("outputs must give a spec and a constants list")
     for item in outputs["constants"]:
@@ -274,6 +311,11 @@ def _check_layout(layout, digest: str) -> None:
 _LAYOUT_FIELDS = {"kind": str, "fqn": str, "local_shape": list, "dtype": str, "placement": list}
 
 
+def _is_shape(value) -> bool:
+    return (isinstance(value, list) and len(value) <= 64
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48 for d in value))
+
+
 def layout_mismatch(stored: list[dict], live: list[Slot], plan: Plan) -> str | None:
     """Describe the first difference between an artifact's inputs and the live state, or None."""
     if len(stored) != len(live):
@@ -282,11 +324,82 @@ def layout_mismatch(stored: list[dict], live: list[Slot], plan: Plan) -> str | N
                 f"the live job has {len(live)} {kinds([s.kind for s in live])}")
     for s, l in zip(stored, live):
         want = _slot_entry(l, plan)
-        for field in ("kind", "fqn", "local_shape", "dtype", "placement"):
-            if s.get(field) != want[field]:
+        for field in ("kind", "fqn", "local_shape", "global_shape", "dtype", "placement"):
+            if s.get(field) != _plain(want[field]):
                 return (f"input {want['fqn']} ({want['kind']}): expected {field} {s.get(field)} "
                         f"(from the artifact), got {want[field]}")
     return None
+
+
+def _plain(value):
+    """``value`` as msgpack gives it back (tuples become lists), to compare with stored data."""
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+# ---------------------------------------------------------------------------- output spec
+# What a step returns, as plain data: ["leaf"], ["none"], ["tuple", [children]], ["list",
+# [children]], ["dict", [keys], [children]] (str or int keys). Nothing else is written or read:
+# torch's own spec format names Python types, which its reader imports.
+_SPEC_TYPES = {tuple: "tuple", list: "list", dict: "dict", type(None): "none"}
+
+
+def encode_spec(spec: pytree.TreeSpec) -> list:
+    """A step's output ``TreeSpec`` -> the stored form; ``UnsupportedError`` for any other type."""
+    if spec.is_leaf():
+        return ["leaf"]
+    tag = _SPEC_TYPES.get(spec.type)
+    if tag is None:
+        raise UnsupportedError(
+            f"the step returns a {getattr(spec.type, '__qualname__', spec.type)}; a stored step may return "
+            "tensors and Python scalars nested in tuples, lists, dicts (str or int keys) and None only. "
+            "Return a dict or tuple instead")
+    children = [encode_spec(c) for c in spec.children_specs]
+    if tag == "none":
+        return ["none"]
+    if tag == "dict":
+        keys = list(spec.context)
+        if not all(isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool)) for k in keys):
+            raise UnsupportedError(f"the step returns a dict with keys {keys[:5]!r}; only str or int keys "
+                                   "can be stored")
+        return ["dict", keys, children]
+    return [tag, children]
+
+
+def decode_spec(stored, where: str, limits: LoadLimits | None = None) -> pytree.TreeSpec:
+    """The stored form -> a ``TreeSpec``, within ``limits.depth`` and ``limits.items`` nodes;
+    anything else is ``CorruptArtifactError``. Builds a skeleton of plain containers and lets
+    pytree take its structure: no type is ever looked up by name."""
+    limits = limits or load_limits()
+    count = 0
+
+    def bad(why):
+        raise CorruptArtifactError(f"{where}: bad output spec: {why}")
+
+    def build(node, depth):
+        nonlocal count
+        count += 1
+        if depth > limits.depth or count > limits.items:
+            bad(f"deeper than {limits.depth} levels or more than {limits.items} nodes")
+        if not isinstance(node, list) or not node or not isinstance(node[0], str):
+            bad(f"node {str(node)[:60]!r} is not a tagged list")
+        tag = node[0]
+        if tag == "leaf" and len(node) == 1:
+            return 0
+        if tag == "none" and len(node) == 1:
+            return None
+        if tag in ("tuple", "list") and len(node) == 2 and isinstance(node[1], list):
+            items = [build(c, depth + 1) for c in node[1]]
+            return tuple(items) if tag == "tuple" else items
+        if tag == "dict" and len(node) == 3 and isinstance(node[1], list) and isinstance(node[2], list) \
+                and len(node[1]) == len(node[2]):
+            keys = node[1]
+            if not all(isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool)) for k in keys) \
+                    or len(set(keys)) != len(keys):
+                bad("dict keys must be distinct strings or integers")
+            return dict(zip(keys, (build(c, depth + 1) for c in node[2])))
+        bad(f"unknown node {str(node)[:60]!r}")
+
+    return pytree.tree_structure(build(stored, 0))
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -367,11 +480,9 @@ def _pack(obj) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def _unpack(data: bytes, what: str):
-    try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:
-        raise CorruptArtifactError(f"{what} is not valid msgpack: {exc}") from None
+def _unpack(data: bytes, what: str, limits: LoadLimits):
+    """A stored document (manifest, layout, schema), decoded within ``limits`` (``bounded``)."""
+    return bounded.unpack(data, what, objects=limits.objects, max_array=limits.items, max_map=limits.items)
 
 
 def _check_manifest(m: Any, digest: str) -> None:
@@ -380,8 +491,8 @@ def _check_manifest(m: Any, digest: str) -> None:
 
     if not isinstance(m, dict):
         bad("not a map")
-    if m.get("format") != FORMAT_VERSION:
-        bad(f"format {m.get('format')!r}, this spmd-aot reads format {FORMAT_VERSION}; rebuild the artifact")
+    if m.get("format") != FORMAT:
+        bad(f"format {str(m.get('format'))[:20]!r}, this spmd-aot reads format {FORMAT}; rebuild the artifact")
     blobs = m.get("blobs")
     if not isinstance(blobs, dict) or set(blobs) != set(_PARTS):
         bad(f"blobs must name exactly {list(_PARTS)}")
@@ -437,3 +548,5 @@ def _check_guards(guards, bad) -> None:
                 bad(f"guards.{kind} entry {str(entry)[:80]!r} must be two non-empty strings")
             if kind != "distributions" and not _DIGEST.fullmatch(entry[1]):
                 bad(f"guards.{kind} entry {entry[0][:80]!r} has invalid digest {entry[1][:80]!r}")
+            if kind == "files" and not is_safe_path(entry[0]):
+                bad(f"guard file {entry[0][:80]!r} is not a plain relative path (absolute, empty parts or '..')")

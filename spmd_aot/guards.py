@@ -18,6 +18,13 @@ distribution or the tensor. Files are found by their path relative to the ``sys.
 that holds them (``mypkg/helpers.py``, ``transformers/models/llama/modeling_llama.py``), so a
 project checked out elsewhere or a virtualenv at another path still matches; paths themselves
 are never compared.
+
+Stored guard paths come from the cache, so checking one reads only what an import could run:
+a path must be relative with no ``.``/``..``/empty part, the file must resolve (links followed)
+to inside the ``sys.path`` entry it was found under (or be a loaded module's file), be a regular
+file (opened ``O_NONBLOCK``: a FIFO or device is refused, not waited on) and be at most
+``LoadLimits.guard_file_bytes`` (a larger one fails the guard). A path breaking those rules
+fails the guard too; ``artifact`` refuses a manifest holding one.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import os
+import stat
 import sys
 import sysconfig
 from typing import Iterator
@@ -34,8 +42,9 @@ from typing import Iterator
 import torch
 
 from .fingerprint import file_digest, is_installed_path
+from .limits import load_limits
 
-__all__ = ["recording_sources", "record", "check", "empty"]
+__all__ = ["recording_sources", "record", "check", "empty", "is_safe_path"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _EXAMPLES_DIR = os.path.join(_PACKAGE_DIR, "examples") + os.sep
@@ -155,11 +164,16 @@ def check(guards: dict, key) -> str | None:
             return (f"installed distribution {name} is {live or 'not installed'} here; the entry "
                     f"was traced with {name} {version}")
     for rel, digest in guards["files"]:
+        if not is_safe_path(rel):
+            return f"guard path {rel[:200]!r} is not a plain relative path (absolute, empty or with '..'): refused"
         candidates = _locate(rel)
         if not candidates:
             return f"{rel}, whose code ran while tracing, is not found here"
         for path in candidates:
-            if file_digest(path) != digest:
+            live, why = _guard_digest(path)
+            if why is not None:
+                return f"{rel}: {why}"
+            if live != digest:
                 return f"{rel} changed since the entry was traced (its code ran while tracing; now {path})"
     for path, digest in guards["tensors"]:
         t = key.tensors.get(path)
@@ -206,10 +220,58 @@ def _loaded_files() -> dict[str, list[str]]:
     return _INDEX[1]
 
 
+def is_safe_path(rel) -> bool:
+    """A guard path spmd-aot could have written: relative, ``/``-separated, no empty, ``.`` or
+    ``..`` part, no NUL, at most 4096 characters."""
+    return (isinstance(rel, str) and 0 < len(rel) <= 4096 and "\0" not in rel and not rel.startswith("/")
+            and all(part not in ("", ".", "..") for part in rel.split("/")))
+
+
+def _inside(path: str, root: str) -> str | None:
+    """``path`` with every link resolved, if that lies under ``root`` (also resolved); else None."""
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return real if real.startswith(top.rstrip(os.sep) + os.sep) else None
+
+
+_GUARD_DIGESTS: dict[str, tuple[tuple, str]] = {}
+
+
+def _guard_digest(path: str) -> tuple[str | None, str | None]:
+    """(sha256 of the file at ``path``, None), or (None, why it cannot guard): not a regular
+    file, unreadable, or larger than ``guard_file_bytes``. Memoized by inode, size, mtime, ctime."""
+    limit = load_limits().guard_file_bytes
+    real = os.path.realpath(path)
+    try:
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        return None, f"cannot be read here ({exc.strerror})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, f"{real} is not a regular file"
+        if st.st_size > limit:
+            return None, (f"{real} is {st.st_size} bytes, more than guard_file_bytes={limit} "
+                          "(SPMD_AOT_LOAD_LIMITS): not a source file spmd-aot hashes")
+        stamp = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        cached = _GUARD_DIGESTS.get(real)
+        if cached is not None and cached[0] == stamp:
+            return cached[1], None
+        h, left = hashlib.sha256(), limit + 1
+        while left > 0 and (chunk := os.read(fd, min(1 << 20, left))):
+            h.update(chunk)
+            left -= len(chunk)
+        if left <= 0:
+            return None, f"{real} grew past guard_file_bytes={limit} while it was read"
+        _GUARD_DIGESTS[real] = (stamp, h.hexdigest())
+        return h.hexdigest(), None
+    finally:
+        os.close(fd)
+
+
 def _locate(rel: str) -> list[str]:
-    """The live files ``rel`` can name: the module an import of that name gives (usually
-    loaded already), else every loaded module's file ending in it, else the first ``sys.path``
-    entry that holds it (where an import would find it)."""
+    """The live files ``rel`` (a safe path: ``is_safe_path``) can name: the module an import of
+    that name gives (usually loaded already), else every loaded module's file ending in it,
+    else the first ``sys.path`` entry that holds it inside itself (where an import would find it)."""
     name = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
     module = sys.modules.get(name)
     path = getattr(module, "__file__", None)
@@ -221,7 +283,8 @@ def _locate(rel: str) -> list[str]:
         return found
     for root in _roots():
         if os.path.isfile(root + rel):
-            return [root + rel]
+            inside = _inside(root + rel, root)
+            return [inside] if inside is not None else []
     return []
 
 

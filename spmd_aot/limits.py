@@ -2,8 +2,10 @@
 
 Reading a blob, decoding a graph and running its factory ops all cost memory in proportion
 to numbers an attacker with write access to the cache controls. These bounds are checked
-first: a blob's size before it is read, a graph's node count and nesting while it is
-decoded (one node at a time), and every tensor a graph would create before it runs
+first: a blob's size before it is read, every stored document's container lengths, string
+lengths and total object count while it is decoded (``bounded.py``: the decoder stops before
+allocating past them), a graph's node count and nesting, the work constant folding may do at
+load (``constant_fold.py``), and every tensor a graph would create before it runs
 (``validate.py``, on meta tensors). The defaults fit a Llama-70B-shaped AdamW step for 1024
 ranks with room to spare; ``SPMD_AOT_LOAD_LIMITS`` overrides any of them, e.g.
 ``SPMD_AOT_LOAD_LIMITS="graph_bytes=1G,nodes=4000000,tensor_factor=128"``.
@@ -30,6 +32,15 @@ class LoadLimits:
     nodes: int = 2_000_000  # graph nodes (a 70B AdamW step has ~40k)
     depth: int = 32  # nesting of argument values (traced graphs use 2 or 3)
     items: int = 1_000_000  # elements in one argument list or map
+    # Objects (containers plus their elements) one stored msgpack document may decode to: an
+    # empty container is one byte stored and ~70 bytes decoded, so bytes alone bound nothing.
+    # The graph may hold objects_per_node x nodes (a traced node decodes to ~12).
+    objects: int = 4_000_000
+    objects_per_node: int = 32
+    guard_file_bytes: int = 64 << 20  # a source file a guard hashes (larger: the guard fails)
+    # Constant folding at load: estimated multiply-adds of one folded op, and of all of them.
+    fold_op_flops: int = 1 << 26
+    fold_total_flops: int = 1 << 30
     # The largest tensor one op may create: tensor_factor x the largest tensor in the state
     # layout (activations), the whole global state (flat communication buffers), or
     # tensor_floor bytes, whichever is largest.

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import msgpack
 import torch
 
+from . import bounded
 from .allowlist import allowed_ops, refusal
 from .errors import CorruptArtifactError, UnsafeArtifactError
 from .limits import LoadLimits, load_limits
@@ -180,22 +181,45 @@ def decode_graph(data: bytes, *, groups: list[str], device: torch.device,
             f"graph blob is {len(data)} bytes, more than the load limit graph_bytes={limits.graph_bytes}; "
             "if the artifact is yours, raise it with SPMD_AOT_LOAD_LIMITS=graph_bytes=...")
     try:
-        return _Decoder(groups, device, limits).document(_unpacker(data, limits))
+        count, start = _header(data, limits)
+        nodes = _unpacker(memoryview(data)[start:], count, limits)
+        return _Decoder(groups, device, limits).document(nodes, count)
     except CorruptArtifactError:
         raise
     except Exception as exc:  # msgpack raises several types for garbage
         raise CorruptArtifactError(f"graph blob is malformed: {type(exc).__name__}: {exc}") from None
 
 
-def _unpacker(data: bytes, limits: LoadLimits) -> msgpack.Unpacker:
-    """A streaming reader: nodes are decoded one at a time, so memory follows the nodes kept,
-    not a second copy of the whole document."""
-    n = max(limits.items, limits.nodes)
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(len(data), 1),
-                                max_array_len=n, max_map_len=limits.items, max_str_len=len(data),
-                                max_bin_len=len(data), max_ext_len=0)
-    unpacker.feed(data)
-    return unpacker
+def _header(data: bytes, limits: LoadLimits) -> tuple[int, int]:
+    """(node count, offset of the first node) of ``{"format": 1, "nodes": [...]}``, in that order."""
+    reader = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(len(data), 1),
+                              max_str_len=16, max_bin_len=0, max_array_len=0, max_map_len=2, max_ext_len=0)
+    reader.feed(data)
+    if reader.read_map_header() != 2 or reader.unpack() != "format":
+        raise CorruptArtifactError("graph blob is not a map of format and nodes")
+    found = reader.unpack()
+    if found != GRAPH_FORMAT or isinstance(found, bool):
+        raise CorruptArtifactError(f"graph format is {str(found)[:40]!r}, expected {GRAPH_FORMAT}")
+    if reader.unpack() != "nodes":
+        raise CorruptArtifactError("graph blob has no node list after its format")
+    count = reader.read_array_header()
+    if count > limits.nodes:
+        raise CorruptArtifactError(
+            f"graph has {count} nodes, more than the load limit nodes={limits.nodes}; if the "
+            "artifact is yours, raise it with SPMD_AOT_LOAD_LIMITS=nodes=...")
+    return count, reader.tell()
+
+
+def _unpacker(data, count: int, limits: LoadLimits) -> msgpack.Unpacker:
+    """A streaming reader of the node list: nodes are decoded one at a time, so memory follows
+    the nodes kept, and all of them together may build at most ``objects_per_node`` objects
+    per declared node (``bounded``)."""
+    return bounded.unpacker(data, "graph blob", objects=limits.objects_per_node * count + 64,
+                            max_array=limits.items, max_map=_MAX_MAP, max_str=_MAX_STR)
+
+
+# A node map has 5 entries, a tagged value 1, kwargs at most one per schema argument.
+_MAX_MAP, _MAX_STR = 256, 1 << 16
 
 
 def to_fx_graph(nodes: list[DecodedNode]) -> torch.fx.Graph:
@@ -248,20 +272,8 @@ class _Decoder:
         self.index: dict[str, int] = {}
         self.targets: dict[str, Callable] = {}
 
-    def document(self, unpacker: msgpack.Unpacker) -> list[DecodedNode]:
-        """``{"format": 1, "nodes": [...]}``, in that order, and nothing after it."""
-        if unpacker.read_map_header() != 2 or unpacker.unpack() != "format":
-            raise CorruptArtifactError("graph blob is not a map of format and nodes")
-        found = unpacker.unpack()
-        if found != GRAPH_FORMAT or isinstance(found, bool):
-            raise CorruptArtifactError(f"graph format is {str(found)[:40]!r}, expected {GRAPH_FORMAT}")
-        if unpacker.unpack() != "nodes":
-            raise CorruptArtifactError("graph blob has no node list after its format")
-        count = unpacker.read_array_header()
-        if count > self.limits.nodes:
-            raise CorruptArtifactError(
-                f"graph has {count} nodes, more than the load limit nodes={self.limits.nodes}; if the "
-                "artifact is yours, raise it with SPMD_AOT_LOAD_LIMITS=nodes=...")
+    def document(self, unpacker: msgpack.Unpacker, count: int) -> list[DecodedNode]:
+        """The ``count`` nodes after the header, and nothing after them."""
         out = self.nodes(unpacker.unpack() for _ in range(count))
         try:
             unpacker.unpack()

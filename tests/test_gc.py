@@ -305,13 +305,13 @@ def test_manifest_stored_after_the_listing_keeps_the_parts_it_reuses(cache, monk
     """The race the gc stress test found: a build that re-uses existing part blobs (finds them
     intact, rewrites nothing) stores its manifest and ref after gc listed the blobs and before
     it read the refs. gc must read that manifest's parts, not delete them."""
-    import msgpack
+    from spmd_aot.artifact import pack_manifest, read_manifest
 
     from spmd_aot.store import gc as gc_module
 
     store, keys = cache
     old = store.get_ref(keys[0])
-    manifest = msgpack.unpackb(store.get(old), raw=False)
+    manifest = read_manifest(store, old)
     store.delete_ref(keys[0])  # its manifest and parts are now unreferenced
     calls = []
     real_busy = gc_module._BuildLocks.busy
@@ -320,7 +320,7 @@ def test_manifest_stored_after_the_listing_keeps_the_parts_it_reuses(cache, monk
         calls.append(1)
         if len(calls) == 2:  # the sweep: after the listing, before reading the refs
             manifest["stats"]["trace_seconds"] = 12.5  # a rebuild: new manifest, same parts
-            store.set_ref(keys[0], store.put(msgpack.packb(manifest, use_bin_type=True)))
+            store.set_ref(keys[0], store.put(pack_manifest(manifest)))
         return real_busy(self)
 
     monkeypatch.setattr(gc_module._BuildLocks, "busy", busy)

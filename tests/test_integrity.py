@@ -24,7 +24,7 @@ import torch
 import spmd_aot
 from jobs import build_unsigned, make_job
 from spmd_aot import signing
-from spmd_aot.artifact import read_artifact, read_manifest
+from spmd_aot.artifact import pack_manifest, read_artifact, read_manifest
 from spmd_aot.errors import CorruptArtifactError, SpmdAotError, UnsafeArtifactError
 from spmd_aot.program import Program
 from spmd_aot.serialize import decode_graph
@@ -117,7 +117,7 @@ def store_with_graph(store: LocalStore, manifest_digest: str, graph_doc: dict) -
     """Store ``graph_doc`` and a manifest naming it (blob digests all valid); its digest."""
     manifest = read_manifest(store, manifest_digest)
     manifest["blobs"]["graph"] = store.put(_pack(graph_doc))
-    return store.put(_pack(manifest))
+    return store.put(pack_manifest(manifest))
 
 
 def _graph(store, built) -> dict:
@@ -421,12 +421,12 @@ def signed(tmp_path, monkeypatch):
 
 def test_signed_artifact_loads_with_its_key_and_without_any(signed, monkeypatch):
     store, digest = signed
-    sig = _unpack(store.get(digest))["signature"]
-    assert sig["alg"] == "hmac-sha256" and len(sig["mac"]) == 64
+    kid, mac = signing.split(store.get(digest), "manifest")[0]
+    assert len(kid) == 16 and len(mac) == 64
     assert load(store, digest).n_ops > 0  # key-A is set
     monkeypatch.delenv(signing.ENV_SIGNING_KEY)
     assert load(store, digest).n_ops > 0  # no key: the signature is ignored
-    assert "signature" in read_manifest(store, digest)
+    assert "signature" not in read_manifest(store, digest)  # it sits beside the body, not in it
 
 
 def test_unsigned_artifact_refused_when_a_key_is_set(store, built, monkeypatch):
@@ -451,23 +451,30 @@ def test_wrong_key_refused(signed, monkeypatch):
 
 def test_modified_signed_manifest_refused(signed):
     store, digest = signed
-    manifest = _unpack(store.get(digest))
-    def flip_mac(m):
-        m["signature"]["mac"] = format(int(m["signature"]["mac"], 16) ^ 1, "064x")
+    data = store.get(digest)
+    (kid, mac), body = signing.split(data, "manifest")
+    header = data[: len(data) - len(body)]
+    manifest = _unpack(body)
 
-    cases = {  # each returns the forged manifest
-        "stats changed": lambda m: m["stats"].update(nodes=m["stats"]["nodes"] + 1) or m,
-        "graph swapped": lambda m: m["blobs"].update(graph=m["blobs"]["code"]) or m,
-        "mac bit flipped": lambda m: flip_mac(m) or m,
-        "fields reordered": lambda m: dict(reversed(list(m.items()))),
-        "signature removed": lambda m: m.pop("signature") and m,
-        "signature garbled": lambda m: m.update(signature="yes") or m,
+    def resigned(m):  # the original signature line over another body
+        return header + _pack(m)
+
+    cases = {  # each returns the forged manifest blob
+        "stats changed": lambda m: resigned(m["stats"].update(nodes=m["stats"]["nodes"] + 1) or m),
+        "graph swapped": lambda m: resigned(m["blobs"].update(graph=m["blobs"]["code"]) or m),
+        "mac bit flipped": lambda m: header.replace(mac.encode(), format(int(mac, 16) ^ 1, "064x").encode()) + body,
+        "fields reordered": lambda m: resigned(dict(reversed(list(m.items())))),
+        "signature removed": lambda m: signing.wrap(body),
+        "signed with another key": lambda m: signing.wrap(body, b"key-B"),
     }
     for name, mutate in cases.items():
-        forged = store.put(_pack(mutate(copy.deepcopy(manifest))))  # under its own digest
+        forged = store.put(mutate(copy.deepcopy(manifest)))  # under its own digest
         assert forged != digest
-        with pytest.raises(SignatureError, match="unsigned|mismatch|malformed"):
+        with pytest.raises(SignatureError, match="unsigned|mismatch"):
             read_manifest(store, forged)
+    garbled = store.put(data.replace(b"hmac-sha256", b"hmac-sha1", 1))
+    with pytest.raises(CorruptArtifactError, match="not a manifest"):
+        read_manifest(store, garbled)
 
 
 def test_bit_flips_in_a_signed_manifest_are_all_refused(signed, monkeypatch):
@@ -507,9 +514,8 @@ def test_tampered_graph_loads_unsigned_but_not_signed(signed, monkeypatch):
     node = next(n for n in doc["nodes"] if n["target"] == "aten::relu.default")
     node["target"] = "aten::neg.default"  # allowlisted, so only the signature can object
     manifest = read_manifest(store, digest)
-    manifest.pop("signature")
     manifest["blobs"]["graph"] = store.put(_pack(doc))
-    forged = store.put(_pack(manifest))
+    forged = store.put(pack_manifest(manifest))
     assert load(store, forged).n_ops > 0  # without a key, a consistent forgery loads
     monkeypatch.setenv(signing.ENV_SIGNING_KEY, "key-A")
     with pytest.raises(SignatureError, match="unsigned"):
@@ -517,15 +523,16 @@ def test_tampered_graph_loads_unsigned_but_not_signed(signed, monkeypatch):
 
 
 def test_signing_helpers_are_deterministic_and_key_bound():
-    m = {"format": 1, "key": "k", "stats": {"x": 1.5}}
-    a1, a2 = signing.sign_manifest(m, b"A"), signing.sign_manifest(m, b"A")
-    b = signing.sign_manifest(m, b"B")
-    assert a1 == a2 and a1["signature"]["mac"] != b["signature"]["mac"]
-    assert signing.sign_manifest(a1, b"A") == a1  # re-signing replaces, never nests
-    signing.verify_manifest(_unpack(_pack(a1)), "d" * 64, b"A")
+    body = _pack({"format": 3, "key": "k", "stats": {"x": 1.5}})
+    a1, a2 = signing.wrap(body, b"A"), signing.wrap(body, b"A")
+    b = signing.wrap(body, b"B")
+    assert a1 == a2 and a1 != b
+    assert signing.sign_manifest_blob(a1, b"A") == a1  # re-signing replaces, never nests
+    assert signing.sign_manifest_blob(signing.wrap(body), b"A") == a1
+    assert signing.verified_body(a1, "d" * 64, b"A") == body
     with pytest.raises(SignatureError):
-        signing.verify_manifest(a1, "d" * 64, b"B")
-    assert hashlib.sha256(_pack(a1)).hexdigest() == hashlib.sha256(_pack(_unpack(_pack(a1)))).hexdigest()
+        signing.verified_body(a1, "d" * 64, b"B")
+    assert hashlib.sha256(a1).hexdigest() != hashlib.sha256(signing.wrap(body)).hexdigest()
 
 
 # ---------------------------------------------------------------- damaged entries are rebuilt
@@ -556,6 +563,6 @@ def test_malformed_layout_is_refused_on_read(store, built, mutate):
     layout = _unpack(store.get(manifest["blobs"]["layout"]))
     mutate(layout)
     manifest["blobs"]["layout"] = store.put(_pack(layout))
-    digest = store.put(_pack(manifest))
+    digest = store.put(pack_manifest(manifest))
     with pytest.raises(CorruptArtifactError, match="layout|spec"):
         read_artifact(store, digest)
