@@ -7,13 +7,15 @@ Format (a plain POSIX tar; ``.tar.gz``/``.tgz``/``.tar.xz`` names are compressed
                                     "refs": {key: manifest digest}, "blobs": {digest: size}}
     objects/<64 hex sha256>        one member per blob, named by the sha256 of its bytes
 
-``import_bundle`` never extracts anything to the filesystem: it reads each member's bytes
-and hands them to the store, which names them by their hash. Before writing anything it
-checks that every member is a regular file named exactly ``index.json`` or
-``objects/<64 hex>`` (absolute paths, ``..``, links and devices are refused), that every
-blob hashes to its name, that the index lists exactly the blobs present, and that every ref
-names a manifest of that key whose parts are all in the bundle. A bundle that fails any
-check is refused as a whole. Nothing here imports torch.
+``import_bundle`` never extracts anything to the filesystem: it streams each member's bytes
+into the store, which names them by their hash. Before writing anything it checks that every
+member is a plain regular file (no links, devices or sparse members) named exactly
+``index.json`` or ``objects/<64 hex>`` (absolute paths and ``..`` are refused) and no larger
+than any blob a load reads (``LoadLimits``; the index 16 MiB), each header as it is met, before
+its data; that every blob hashes to its name, that the index lists exactly the blobs present,
+and that every ref names a manifest of that key whose parts are all in the bundle. A bundle
+that fails any check is refused as a whole. Members are hashed and stored in chunks, never
+read whole (only the index and manifests are, within their limits). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ import re
 import secrets
 import tarfile
 
+from .. import bounded
 from ..errors import CorruptArtifactError, SpmdAotError
+from ..limits import load_limits
 from .names import DIGEST_PATTERN, check_key, is_digest
-from .transfer import artifact_blobs, manifest_key, manifest_parts
+from .protocol import local_files
+from .transfer import artifact_blobs, largest_blob, manifest_key, manifest_parts
 
 __all__ = ["export_bundle", "import_bundle", "BundleError", "BundleSummary", "INDEX_NAME"]
 
@@ -40,6 +45,9 @@ FORMAT = "spmd-aot-bundle"
 VERSION = 1
 _OBJECT_RE = re.compile(rf"objects/({DIGEST_PATTERN})")
 _CHUNK = 1 << 20
+_INDEX_MAX = 16 << 20
+_MAX_MEMBERS = 1 << 17
+_PLAIN = (tarfile.REGTYPE, tarfile.AREGTYPE)
 
 
 class BundleError(CorruptArtifactError):
@@ -84,7 +92,7 @@ def export_bundle(store, refs: dict[str, str], out: str | os.PathLike) -> Bundle
         raise SpmdAotError("nothing to export: name at least one artifact")
     blobs: dict[str, None] = {}
     for key, digest in sorted(refs.items()):
-        manifest = store.get(digest)
+        manifest = store.get(digest, limit=load_limits().part_bytes)
         if manifest_key(manifest, f"manifest {digest}") != key:
             raise CorruptArtifactError(f"ref {key} points to manifest {digest}, which belongs to another key")
         for d in artifact_blobs(store, digest).values():
@@ -97,7 +105,7 @@ def export_bundle(store, refs: dict[str, str], out: str | os.PathLike) -> Bundle
         with tarfile.open(tmp, _write_mode(out), format=tarfile.PAX_FORMAT) as tar:
             datas = []
             for d in sorted(blobs):
-                data = store.get(d)
+                data = store.get(d, limit=largest_blob())
                 sizes[d] = len(data)
                 datas.append((d, data))
             index = json.dumps({"format": FORMAT, "version": VERSION, "refs": dict(sorted(refs.items())),
@@ -123,8 +131,13 @@ def _check_member(member: tarfile.TarInfo, path) -> str | None:
     if member.issym() or member.islnk():
         raise BundleError(f"bundle {path}: member {name!r} is a link (to {member.linkname!r}); "
                           "refusing the bundle")
-    if not member.isfile():
-        raise BundleError(f"bundle {path}: member {name!r} is not a regular file; refusing the bundle")
+    if member.type not in _PLAIN or member.sparse is not None:
+        raise BundleError(f"bundle {path}: member {name!r} is not a plain regular file (a device, "
+                          "directory, sparse or multi-volume member); refusing the bundle")
+    limit = _INDEX_MAX if name == INDEX_NAME else largest_blob()
+    if member.size > limit:
+        raise BundleError(f"bundle {path}: member {name!r} is {member.size} bytes, more than the {limit} "
+                          "any load reads; refusing the bundle (SPMD_AOT_LOAD_LIMITS raises the limit)")
     if name == INDEX_NAME:
         return None
     m = _OBJECT_RE.fullmatch(name)
@@ -134,19 +147,43 @@ def _check_member(member: tarfile.TarInfo, path) -> str | None:
     return m.group(1)
 
 
-def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+def _open_member(tar: tarfile.TarFile, member: tarfile.TarInfo):
     f = tar.extractfile(member)
     if f is None:
         raise BundleError(f"member {member.name!r} has no content")
-    with f:
-        return f.read()
+    return f
+
+
+def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, limit: int) -> bytes:
+    """A small member's bytes (the index, a manifest), never more than ``limit`` of them."""
+    if member.size > limit:
+        raise BundleError(f"member {member.name!r} is {member.size} bytes, more than the {limit} allowed")
+    with _open_member(tar, member) as f:
+        return f.read(limit)
+
+
+def _members(tar: tarfile.TarFile, path) -> list[tarfile.TarInfo]:
+    """Every member, each header checked (``_check_member``) as it is met, before its data."""
+    members = []
+    while True:
+        try:
+            member = tar.next()
+        except tarfile.TarError as exc:
+            raise BundleError(f"bundle {path} is damaged: {exc}") from None
+        if member is None:
+            return members
+        if len(members) >= _MAX_MEMBERS:
+            raise BundleError(f"bundle {path} has more than {_MAX_MEMBERS} members; refusing it")
+        _check_member(member, path)
+        members.append(member)
 
 
 def _load_index(raw: bytes, path) -> tuple[dict[str, str], dict[str, int]]:
     try:
-        index = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BundleError(f"bundle {path}: {INDEX_NAME} is not JSON: {exc}") from None
+        index = bounded.load_json(raw, f"bundle {path}: {INDEX_NAME}", max_bytes=_INDEX_MAX,
+                                  objects=2 * _MAX_MEMBERS + 16)
+    except CorruptArtifactError as exc:
+        raise BundleError(str(exc)) from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise BundleError(f"bundle {path}: {INDEX_NAME} is not an spmd-aot bundle index")
     if index.get("version") != VERSION:
@@ -177,10 +214,7 @@ def import_bundle(store, path: str | os.PathLike) -> BundleSummary:
         raise BundleError(f"cannot read bundle {path}: {exc}") from None
     with tar:
         # ---- pass 1: check everything, write nothing
-        try:
-            members = tar.getmembers()
-        except tarfile.TarError as exc:
-            raise BundleError(f"bundle {path} is damaged: {exc}") from None
+        members = _members(tar, path)
         index_member, objects = None, {}
         for member in members:
             digest = _check_member(member, path)
@@ -194,7 +228,7 @@ def import_bundle(store, path: str | os.PathLike) -> BundleSummary:
                 objects[digest] = member
         if index_member is None:
             raise BundleError(f"bundle {path} has no {INDEX_NAME}: not an spmd-aot bundle")
-        refs, listed = _load_index(_read_member(tar, index_member), path)
+        refs, listed = _load_index(_read_member(tar, index_member, _INDEX_MAX), path)
         if set(listed) != set(objects):
             extra, missing = sorted(set(objects) - set(listed)), sorted(set(listed) - set(objects))
             raise BundleError(f"bundle {path}: the index does not match the blobs present "
@@ -202,8 +236,7 @@ def import_bundle(store, path: str | os.PathLike) -> BundleSummary:
         manifests: dict[str, set[str]] = {}
         for digest, member in objects.items():
             h = hashlib.sha256()
-            f = tar.extractfile(member)
-            with f:
+            with _open_member(tar, member) as f:
                 while chunk := f.read(_CHUNK):
                     h.update(chunk)
             if h.hexdigest() != digest:
@@ -212,7 +245,7 @@ def import_bundle(store, path: str | os.PathLike) -> BundleSummary:
         for key, digest in refs.items():
             if digest not in objects:
                 raise BundleError(f"bundle {path}: ref {key} names manifest {digest}, which is not in it")
-            data = _read_member(tar, objects[digest])
+            data = _read_member(tar, objects[digest], load_limits().part_bytes)
             where = f"bundle {path}: manifest {digest} (ref {key})"
             parts = set(manifest_parts(data, where).values())
             if manifest_key(data, where) != key:
@@ -228,13 +261,21 @@ def import_bundle(store, path: str | os.PathLike) -> BundleSummary:
         with contextlib.ExitStack() as locks:
             for key in sorted(refs):
                 locks.enter_context(store.lock(key))
+            local = local_files(store)
             for digest in order:
-                data = _read_member(tar, objects[digest])
+                member = objects[digest]
                 had = store.has(digest)
-                if store.put(data) != digest:
+                if local is store:  # streamed: a blob is never held in memory whole
+                    with _open_member(tar, member) as f:
+                        try:
+                            store.put_stream(f, digest)
+                        except CorruptArtifactError:
+                            raise BundleError(f"bundle {path}: member objects/{digest} changed while "
+                                              "importing") from None
+                elif store.put(_read_member(tar, member, largest_blob())) != digest:
                     raise BundleError(f"bundle {path}: member objects/{digest} changed while importing")
                 written += not had
-                total += len(data)
+                total += member.size
             for key, digest in sorted(refs.items()):
                 store.set_ref(key, digest)
     return BundleSummary(str(path), dict(sorted(refs.items())), len(objects), total, written)

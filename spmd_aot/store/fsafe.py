@@ -6,6 +6,12 @@ must not make spmd-aot read, create or delete anything outside the root. So the 
 resolved once, and everything below it is reached one component at a time from directory file
 descriptors opened with ``O_NOFOLLOW``: a linked directory is refused (``LinkError``), files are
 opened with ``O_NOFOLLOW``, listings use ``lstat``, and only regular files are ever deleted.
+
+Every file is opened ``O_NONBLOCK`` and must then ``fstat`` as a regular file: a FIFO, socket or
+device planted at a blob, ref, lock or last-use record is refused at once instead of blocking
+the job forever. Reads are capped (``read(..., limit=)``) by the size the caller expects, checked
+on the open descriptor, so a file swapped in after a size check cannot make a read unbounded.
+Every directory walked is also checked against the cache's trust rule (``trust.py``).
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ import stat as stat_mod
 from typing import Iterator
 
 from ..errors import SpmdAotError
+from . import trust
 
-__all__ = ["Tree", "LinkError"]
+__all__ = ["Tree", "LinkError", "TooLargeError"]
 
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CHUNK = 1 << 20
 
 
 class LinkError(SpmdAotError):
@@ -39,11 +48,18 @@ def _link_error(path: pathlib.Path) -> LinkError:
                      "there) and retry.")
 
 
-class Tree:
-    """The directory ``root`` (resolved once) and safe operations on names below it."""
+class TooLargeError(SpmdAotError):
+    """A file is larger than the reader allows; nothing past the limit was read."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
+
+class Tree:
+    """The directory ``root`` (resolved once) and safe operations on names below it.
+
+    ``policy`` (``trust.Policy``) is checked on every directory walked; None checks nothing."""
+
+    def __init__(self, root: str | os.PathLike, policy: trust.Policy | None = None) -> None:
         self.root = pathlib.Path(os.path.realpath(pathlib.Path(root).expanduser()))
+        self.policy = policy
 
     def path(self, *parts: str) -> pathlib.Path:
         return self.root.joinpath(*parts)
@@ -53,10 +69,12 @@ class Tree:
         """A descriptor of ``root/parts...``; each component must be a real directory."""
         fd = os.open(self.root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         try:
+            if self.policy is not None:
+                self.policy.check_dir(os.fstat(fd), self.root)
             for i, part in enumerate(parts):
                 if create:
                     with contextlib.suppress(FileExistsError):
-                        os.mkdir(part, 0o755, dir_fd=fd)
+                        os.mkdir(part, 0o755, dir_fd=fd)  # never group-writable, whatever the umask
                 try:
                     new = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 except OSError as exc:
@@ -65,29 +83,54 @@ class Tree:
                     raise
                 os.close(fd)
                 fd = new
+                if self.policy is not None:
+                    self.policy.check_dir(os.fstat(fd), self.path(*parts[: i + 1]))
             yield fd
         finally:
             os.close(fd)
 
     def open(self, parts: tuple[str, ...], name: str, flags: int, mode: int = 0o644,
              create_dirs: bool = False) -> int:
-        """``os.open`` of ``root/parts/name`` with ``O_NOFOLLOW`` (a link is refused: ``LinkError``)."""
+        """``os.open`` of ``root/parts/name`` with ``O_NOFOLLOW | O_NONBLOCK``; a link, or anything
+        but a regular file (a FIFO, a device, a directory), is refused with ``LinkError``."""
         with self.dir(*parts, create=create_dirs) as d:
             try:
-                return os.open(name, flags | NOFOLLOW, mode, dir_fd=d)
+                fd = os.open(name, flags | NOFOLLOW | NONBLOCK, mode, dir_fd=d)
             except OSError as exc:
                 if exc.errno == errno.ELOOP:
                     raise _link_error(self.path(*parts, name)) from None
+                if exc.errno in (errno.ENXIO, errno.EISDIR, errno.ENODEV):  # a FIFO without reader, a dir
+                    raise LinkError(f"{self.path(*parts, name)} is not a regular file; remove it") from None
                 raise
+        try:
+            if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+                raise LinkError(f"{self.path(*parts, name)} is not a regular file (a FIFO, device or "
+                                "directory someone put there); remove it")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
-    def read(self, parts: tuple[str, ...], name: str) -> tuple[bytes, os.stat_result]:
+    def read(self, parts: tuple[str, ...], name: str, limit: int | None = None) -> tuple[bytes, os.stat_result]:
+        """The bytes of a regular file and its ``fstat``; ``TooLargeError`` before reading when
+        it is larger than ``limit``. Never reads more than its size at open (or ``limit``) + 1."""
         fd = self.open(parts, name, os.O_RDONLY)
         try:
             st = os.fstat(fd)
-            if not stat_mod.S_ISREG(st.st_mode):
-                raise LinkError(f"{self.path(*parts, name)} is not a regular file")
-            with os.fdopen(os.dup(fd), "rb") as f:
-                return f.read(), st
+            if limit is not None and st.st_size > limit:
+                raise TooLargeError(f"{self.path(*parts, name)} is {st.st_size} bytes, more than the "
+                                    f"{limit} allowed here")
+            cap = st.st_size if limit is None else limit
+            chunks, got = [], 0
+            while got <= cap:
+                chunk = os.read(fd, min(_CHUNK, cap + 1 - got))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+            if got > cap and limit is not None:
+                raise TooLargeError(f"{self.path(*parts, name)} grew past the {limit} bytes allowed here")
+            return b"".join(chunks), st
         finally:
             os.close(fd)
 

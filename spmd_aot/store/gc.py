@@ -55,6 +55,7 @@ import time
 from typing import Iterator
 
 from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError
+from ..limits import load_limits
 from .fsafe import LinkError
 from .local import LocalStore
 from .locks import FileLock, locks_supported
@@ -233,8 +234,8 @@ class Artifact:
 def _read_manifest_parts(local: LocalStore, digest: str) -> set[str] | None:
     """The part digests a manifest on disk names; None if it is missing or not a manifest.
     Reads the file directly (no quarantine side effect: gc must not move things around)."""
-    try:
-        data = local.read_raw(digest)
+    try:  # any manifest a load would read (a larger one is no manifest: its parts are not kept)
+        data = local.read_raw(digest, limit=load_limits().part_bytes)
     except (OSError, SpmdAotError):
         return None
     try:
@@ -472,7 +473,7 @@ def _touched(local: LocalStore, digest: str, mtime: float) -> bool:
 
 def _is_manifest_blob(local: LocalStore, digest: str) -> bool:
     try:
-        data = local.read_raw(digest)
+        data = local.read_raw(digest, limit=_MANIFEST_MAX)
     except (OSError, SpmdAotError):
         return False
     return looks_like_manifest(data)

@@ -60,14 +60,14 @@ class LayeredStore:
             raise CorruptArtifactError(f"{self.remote!r} stored blob {digest} under {remote}")
         return digest
 
-    def get(self, digest: str) -> bytes:
+    def get(self, digest: str, *, limit: int | None = None) -> bytes:
         if self.local.has(digest):
             try:
-                return self.local.get(digest)
+                return self.local.get(digest, limit=limit)
             except CorruptArtifactError as exc:  # quarantined locally; the remote copy repairs it
                 log.warning("local copy of blob %s is damaged (%s); reading it from %s",
                             digest[:12], exc, self.remote.root)
-        data = self.remote.get(digest)  # verified against the name
+        data = self.remote.get(digest, limit=limit)  # verified against the name
         self._keep_locally(data)
         return data
 

@@ -39,7 +39,9 @@ from typing import Iterator
 
 from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError, describe_os_error, os_error
 from ..faults import crash_point
-from .fsafe import LinkError, Tree
+from ..limits import load_limits
+from . import trust
+from .fsafe import LinkError, TooLargeError, Tree
 from .locks import FileLock
 from .names import check_digest, check_key, digest_of, is_digest, is_key, parse_ref, ref_bytes
 from .protocol import LOCAL_FILES, BlobProblem
@@ -52,6 +54,7 @@ ENV_CACHE_DIR = "SPMD_AOT_CACHE_DIR"
 _TMP_SUFFIX = ".tmp"
 _PID_RE = re.compile(r"[1-9][0-9]{0,9}")
 _CHUNK = 1 << 20
+_REF_MAX = 1024  # a ref holds 65 bytes
 _SUBDIRS = ("objects", "refs", "locks", "tmp", "quarantine")
 
 log = logging.getLogger(__name__)
@@ -118,23 +121,31 @@ class LocalStore:
     rename is atomic. ``lock(key)`` serialises expensive work (a build) between processes;
     the store's own reads and writes need no lock. No symbolic link inside the root is ever
     followed (``fsafe.Tree``): the root is resolved once, a linked subdirectory is refused, a
-    linked file is treated as damaged, and only regular files are deleted.
+    linked file is treated as damaged, and only regular files are deleted. Without a signing
+    key the cache must be writable by nobody else unless ``trust_cache`` (or
+    ``$SPMD_AOT_TRUST_CACHE``) says otherwise (``trust.py``: ``UntrustedCacheError``).
     """
 
     capabilities = frozenset({LOCAL_FILES})
 
-    def __init__(self, root: str | os.PathLike, *, lock_timeout: float = 600.0) -> None:
-        self.tree = Tree(root)
+    def __init__(self, root: str | os.PathLike, *, lock_timeout: float = 600.0,
+                 trust_cache: bool | None = None) -> None:
+        policy = trust.policy_for(trust_cache)
+        self.tree = Tree(root, policy)
         self.root = self.tree.root
         self.lock_timeout = lock_timeout
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            _make_dirs(self.root)
         except OSError as e:
             if not self.root.is_dir():
                 raise SpmdAotError(
                     f"cannot create cache directory {self.root}: {describe_os_error(e)}; pass another "
                     f"cache_dir or set {ENV_CACHE_DIR}"
                 ) from None
+        if policy is not None:
+            policy.check_ancestors(self.root)
+            with self.tree.dir():  # the root itself: refused here, with the reason, not on first use
+                pass
         for d in _SUBDIRS:
             try:
                 with self.tree.dir(d, create=True):
@@ -250,24 +261,65 @@ class LocalStore:
         self._write_atomic(parts, name, data)
         return digest
 
-    def read_raw(self, digest: str) -> bytes:
-        """The bytes stored under ``digest``, unchecked and with no side effect (for gc).
-        Raises ``OSError`` / ``SpmdAotError`` when missing, unreadable or a link."""
-        return self.tree.read(*_blob_location(check_digest(digest)))[0]
+    def put_stream(self, reader, digest: str) -> int:
+        """Store what ``reader`` (a binary file object) yields as blob ``digest``, streamed: hashed
+        while written to ``tmp/``, renamed into place only if it hashes to ``digest`` (else
+        ``CorruptArtifactError``, nothing stored). Never holds the blob in memory. Returns the
+        bytes written (0 when an intact copy was already there)."""
+        parts, name = _blob_location(check_digest(digest))
+        with contextlib.suppress(OSError, SpmdAotError):
+            fd = self.tree.open(parts, name, os.O_RDONLY)
+            try:
+                if _hash_fd(fd)[0] == digest:
+                    return 0
+            finally:
+                os.close(fd)
+        tmp = f"{name[:16]}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
+        try:
+            fd = self.tree.open(("tmp",), tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, create_dirs=True)
+            h, size = hashlib.sha256(), 0
+            try:
+                while chunk := reader.read(_CHUNK):
+                    h.update(chunk)
+                    _write_all(fd, memoryview(chunk))
+                    size += len(chunk)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if h.hexdigest() != digest:
+                raise CorruptArtifactError(f"blob {digest}: the bytes given hash to {h.hexdigest()}; not stored")
+            self.tree.replace(("tmp",), tmp, parts, name, create_dirs=True)
+        except OSError as e:
+            raise os_error(e, self.tree.path(*parts, name), "write") from None
+        finally:
+            with contextlib.suppress(OSError, SpmdAotError):
+                self.tree.unlink(("tmp",), tmp)
+        _fsync_dir(self.tree, parts)
+        return size
 
-    def get(self, digest: str) -> bytes:
+    def read_raw(self, digest: str, limit: int | None = None) -> bytes:
+        """The bytes stored under ``digest``, unchecked and with no side effect (for gc).
+        Raises ``OSError`` / ``SpmdAotError`` when missing, unreadable, a link, not a regular
+        file or larger than ``limit``."""
+        return self.tree.read(*_blob_location(check_digest(digest)), limit=limit)[0]
+
+    def get(self, digest: str, *, limit: int | None = None) -> bytes:
         """Return the bytes named ``digest``, checked against the name.
 
         A blob whose content does not hash to its name is moved to ``quarantine/`` (so the
-        next build rewrites it) and reported as ``CorruptArtifactError``; so is a link.
+        next build rewrites it) and reported as ``CorruptArtifactError``; so is a link or
+        anything but a regular file, and a file larger than ``limit`` (refused unread).
         """
         path = self.blob_path(digest)
         try:
-            data, st = self.tree.read(*_blob_location(digest))
+            data, st = self.tree.read(*_blob_location(digest), limit=limit)
         except FileNotFoundError:
             raise CorruptArtifactError(f"blob {digest} missing at {path}") from None
         except OSError as e:
             raise CorruptArtifactError(f"blob {digest} unreadable at {path}: {describe_os_error(e)}") from None
+        except TooLargeError as e:
+            raise CorruptArtifactError(f"blob {digest} refused: {e}; if the artifact is yours, raise the "
+                                       "load limits with SPMD_AOT_LOAD_LIMITS") from None
         except LinkError as e:
             raise CorruptArtifactError(f"blob {digest} refused: {e}") from None
         actual = digest_of(data)
@@ -337,12 +389,12 @@ class LocalStore:
         """The digest ``key`` points to, or None if there is no such ref."""
         path = self.tree.path("refs", check_key(key))
         try:
-            raw, _ = self.tree.read(("refs",), key)
+            raw, _ = self.tree.read(("refs",), key, limit=_REF_MAX)
         except FileNotFoundError:
             return None
         except OSError as e:
             raise CorruptArtifactError(f"ref {key!r} unreadable at {path}: {describe_os_error(e)}") from None
-        except LinkError as e:
+        except (LinkError, TooLargeError) as e:
             raise CorruptArtifactError(f"ref {key!r} refused: {e}") from None
         return parse_ref(raw, f"ref file {path}", "delete it (or rebuild) to fix")
 
@@ -408,6 +460,8 @@ class LocalStore:
     def verify(self) -> list[BlobProblem]:
         """Re-hash every blob and check every ref; report problems without changing anything."""
         problems: list[BlobProblem] = []
+        limits = load_limits()
+        largest = max(limits.graph_bytes, limits.constants_bytes, limits.part_bytes)
         for sub in _SUBDIRS + ("leases", "used"):
             st = self.tree.lstat((), sub)
             if st is not None and not stat.S_ISDIR(st.st_mode):
@@ -436,7 +490,12 @@ class LocalStore:
                     problems.append(BlobProblem(name, epath, "symbolic link (never followed)"))
                     continue
                 if not is_digest(name) or not stat.S_ISREG(est.st_mode):
-                    problems.append(BlobProblem(name, epath, "bad name"))
+                    problems.append(BlobProblem(name, epath, "bad name" if not is_digest(name) else
+                                                "not a regular file (a FIFO, device or directory)"))
+                    continue
+                if est.st_size > largest:  # never hashed: no load would read it either
+                    problems.append(BlobProblem(name, epath, f"{est.st_size} bytes, larger than any blob a "
+                                                f"load reads ({largest}; SPMD_AOT_LOAD_LIMITS)"))
                     continue
                 try:
                     fd = self.tree.open(("objects", fan), entry, os.O_RDONLY)
@@ -489,6 +548,18 @@ class LocalStore:
                 if self.tree.unlink(("tmp",), name):
                     removed += 1
         return removed
+
+
+def _make_dirs(path: pathlib.Path) -> None:
+    """``mkdir -p`` with mode 0755 for every directory it creates, whatever the umask, so a
+    fresh cache passes the trust rule (``trust.py``)."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for p in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            p.mkdir(0o755)
 
 
 def _writer_alive(tmp_name: str) -> bool:

@@ -58,10 +58,12 @@ class MemoryStore:
             self._blobs[digest] = data  # replaces a damaged initial copy, if any
         return digest
 
-    def get(self, digest: str) -> bytes:
+    def get(self, digest: str, *, limit: int | None = None) -> bytes:
         data = self._blobs.get(check_digest(digest))
         if data is None:
             raise CorruptArtifactError(f"blob {digest} missing in {self.root}")
+        if limit is not None and len(data) > limit:
+            raise CorruptArtifactError(f"blob {digest} in {self.root} is {len(data)} bytes, more than {limit}")
         actual = digest_of(data)
         if actual != digest:
             raise CorruptArtifactError(f"blob {digest} in {self.root} is corrupt: it hashes to {actual}")

@@ -74,8 +74,10 @@ class Store(Protocol):
         """Store ``data`` and return its digest. Idempotent: an intact copy is left alone, a
         damaged one replaced."""
 
-    def get(self, digest: str) -> bytes:
-        """The bytes named ``digest``, checked against the name (``CorruptArtifactError`` if not)."""
+    def get(self, digest: str, *, limit: int | None = None) -> bytes:
+        """The bytes named ``digest``, checked against the name (``CorruptArtifactError`` if not).
+        With ``limit``, a blob larger than that is refused (``CorruptArtifactError``) without
+        reading more than ``limit`` + 1 of its bytes: loads pass their limits here."""
 
     def has(self, digest: str) -> bool:
         """Whether a blob named ``digest`` exists (its content is not checked)."""

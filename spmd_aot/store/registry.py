@@ -88,15 +88,17 @@ def resolve_location(cache: str | os.PathLike | None = None) -> str | pathlib.Pa
     return resolve_cache_dir(cache)
 
 
-def open_location(location: str | os.PathLike) -> Store:
-    """The store at ``location`` itself: a URL's backend, or the ``LocalStore`` of a directory."""
+def open_location(location: str | os.PathLike, *, trust_cache: bool | None = None) -> Store:
+    """The store at ``location`` itself: a URL's backend, or the ``LocalStore`` of a directory
+    (``trust_cache``: see ``trust.py``)."""
     scheme = scheme_of(location)
     if scheme is not None:
         return SCHEMES[scheme].open(location)  # type: ignore[arg-type]
-    return LocalStore(pathlib.Path(location).expanduser())
+    return LocalStore(pathlib.Path(location).expanduser(), trust_cache=trust_cache)
 
 
-def open_store(cache: str | os.PathLike | None = None, *, local_cache: str | os.PathLike | None = None) -> Store:
+def open_store(cache: str | os.PathLike | None = None, *, local_cache: str | os.PathLike | None = None,
+               trust_cache: bool | None = None) -> Store:
     """The store for ``cache_dir=cache``, chosen as every job and build chooses it.
 
     * a path, or None -> ``LocalStore(resolve_cache_dir(cache))`` (None: see ``resolve_location``);
@@ -104,15 +106,17 @@ def open_store(cache: str | os.PathLike | None = None, *, local_cache: str | os.
       ``LayeredStore(LocalStore(<local>), <backend store>)`` where ``<local>`` is ``local_cache``,
       else ``$SPMD_AOT_LOCAL_CACHE``, else the default cache directory;
     * any other URL (``memory://NAME``) -> the backend's store itself.
+
+    ``trust_cache=True`` uses a local cache directory other users can write (``trust.py``).
     """
     location = resolve_location(cache)
     scheme = scheme_of(location)
     if scheme is None:
-        return LocalStore(location)
+        return LocalStore(location, trust_cache=trust_cache)
     remote = SCHEMES[scheme].open(location)  # type: ignore[arg-type]
     if not SCHEMES[scheme].local_cache:
         return remote
-    return LayeredStore(LocalStore(_local_cache_dir(local_cache)), remote)
+    return LayeredStore(LocalStore(_local_cache_dir(local_cache), trust_cache=trust_cache), remote)
 
 
 def _local_cache_dir(local_cache) -> pathlib.Path:

@@ -191,8 +191,8 @@ class S3Store:
                 return
             token = page.get("NextContinuationToken")
 
-    def _read(self, object_key: str) -> bytes | None:
-        """The object's bytes, or None if it does not exist."""
+    def _read(self, object_key: str, limit: int | None = None) -> bytes | None:
+        """The object's bytes, or None if it does not exist; refused unread past ``limit``."""
         from botocore.exceptions import ClientError
 
         try:
@@ -201,10 +201,18 @@ class S3Store:
             if _is_missing(exc):
                 return None
             raise SpmdAotError(f"cannot read {self._url(object_key)}: {exc}") from None
+        length = response.get("ContentLength")
+        if limit is not None and (not isinstance(length, int) or length > limit):
+            response["Body"].close()
+            raise CorruptArtifactError(f"{self._url(object_key)} is {length} bytes, more than the {limit} "
+                                       "allowed here; if the artifact is yours, raise SPMD_AOT_LOAD_LIMITS")
         try:
-            return response["Body"].read()
+            data = response["Body"].read(limit + 1) if limit is not None else response["Body"].read()
         except Exception as exc:  # a connection cut mid-body
             raise CorruptArtifactError(f"reading {self._url(object_key)} failed: {exc}") from None
+        if limit is not None and len(data) > limit:
+            raise CorruptArtifactError(f"{self._url(object_key)} holds more than the {limit} bytes allowed")
+        return data
 
     def _head(self, object_key: str) -> dict | None:
         from botocore.exceptions import ClientError
@@ -245,10 +253,10 @@ class S3Store:
             return False
         return str(head.get("ETag", "")).strip('"') == hashlib.md5(data).hexdigest()
 
-    def get(self, digest: str) -> bytes:
-        """Return the bytes named ``digest``, checked against the name."""
+    def get(self, digest: str, *, limit: int | None = None) -> bytes:
+        """Return the bytes named ``digest``, checked against the name (none past ``limit`` read)."""
         url = self.blob_url(digest)
-        data = self._read(self._key("objects", digest))
+        data = self._read(self._key("objects", digest), limit)
         if data is None:
             raise CorruptArtifactError(f"blob {digest} missing at {url}")
         actual = digest_of(data)

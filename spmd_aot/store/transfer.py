@@ -1,19 +1,20 @@
 """Copy whole artifacts (ref + manifest + part blobs) between stores, verifying every digest.
 
 The store is torch-free and treats blobs as opaque bytes; the one thing it has to know about
-the artifact format (cache/README.md) is that a manifest is a msgpack map whose ``blobs``
-field maps part names to the digests of the other blobs, and whose ``key`` field is the key
-its ref is named by. ``manifest_parts`` reads just that, so pushing, pulling, exporting and
-garbage collection work on whole artifacts without importing torch.
+the artifact format (cache/README.md) is that a manifest blob is a header line (``signing``)
+and a msgpack map whose ``blobs`` field maps part names to the digests of the other blobs,
+and whose ``key`` field is the key its ref is named by. ``manifest_parts`` reads just that,
+within the load limits (``bounded``), so pushing, pulling, exporting and garbage collection
+work on whole artifacts without importing torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import msgpack
-
+from .. import bounded, signing
 from ..errors import CorruptArtifactError, SpmdAotError
+from ..limits import load_limits
 from .names import digest_of, is_digest
 from .protocol import Store, holds, local_files
 
@@ -21,10 +22,12 @@ __all__ = ["manifest_parts", "manifest_key", "looks_like_manifest", "artifact_bl
 
 
 def _decode_manifest(data: bytes, where: str) -> dict:
-    try:
-        manifest = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as exc:
-        raise CorruptArtifactError(f"{where} is not a manifest (not valid msgpack: {exc})") from None
+    """The manifest map (signature not checked: these readers only move or delete blobs)."""
+    limits = load_limits()
+    if len(data) > limits.part_bytes:
+        raise CorruptArtifactError(f"{where} is {len(data)} bytes, more than the load limit part_bytes")
+    _, body = signing.split(data, where)
+    manifest = bounded.unpack(body, where, objects=limits.objects, max_array=limits.items, max_map=limits.items)
     if not isinstance(manifest, dict):
         raise CorruptArtifactError(f"{where} is not a manifest (not a msgpack map)")
     return manifest
@@ -46,10 +49,16 @@ def manifest_key(data: bytes, where: str = "manifest") -> str | None:
     return key if isinstance(key, str) else None
 
 
+def largest_blob() -> int:
+    """The largest blob any load reads (``LoadLimits``): nothing larger is ever read whole."""
+    limits = load_limits()
+    return max(limits.graph_bytes, limits.constants_bytes, limits.part_bytes)
+
+
 def looks_like_manifest(data: bytes) -> bool:
     """Cheap test used by gc to find manifests among unreferenced blobs."""
-    if not data or data[0] not in range(0x80, 0x90) and data[0] not in (0xDE, 0xDF):
-        return False  # not a msgpack map
+    if not signing.is_manifest_blob(data):
+        return False
     try:
         manifest_parts(data)
     except CorruptArtifactError:
@@ -59,7 +68,7 @@ def looks_like_manifest(data: bytes) -> bool:
 
 def artifact_blobs(store: Store, digest: str, where: str | None = None) -> dict[str, str]:
     """``{"manifest": digest, <part>: <digest>, ...}`` of the artifact whose manifest is ``digest``."""
-    data = store.get(digest)
+    data = store.get(digest, limit=load_limits().part_bytes)
     return {"manifest": digest, **manifest_parts(data, where or f"manifest {digest}")}
 
 
@@ -84,7 +93,7 @@ def copy_artifact(src: Store, dst: Store, key: str, digest: str | None = None) -
         digest = src.get_ref(key)
         if digest is None:
             raise SpmdAotError(f"no ref {key!r} in {src.root}")
-    manifest = src.get(digest)
+    manifest = src.get(digest, limit=load_limits().part_bytes)
     where = f"manifest {digest} (ref {key})"
     parts = manifest_parts(manifest, where)
     stored_key = manifest_key(manifest, where)
@@ -110,12 +119,12 @@ def _copy_blob(src: Store, dst: Store, digest: str, data: bytes | None = None) -
     # source is not read at all. (Not a layered store: its remote part may still lack the blob.)
     if local_files(dst) is dst and dst.has(digest):
         try:
-            dst.get(digest)  # re-hashes; a damaged copy is quarantined and rewritten below
+            dst.get(digest, limit=largest_blob())  # re-hashes; a damaged copy is quarantined, rewritten below
             return None
         except CorruptArtifactError:
             pass
     if data is None:
-        data = src.get(digest)  # re-hashed against ``digest``
+        data = src.get(digest, limit=largest_blob())  # re-hashed against ``digest``
     if digest_of(data) != digest:  # a source store that does not check
         raise CorruptArtifactError(f"blob {digest} read from {src.root} does not hash to its name")
     if holds(dst, digest, data):  # object storage: compared without downloading it
