@@ -66,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_ERROR
     _configure_logging(args.verbose)
     try:
-        status = args.func(args)
+        with _trusting(args.trust_cache):
+            status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not as a traceback at interpreter exit
         return status
     except BrokenPipeError:
@@ -88,6 +89,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         _error(f"unexpected {type(exc).__name__}: {exc}")
         return EXIT_BUG
+
+
+@contextlib.contextmanager
+def _trusting(trust: bool):
+    """``--trust-cache``: ``$SPMD_AOT_TRUST_CACHE=1`` for this command only (store/trust.py)."""
+    from .store.trust import ENV_TRUST_CACHE
+
+    saved = os.environ.get(ENV_TRUST_CACHE)
+    if trust:
+        os.environ[ENV_TRUST_CACHE] = "1"
+    try:
+        yield
+    finally:
+        if trust:
+            if saved is None:
+                os.environ.pop(ENV_TRUST_CACHE, None)
+            else:
+                os.environ[ENV_TRUST_CACHE] = saved
 
 
 def _stdout_closed() -> int:
@@ -128,6 +147,9 @@ def _parser() -> argparse.ArgumentParser:
                              "$XDG_CACHE_HOME/spmd_aot, else ~/.cache/spmd_aot)")
     common.add_argument("-v", "--verbose", action="store_true",
                         help="also log INFO lines (keys, hits, misses, timings) to stderr")
+    common.add_argument("--trust-cache", action="store_true",
+                        help="use a cache directory other users can write, without a signing key "
+                             "(as $SPMD_AOT_TRUST_CACHE=1; see the README's threat model)")
     parser = argparse.ArgumentParser(
         prog="spmd-aot",
         description="Ahead-of-time compile-and-cache for distributed PyTorch train steps.",
@@ -293,7 +315,8 @@ def _add_shard_options(p) -> None:
     p.add_argument("--tp-plan", action="append", type=_tp_style, default=[], metavar="PATTERN=STYLE",
                    help="tensor parallel on the last mesh dimension: modules whose FQN matches PATTERN "
                         "(fnmatch) run STYLE (colwise, rowwise or a sequence-parallel style, see README), "
-                        "e.g. 'blocks.*.attn.q=colwise' "
+                        "e.g. 'blocks.*.attn.q=colwise'; or 'hf': a transformers model's own plan "
+                        "(config.base_model_tp_plan) "
                         "(repeat for several; first match wins). Placement replicate: TP alone over the "
                         "world; placement shard: FSDP x TP on --mesh-shape DPxTP")
     p.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, metavar="MIB",
@@ -335,10 +358,22 @@ def _param_placement(text: str) -> tuple[str, str]:
     return _pattern_pair(text, "PLACEMENT", PLACEMENTS)
 
 
-def _tp_style(text: str) -> tuple[str, str]:
-    from .tensor_parallel import TP_STYLES
+def _tp_style(text: str) -> tuple[str, str] | str:
+    """``PATTERN=STYLE`` (ours or transformers' style names), or ``hf``/``auto``: the model's own plan."""
+    from .tensor_parallel import HF_REFUSED_STYLES, HF_STYLE_NAMES, MODEL_PLAN_NAMES, TP_STYLES
 
-    return _pattern_pair(text, "STYLE", TP_STYLES)
+    if text in MODEL_PLAN_NAMES:
+        return text
+    return _pattern_pair(text, "STYLE", [*TP_STYLES, *HF_STYLE_NAMES, *HF_REFUSED_STYLES])
+
+
+def _tp_plan(entries: list) -> tuple | str:
+    """The --tp-plan options as ``Plan`` takes them: pairs, or the model's own plan alone."""
+    named = [e for e in entries if isinstance(e, str)]
+    if named and len(entries) > 1:
+        raise SpmdAotError(f"--tp-plan {named[0]} takes the model's own plan; it cannot be combined with "
+                           "other --tp-plan entries")
+    return named[0] if named else tuple(entries)
 
 
 def _plan(args, world_size: int, placement: str):
@@ -350,7 +385,7 @@ def _plan(args, world_size: int, placement: str):
                "reshard_after_forward": not args.keep_params_after_forward}
     own = PLACEMENTS[placement].cli_fields
     return Plan(world_size, placement, args.device, bucket_cap_mb=args.bucket_cap_mb,
-                first_bucket_cap_mb=args.first_bucket_cap_mb, tp_plan=tuple(args.tp_plan),
+                first_bucket_cap_mb=args.first_bucket_cap_mb, tp_plan=_tp_plan(args.tp_plan),
                 **{name: value for name, value in options.items() if name in own})
 
 
@@ -480,8 +515,26 @@ def cmd_show(args) -> int:
         code = read_artifact(store, digest).code
         print()
         print("code:")
-        print(code.rstrip("\n"))
+        print(_safe(code.rstrip("\n"), keep="\n\t"))
     return EXIT_OK
+
+
+def _say(*parts) -> None:
+    """``print`` for lines made of stored data: escaped (``_safe``)."""
+    print(_safe(" ".join(str(p) for p in parts)))
+
+
+def _safe(text, keep: str = "") -> str:
+    """``text`` fit for a terminal: control and format characters (escape sequences, bidi
+    overrides, ...) other than those in ``keep`` are shown escaped (``\\x1b``), never sent raw.
+    Stored strings come from whoever wrote the cache."""
+    import unicodedata
+
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c in keep or c.isprintable() or unicodedata.category(c) == "Zs"
+                   else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def _resolve_ref(store, ref: str) -> tuple[str, str]:
@@ -522,37 +575,38 @@ def _describe(store, entry) -> str:
 
 
 def _print_manifest(store, key: str, digest: str, m: dict) -> None:
+    """Every line escaped (``_safe``): every field is stored data."""
     from .plan import Plan
 
     stats = m["stats"]
     plan = Plan.from_dict(m["plan"])
     by_kind = ", ".join(f"{k} {v}" for k, v in sorted((stats.get("by_kind") or {}).items()))
-    print(f"key:          {key}")
+    _say(f"key:          {key}")
     if m["key"] != key:
-        print(f"              (the manifest says key {m['key']})")
-    print(f"digest:       {digest}")
-    print(f"format:       {m['format']}")
-    print(f"plan:         {plan.describe()}")
+        _say(f"              (the manifest says key {m['key']})")
+    _say(f"digest:       {digest}")
+    _say(f"format:       {m['format']}")
+    _say(f"plan:         {plan.describe()}")
     for field, value in plan.to_dict().items():
-        print(f"  {field + ':':<24}{value}")
-    print(f"nodes:        {stats.get('nodes', '?')}")
-    print(f"collectives:  {stats.get('collectives', '?')}" + (f" ({by_kind})" if by_kind else ""))
-    print(f"bytes/step:   {stats.get('bytes_per_step', '?')} (each rank sends into collectives)")
-    print(f"trace time:   {stats.get('trace_seconds', '?')} s")
+        _say(f"  {field + ':':<24}{value}")
+    _say(f"nodes:        {stats.get('nodes', '?')}")
+    _say(f"collectives:  {stats.get('collectives', '?')}" + (f" ({by_kind})" if by_kind else ""))
+    _say(f"bytes/step:   {stats.get('bytes_per_step', '?')} (each rank sends into collectives)")
+    _say(f"trace time:   {stats.get('trace_seconds', '?')} s")
     if "peak_bytes" in stats:
-        print(f"peak memory:  {_human_bytes(stats['peak_bytes'])} of live tensors per rank, estimated from the "
+        _say(f"peak memory:  {_human_bytes(stats['peak_bytes'])} of live tensors per rank, estimated from the "
               "graph (inputs, state and intermediates until their last use; tools/bench_memory.py "
               "measures eager FSDP2 the same way)")
     _print_communication(stats.get("comm"))
-    print("blobs:")
+    _say("blobs:")
     for name, d in [("manifest", digest), *m["blobs"].items()]:
         blob_size = store.size(d)
         size = "MISSING" if blob_size is None else f"{blob_size} bytes"
-        print(f"  {name:<12}{d}  {size}")
-    print("ingredients:")
+        _say(f"  {name:<12}{d}  {size}")
+    _say("ingredients:")
     width = max((len(n) for n in m["ingredients"]), default=0) + 2
     for name, d in m["ingredients"].items():
-        print(f"  {name:<{width}}{d}")
+        _say(f"  {name:<{width}}{d}")
 
 
 def _print_communication(comm) -> None:
@@ -561,7 +615,7 @@ def _print_communication(comm) -> None:
     The stats are manifest content, so anything malformed is shown as such, not trusted."""
     if not isinstance(comm, list) or not comm:
         return
-    print(f"communication per step ({len(comm)} collectives, in issue order):")
+    _say(f"communication per step ({len(comm)} collectives, in issue order):")
     rows = []
     for entry in comm:
         if not isinstance(entry, dict):
@@ -594,7 +648,8 @@ def cmd_verify(args) -> int:
     Read-only: an artifact whose blobs the re-hash already found damaged is reported without
     being read, since reading a corrupt blob moves it to quarantine/.
     """
-    from .artifact import read_artifact, read_manifest
+    from .artifact import check_entry
+    from .lookup import MAX_ENTRIES
 
     store = _existing_store(args.cache_dir)
     n_blobs = sum(1 for _ in store.blobs())
@@ -614,24 +669,43 @@ def cmd_verify(args) -> int:
         if entry.error:
             problems.append(f"ref {entry.key}: {entry.error}")
             continue
-        where = f"artifact {entry.key[:12]} (manifest {entry.digest[:12]})"
-        if entry.digest in bad:
-            problems.append(f"{where}: its manifest blob is damaged")
-            continue
-        try:
-            damaged = [f"{name} blob {d}" for name, d in read_manifest(store, entry.digest)["blobs"].items()
-                       if d in bad]
-            if damaged:
-                problems.append(f"{where}: {', '.join(damaged)} damaged")
-                continue
-            read_artifact(store, entry.digest).check()
-        except SpmdAotError as exc:
-            problems.append(f"{where}: {exc}")
+        digest, seen = entry.digest, set()
+        while digest is not None and digest not in seen and len(seen) < MAX_ENTRIES:  # what lookups walk
+            seen.add(digest)
+            problem = _entry_problem(store, entry.key, digest, bad, check_entry)
+            if problem is not None:
+                problems.append(f"artifact {entry.key[:12]} (manifest {digest[:12]}): {problem}")
+                break
+            digest = _previous(store, digest)  # an older entry gc removed ends the chain, as in lookups
     for line in problems:
-        print(line)
+        print(_safe(line))
     n = len(problems)
     print(f"{n_blobs} blobs, {len(entries)} artifacts checked, {n} problem{'s' if n != 1 else ''}")
     return EXIT_PROBLEMS if problems else EXIT_OK
+
+
+def _entry_problem(store, key: str, digest: str, bad: set, check_entry) -> str | None:
+    """Why the entry ``digest`` of ``key`` would not load, or None; read-only (a blob the re-hash
+    found damaged is reported, not read: reading it would move it to quarantine/)."""
+    from .artifact import read_manifest
+
+    if digest in bad:
+        return "its manifest blob is damaged"
+    try:
+        damaged = [f"{name} blob {d}" for name, d in read_manifest(store, digest)["blobs"].items() if d in bad]
+        if damaged:
+            return f"{', '.join(damaged)} damaged"
+        check_entry(store, key, digest)
+    except SpmdAotError as exc:
+        return str(exc)
+    return None
+
+
+def _previous(store, digest: str) -> str | None:
+    from .artifact import read_manifest
+
+    previous = read_manifest(store, digest)["previous"]
+    return previous if previous is not None and store.has(previous) else None
 
 
 def cmd_ops(args) -> int:
@@ -885,8 +959,9 @@ def _refs(store) -> list[_Ref]:
 
 
 def _print_table(headers: list[str], rows: list[list], right: set[int] = frozenset()) -> None:
-    """Print aligned columns; a row shorter than the header has its last cell unpadded."""
-    rows = [[str(c) for c in r] for r in rows]
+    """Print aligned columns; a row shorter than the header has its last cell unpadded. Cells
+    are escaped (``_safe``): many hold stored strings."""
+    rows = [[_safe(c) for c in r] for r in rows]
     widths = [len(h) for h in headers]
     for r in rows:
         cells = r if len(r) == len(headers) else r[:-1]
@@ -911,7 +986,7 @@ def _print_table(headers: list[str], rows: list[list], right: set[int] = frozens
 
 
 def _error(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {_safe(message, keep=chr(10))}", file=sys.stderr)  # messages quote stored strings
 
 
 if __name__ == "__main__":
