@@ -63,6 +63,7 @@ def build(job: Job, *, world_size: int | None = None, placement: str = "replicat
     store = store or open_store(cache_dir)
     fake_mode = FakeTensorMode()
     state = _fake_state(job, plan, fake_mode)
+    plan = state.plan  # bound to the model (a tp_plan="hf" resolved)
     with fake_world(world_size):
         mesh = device_mesh(plan)
         key = compute_key(job.step, state, plan, transforms.identities(), extra_sources)
@@ -86,7 +87,7 @@ def build(job: Job, *, world_size: int | None = None, placement: str = "replicat
 def job_key(job: Job, plan: Plan, transforms: Transforms = Transforms(), extra_sources=()) -> CacheKey:
     """The key ``build`` would store ``job`` under for ``plan``, without tracing (for explain)."""
     state = _fake_state(job, plan, FakeTensorMode())
-    return compute_key(job.step, state, plan, transforms.identities(), extra_sources)
+    return compute_key(job.step, state, state.plan, transforms.identities(), extra_sources)
 
 
 def _fake_state(job: Job, plan: Plan, fake_mode: FakeTensorMode) -> TrainState:
@@ -105,6 +106,7 @@ def _fake_state(job: Job, plan: Plan, fake_mode: FakeTensorMode) -> TrainState:
         # Factories run on CPU (their init kernels need no accelerator), then the fake tensors
         # move to the target device: with a CUDA-enabled torch, a GPU-less box builds for CUDA.
         model, batch = job.model(), job.batch()
+        plan = plan.for_model(model)
         if device != "cpu":
             model = model.to(device)
             batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)

@@ -10,7 +10,7 @@ from typing import Mapping
 from .errors import SpmdAotError
 from .layout import TensorLayout
 from .placements import PLACEMENTS, Placement
-from .tensor_parallel import TP_STYLES, TPStyle, style_for
+from .tensor_parallel import MODEL_PLAN_NAMES, TPStyle, resolve_tp_plan, style_for, style_name
 
 __all__ = ["Plan", "PLACEMENTS"]
 
@@ -65,13 +65,17 @@ class Plan:
             )
         object.__setattr__(self, "mesh_shape", mesh)
         tp_plan = self.tp_plan
-        tp_plan = tuple(tp_plan.items()) if isinstance(tp_plan, Mapping) else tuple(map(tuple, tp_plan))
-        for entry in tp_plan:
-            if len(entry) != 2 or not isinstance(entry[0], str) or not entry[0]:
-                raise SpmdAotError(f"tp_plan entries are (module FQN pattern, style) pairs, got {entry!r}")
-            if entry[1] not in TP_STYLES:
-                raise SpmdAotError(
-                    f"tp_plan[{entry[0]!r}] is {entry[1]!r}; expected one of: {', '.join(TP_STYLES)}")
+        if isinstance(tp_plan, str):  # the model's own plan, bound by ``for_model``
+            if tp_plan not in MODEL_PLAN_NAMES:
+                raise SpmdAotError(f"tp_plan={tp_plan!r}: a string names the model's own plan "
+                                   f"({' or '.join(map(repr, MODEL_PLAN_NAMES))}); otherwise pass PATTERN: STYLE pairs")
+            tp_plan = MODEL_PLAN_NAMES[0]
+        else:
+            tp_plan = tuple(tp_plan.items()) if isinstance(tp_plan, Mapping) else tuple(map(tuple, tp_plan))
+            for entry in tp_plan:
+                if len(entry) != 2 or not isinstance(entry[0], str) or not entry[0]:
+                    raise SpmdAotError(f"tp_plan entries are (module FQN pattern, style) pairs, got {entry!r}")
+            tp_plan = tuple((pattern, style_name(pattern, style)) for pattern, style in tp_plan)
         object.__setattr__(self, "tp_plan", tp_plan)
         self.strategy.check(self)
         overrides = self.param_placements
@@ -94,6 +98,14 @@ class Plan:
             raise SpmdAotError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
         object.__setattr__(self, "param_placements", overrides)
         object.__setattr__(self, "shard_groups", groups)
+
+    def for_model(self, model) -> "Plan":
+        """This plan with its ``tp_plan`` bound to ``model`` (``tensor_parallel.resolve_tp_plan``:
+        the model's own plan for ``"hf"``, transformers' base-model-relative patterns prefixed)."""
+        if not self.tp_plan:
+            return self
+        resolved = resolve_tp_plan(self.tp_plan, model)
+        return self if resolved == self.tp_plan else dataclasses.replace(self, tp_plan=resolved)
 
     @property
     def strategy(self) -> Placement:

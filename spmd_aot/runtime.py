@@ -132,7 +132,7 @@ class CompiledStep:
         rank = dist.get_rank() if dist.is_initialized() else 0
         device = _local_device(model)
         plan = Plan(world, self.placement, device.type, self.mesh_shape, self.param_placements,
-                    **self.comm_options)
+                    **self.comm_options).for_model(model)
         mesh = device_mesh(plan)  # collective for 2-D meshes: every rank builds it
         placement = plan.strategy if world > 1 else None  # one rank: nothing is spread
         if placement is not None and model not in _BROADCAST_MODELS:

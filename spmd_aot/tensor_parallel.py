@@ -68,11 +68,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import UnsupportedError
+from .errors import SpmdAotError, UnsupportedError
 from .passes.collectives import label_collective
 
 __all__ = ["TP_STYLES", "TPStyle", "Colwise", "Rowwise", "ColwiseSeq", "RowwiseSeq", "SequenceParallel",
-           "SeqShardOutput", "SeqGatherInput", "TensorParallel", "planned_modules"]
+           "SeqShardOutput", "SeqGatherInput", "ColwiseGatherOutput", "RowwiseSplitInput", "EmbeddingColwise",
+           "ReplicatedWithGradAllreduce", "TensorParallel", "planned_modules", "style_name", "resolve_tp_plan",
+           "MODEL_PLAN_NAMES", "HF_STYLE_NAMES", "HF_REFUSED_STYLES"]
 
 TP_STYLES: dict[str, "TPStyle"] = {}  # name -> style object, in definition order
 
@@ -202,6 +204,142 @@ class SeqGatherInput(TPStyle):
         tp.in_sequence_region = False
         return type(module).forward(module, _GatherSeq.apply(x, tp, [fqn], "max"), *args, **kwargs)
 
+
+
+class ColwiseGatherOutput(Colwise):
+    name = "colwise_gather_output"
+    summary = "colwise whose output features are all_gathered over TP (whole on every TP rank; HF colwise_rep)"
+    budget = {"all_reduce": 1, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+
+    def forward(self, tp, fqn, module, x):
+        tp.refuse_in_sequence_region(fqn, self.name)
+        local = F.linear(tp.copied_in(x, fqn), module.weight, module.bias)
+        # backward: the output gradient is the same on every TP rank; each keeps its features
+        return _GatherSeq.apply(local, tp, [fqn], "max", -1, "output")
+
+
+class RowwiseSplitInput(Rowwise):
+    name = "rowwise_split_input"
+    summary = "rowwise whose input is whole: cut to this rank's features first (HF rowwise_rep)"
+    budget = {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1, "all_reduce": 1}
+
+    def forward(self, tp, fqn, module, x):
+        tp.refuse_in_sequence_region(fqn, self.name)
+        # the whole input is the same on every TP rank: reduce_scatter(max) cuts it exactly;
+        # backward: the features' gradients all_gathered
+        local = _ScatterSeq.apply(x, None, tp, fqn, "max", -1, "input")
+        out = _ReduceFromTP.apply(F.linear(local, module.weight), tp, [fqn])
+        return out if module.bias is None else out + module.bias
+
+
+class EmbeddingColwise(TPStyle):
+    name = "embedding_colwise"
+    summary = "nn.Embedding split on the embedding dim; the looked-up features all_gathered over TP"
+    param_dims = {"weight": 1}
+    budget = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+
+    def check(self, fqn, module):
+        if not isinstance(module, nn.Embedding) or type(module).forward is not nn.Embedding.forward:
+            raise UnsupportedError(
+                f"tp_plan puts {fqn} ({type(module).__qualname__}) {self.name}; {self.name} splits "
+                "nn.Embedding modules (with nn.Embedding's own forward) only")
+
+    def forward(self, tp, fqn, module, ids):
+        tp.refuse_in_sequence_region(fqn, self.name)
+        local = F.embedding(ids, module.weight, module.padding_idx, module.max_norm, module.norm_type,
+                            module.scale_grad_by_freq, module.sparse)
+        return _GatherSeq.apply(local, tp, [fqn], "max", -1, "output")
+
+
+class ReplicatedWithGradAllreduce(TPStyle):
+    name = "replicated_with_grad_allreduce"
+    summary = ("the module runs whole on TP-local activations (e.g. per-head norms between colwise and "
+               "rowwise); its parameters' gradients, partial over TP, all_reduced")
+    param_dims = {}
+    budget = {"all_reduce": 1}
+
+    def check(self, fqn, module):
+        if next(module.parameters(recurse=False), None) is None:
+            raise UnsupportedError(f"tp_plan puts {fqn} ({type(module).__qualname__}) {self.name}, but "
+                                   "it has no parameters of its own: leave it out of the plan")
+
+    def forward(self, tp, fqn, module, *args, **kwargs):
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        summed = _SumGradsOverTP.apply(tp, fqn, names, *(getattr(module, n) for n in names))
+        shadow = vars(module)  # instance attributes win over nn.Module.__getattr__'s parameters
+        shadow.update(zip(names, summed))
+        try:
+            return type(module).forward(module, *args, **kwargs)
+        finally:
+            for n in names:
+                shadow.pop(n, None)
+
+
+# transformers' style names (``config.base_model_tp_plan``, ``model._tp_plan``): the same style
+# under another name, or why it is refused and what to use instead.
+HF_STYLE_NAMES = {"colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
+_LOCAL = ("leaves parameters as shards that the model's own code combines, which spmd-aot cannot see; "
+          "plan the linears 'colwise'/'rowwise'")
+HF_REFUSED_STYLES = {
+    "embedding_rowwise": "splits the vocabulary, so each TP rank must mask the token ids outside its share "
+                         "(a rank-dependent offset one graph for every rank cannot hold); plan it "
+                         "'embedding_colwise' or leave the embedding out of the plan (whole on every TP rank)",
+    "packed_colwise": "splits a packed projection part by part; plan it 'colwise_gather_output' "
+                      "(and its reader 'rowwise_split_input'), or leave it out",
+    "packed_rowwise": "splits a packed projection part by part; plan it 'rowwise_split_input', or leave it out",
+    "moe_tp_experts": "is expert parallelism, not supported yet; leave the experts out of the plan",
+    "grouped_gemm": "is expert parallelism, not supported yet; leave the experts out of the plan",
+    "ep_router": "is expert parallelism, not supported yet; leave the router out of the plan",
+    "mla_kv_a_proj": "is not supported yet; leave the module out of the plan",
+    "local_params": _LOCAL, "local": _LOCAL, "local_colwise": _LOCAL, "local_rowwise": _LOCAL,
+    "local_packed_rowwise": _LOCAL, "gather": _LOCAL, "isolated": _LOCAL,
+    "unit_colwise": "is not supported yet; plan the module 'colwise'",
+    "unit_rowwise": "is not supported yet; plan the module 'rowwise'",
+    "all_reduce": "all_reduces an output the module computed from local shards; plan its linears 'rowwise'",
+    "replicate": "keeps parameters whole: leave the module out of the plan (unplanned parameters are whole "
+                 "on every TP rank)",
+}
+
+
+def style_name(pattern: str, style) -> str:
+    """``style`` as spmd-aot names it (transformers' names mapped), or an error saying what to use."""
+    name = HF_STYLE_NAMES.get(style, style) if isinstance(style, str) else style
+    if name in TP_STYLES:
+        return name
+    if style in HF_REFUSED_STYLES:
+        raise SpmdAotError(f"tp_plan[{pattern!r}] is transformers' style {style!r}, which spmd-aot refuses: it "
+                           f"{HF_REFUSED_STYLES[style]}")
+    raise SpmdAotError(f"tp_plan[{pattern!r}] is {style!r}; expected one of: {', '.join(TP_STYLES)} "
+                       f"(or transformers' {', '.join(HF_STYLE_NAMES)})")
+
+
+#: ``tp_plan`` values that mean "the model's own plan": transformers' ``config.base_model_tp_plan``.
+MODEL_PLAN_NAMES = ("hf", "auto")
+
+
+def resolve_tp_plan(tp_plan, model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """``tp_plan`` bound to ``model``: ``"hf"``/``"auto"`` replaced by the model's own plan, and
+    patterns written relative to a transformers base model (``layers.*.self_attn.q_proj``, as
+    ``config.base_model_tp_plan`` has them) prefixed with ``model.base_model_prefix`` when they
+    match no module as written but do under the prefix."""
+    if isinstance(tp_plan, str):
+        config = getattr(model, "config", None)
+        own = getattr(config, "base_model_tp_plan", None)
+        if not own:
+            raise UnsupportedError(
+                f"tp_plan={tp_plan!r} takes the model's own plan (transformers' config.base_model_tp_plan), "
+                f"but {type(model).__qualname__} has none; pass tp_plan={{PATTERN: STYLE, ...}}")
+        tp_plan = tuple((pattern, style_name(pattern, style)) for pattern, style in own.items())
+    fqns = [fqn for fqn, _ in model.named_modules()]
+    prefix = getattr(model, "base_model_prefix", "")
+    resolved = []
+    for pattern, style in tp_plan:
+        if prefix and not any(fnmatch.fnmatchcase(f, pattern) for f in fqns):
+            prefixed = f"{prefix}.{pattern}"
+            if any(fnmatch.fnmatchcase(f, prefixed) for f in fqns):
+                pattern = prefixed
+        resolved.append((pattern, style))
+    return tuple(resolved)
 
 def _first_match(tp_plan, fqn: str) -> tuple[str, str] | None:
     """The (pattern, style name) pair of ``tp_plan`` that module ``fqn`` takes (first match wins)."""
@@ -349,19 +487,22 @@ class TensorParallel:
         self._label(reduced, modules, what, params)
         return c10d.wait_tensor(reduced)
 
-    def gather_sequence(self, t: torch.Tensor, modules: list[str], what: str) -> torch.Tensor:
-        """The sequence shards of the TP ranks (dim 1 of ``t``) all_gathered, in rank order."""
+    def gather_sequence(self, t: torch.Tensor, modules: list[str], what: str, dim: int = 1) -> torch.Tensor:
+        """The shards of the TP ranks (dim ``dim`` of ``t``: the sequence unless told) all_gathered,
+        in rank order."""
         c10d = torch.ops._c10d_functional
-        gathered = c10d.all_gather_into_tensor(t.movedim(1, 0).contiguous(), self.size, self.group)
+        gathered = c10d.all_gather_into_tensor(t.movedim(dim, 0).contiguous(), self.size, self.group)
         self._label(gathered, modules, what)
-        return c10d.wait_tensor(gathered).movedim(0, 1)
+        return c10d.wait_tensor(gathered).movedim(0, dim)
 
-    def scatter_sequence(self, t: torch.Tensor, modules: list[str], what: str, op: str) -> torch.Tensor:
-        """``t`` reduced (``op``) over the TP ranks, each keeping its sequence shard (dim 1)."""
+    def scatter_sequence(self, t: torch.Tensor, modules: list[str], what: str, op: str,
+                         dim: int = 1) -> torch.Tensor:
+        """``t`` reduced (``op``) over the TP ranks, each keeping its shard of dim ``dim`` (the
+        sequence unless told)."""
         c10d = torch.ops._c10d_functional
-        scattered = c10d.reduce_scatter_tensor(t.movedim(1, 0).contiguous(), op, self.size, self.group)
+        scattered = c10d.reduce_scatter_tensor(t.movedim(dim, 0).contiguous(), op, self.size, self.group)
         self._label(scattered, modules, what)
-        return c10d.wait_tensor(scattered).movedim(0, 1)
+        return c10d.wait_tensor(scattered).movedim(0, dim)
 
     @staticmethod
     def _label(t, modules, what, params=None):
@@ -406,18 +547,20 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 class _GatherSeq(torch.autograd.Function):
-    """Sequence shards all_gathered in forward; in backward the gradient reduce_scattered:
-    summed (``grad_op="sum"``: partial over TP, from colwise readers) or cut to the shard
-    (``"max"``: the same on every TP rank, so the max of the copies is the value)."""
+    """Shards of dim ``dim`` (the sequence, or features) all_gathered in forward; in backward
+    the gradient reduce_scattered: summed (``grad_op="sum"``: partial over TP, from colwise
+    readers) or cut to the shard (``"max"``: the same on every TP rank, so the max of the copies
+    is the value)."""
 
     @staticmethod
-    def forward(ctx, x, tp, modules, grad_op):
-        ctx.tp, ctx.modules, ctx.grad_op = tp, modules, grad_op
-        return tp.gather_sequence(x, modules, "input")
+    def forward(ctx, x, tp, modules, grad_op, dim=1, what="input"):
+        ctx.tp, ctx.modules, ctx.grad_op, ctx.dim, ctx.what = tp, modules, grad_op, dim, what
+        return tp.gather_sequence(x, modules, what, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.scatter_sequence(grad, ctx.modules, "input gradient", ctx.grad_op), None, None, None
+        cut = ctx.tp.scatter_sequence(grad, ctx.modules, f"{ctx.what} gradient", ctx.grad_op, ctx.dim)
+        return cut, None, None, None, None, None
 
 
 class _ScatterSeq(torch.autograd.Function):
@@ -426,16 +569,16 @@ class _ScatterSeq(torch.autograd.Function):
     bias gradient summed from the gathered one (the same on every TP rank, no collective)."""
 
     @staticmethod
-    def forward(ctx, x, bias, tp, fqn, op):
-        ctx.tp, ctx.fqn, ctx.has_bias = tp, fqn, bias is not None
-        out = tp.scatter_sequence(x, [fqn], "output", op)
+    def forward(ctx, x, bias, tp, fqn, op, dim=1, what="output"):
+        ctx.tp, ctx.fqn, ctx.has_bias, ctx.dim, ctx.what = tp, fqn, bias is not None, dim, what
+        out = tp.scatter_sequence(x, [fqn], what, op, dim)
         return out if bias is None else out + bias
 
     @staticmethod
     def backward(ctx, grad):
-        whole = ctx.tp.gather_sequence(grad, [ctx.fqn], "output gradient")
+        whole = ctx.tp.gather_sequence(grad, [ctx.fqn], f"{ctx.what} gradient", ctx.dim)
         grad_bias = whole.reshape(-1, whole.shape[-1]).sum(0) if ctx.has_bias else None
-        return whole, grad_bias, None, None, None
+        return whole, grad_bias, None, None, None, None, None
 
 
 class _SumGradsOverTP(torch.autograd.Function):

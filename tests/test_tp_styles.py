@@ -1,0 +1,154 @@
+"""transformers' tensor-parallel plans as they are: their style names mapped to ours or refused by
+name, base-model-relative patterns resolved, ``tp_plan="hf"``; and the styles those plans need
+beyond colwise/rowwise (gathered outputs, split inputs, a column-split embedding, per-head norms
+whose gradients are summed over TP) trained at world 2 against plain eager on the same batch
+(TP alone: every rank sees the whole batch, so the unsplit model is the oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_aot
+from multiproc import run_ranks
+from spmd_aot.errors import SpmdAotError, UnsupportedError
+from spmd_aot.plan import Plan
+from spmd_aot.tensor_parallel import HF_REFUSED_STYLES, resolve_tp_plan
+
+STEPS = 3
+TOL = 1e-5
+HEAD = 4
+
+
+class HeadNorm(nn.Module):
+    """RMS norm over each head's features with one weight per feature (Qwen3's q_norm)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Net(nn.Module):
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.q = nn.Linear(d, d)
+        self.q_norm = HeadNorm(HEAD)
+        self.o = nn.Linear(d, d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        h = self.emb(x)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)  # a packed projection: needs its whole output
+        # sigmoid, not softmax: softmax makes k's bias gradient zero up to rounding, which AdamW
+        # turns into lr-sized steps (the parity floor), and this test compares parameters
+        h = h + torch.sigmoid(q @ k.transpose(-1, -2)) @ v
+        local = self.q(h)  # this rank's heads
+        b, t, _ = local.shape
+        h = h + self.o(self.q_norm(local.view(b, t, -1, HEAD)).view(b, t, -1))
+        h = h + self.down(F.gelu(self.up(h)))
+        return self.head(h)
+
+
+PLAN = {"emb": "embedding_colwise", "qkv": "colwise_gather_output", "q": "colwise",
+        "q_norm": "replicated_with_grad_allreduce", "o": "rowwise", "up": "colwise_rep",
+        "down": "rowwise_rep"}
+
+
+def step(model, optim, batch):
+    x, y = batch
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def make_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+OPTIMS = {"sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+          "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)}
+
+
+def make_batch(s=0):
+    g = torch.Generator().manual_seed(s)
+    return torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g)
+
+
+def _worker(rank, world, cache, optim_name):
+    ref = make_model()
+    ref_optim = OPTIMS[optim_name](ref)
+    ref_losses = [step(ref, ref_optim, make_batch(s)).item() for s in range(STEPS)]
+    model = make_model()
+    optim = OPTIMS[optim_name](model)
+    compiled = spmd_aot.compile(step, cache_dir=cache, tp_plan=PLAN, require_hit=True)
+    losses = [compiled(model, optim, make_batch(s)).item() for s in range(STEPS)]
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+    return {"traces": compiled.cache_info.traces,
+            "param": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()),
+            "per": {k: (full[k] - v).abs().max().item() for k, v in ref.state_dict().items()},
+            "qkvb": (full["qkv.bias"] - ref.qkv.bias).abs().view(3, -1).max(1).values.tolist(),
+            "loss": max(abs(a - b) for a, b in zip(ref_losses, losses))}
+
+
+@pytest.mark.parametrize("optim_name", ["sgd", "adamw"])
+def test_hf_styles_match_the_unsplit_model(tmp_path, optim_name):
+    job = spmd_aot.Job(step=step, model=make_model, optimizer=OPTIMS[optim_name], batch=make_batch)
+    built = spmd_aot.build(job, world_size=2, tp_plan=PLAN, cache_dir=tmp_path)
+    by_kind = built.stats["by_kind"]
+    # per call: qkv, up: copy-in all_reduce + gather + cut; q: copy-in; q_norm: gradient sum;
+    # o, down: output all_reduce (down also cuts its input and gathers the gradient); emb: gather + cut
+    assert by_kind == {"all_reduce": 6, "all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}, by_kind
+    for r in run_ranks(_worker, 2, str(tmp_path), optim_name):
+        assert r["traces"] == 0, r
+        assert r["param"] <= TOL and r["loss"] <= TOL, ({k: v for k, v in r["per"].items() if v > TOL}, r["qkvb"])
+
+
+def test_hf_style_names_map_to_ours_and_keep_the_key():
+    ours = Plan(2, tp_plan={"up": "colwise_gather_output", "down": "rowwise_split_input"})
+    theirs = Plan(2, tp_plan={"up": "colwise_rep", "down": "rowwise_rep"})
+    assert ours.to_dict() == theirs.to_dict()
+
+
+@pytest.mark.parametrize("style", sorted(HF_REFUSED_STYLES))
+def test_refused_hf_styles_say_why_and_what_to_use(style):
+    with pytest.raises(SpmdAotError, match=f"transformers' style '{style}'.*refuses"):
+        Plan(2, tp_plan={"layers.*.mlp": style})
+
+
+def test_base_model_relative_patterns_and_the_models_own_plan():
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)) for _ in range(2)])
+
+    class Config:
+        base_model_tp_plan = {"layers.*.0": "colwise", "layers.*.1": "rowwise"}
+
+    class ForLM(nn.Module):
+        base_model_prefix = "model"
+
+        def __init__(self):
+            super().__init__()
+            self.model, self.config, self.lm_head = Inner(), Config(), nn.Linear(4, 4)
+
+    model = ForLM()
+    expected = (("model.layers.*.0", "colwise"), ("model.layers.*.1", "rowwise"))
+    assert resolve_tp_plan(tuple(Config.base_model_tp_plan.items()), model) == expected
+    assert Plan(2, tp_plan="hf").for_model(model).tp_plan == expected
+    assert Plan(2, tp_plan="auto").for_model(model).tp_plan == expected
+    # a pattern already written from the root stays as it is
+    assert resolve_tp_plan((("lm_head", "colwise"),), model) == (("lm_head", "colwise"),)
+    with pytest.raises(UnsupportedError, match="has none"):
+        Plan(2, tp_plan="hf").for_model(nn.Linear(2, 2))
