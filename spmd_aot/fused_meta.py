@@ -1,4 +1,4 @@
-"""Meta kernels for the fused optimizer steps torch has none for.
+"""Meta kernels for the fused optimizer steps: the strict argument contract, and nothing else.
 
 Why: a FakeTensor op without a meta kernel runs for real (FakeTensor's "unsafe fallback"): it
 makes a real tensor of every fake argument's size and computes on them. The step is traced
@@ -6,41 +6,41 @@ with the learning rate as a tensor (a graph input), and torch 2.13 has meta kern
 ``_fused_adam(w)_`` with a float learning rate only: so tracing a fused AdamW step over a
 70B-shaped model's fake parameters allocated their real bytes (four fake 1 GiB tensors: 16 GiB
 and 28 s). These steps update their tensor lists in place and create nothing, so a meta kernel
-only has to check that the lists line up: ``check_lists``, used while tracing (``registered``)
-and by the load-time check of a stored graph (``validate.py``).
+only has to check the arguments. Torch's own meta kernels for the ``.default`` overloads accept
+1-element state tensors and stride-0 parameters that the CPU kernel then indexes out of bounds,
+so the load-time check (``validate.py``) uses ``standin`` for every overload in ``FUSED_STEPS``,
+and tracing registers it where torch has none (``registered``). Both check
+``contracts.fused_step``: the lists line up, every state tensor has its parameter's exact shape,
+dtype and contiguity, counters and scalars hold one value.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["FUSED_STEPS", "check_lists", "registered"]
+from .contracts import check_call
+
+__all__ = ["FUSED_STEPS", "standin", "registered"]
 
 _aten = torch.ops.aten
-FUSED_STEPS = (_aten._fused_adamw_.tensor_lr, _aten._fused_adam_.tensor_lr,
+FUSED_STEPS = (_aten._fused_adamw_.tensor_lr, _aten._fused_adamw_.default,
+               _aten._fused_adam_.tensor_lr, _aten._fused_adam_.default,
                _aten._fused_sgd_.tensor_lr, _aten._fused_sgd_.default)
 
 
-def check_lists(*args, **kwargs) -> None:
-    """What a fused step needs of its arguments' metadata: parallel tensor lists (the first is
-    the parameters; the others as long, or empty), each state tensor shaped as its parameter
-    or a single value (a step counter), scalar arguments single values."""
-    lists = [a for a in args if isinstance(a, (list, tuple))]
-    params = lists[0]
-    for other in lists[1:]:
-        if len(other) not in (0, len(params)):
-            raise ValueError(f"tensor lists of lengths {len(params)} and {len(other)}")
-        for p, t in zip(params, other):
-            if not isinstance(t, torch.Tensor) or (t.shape != p.shape and t.numel() != 1):
-                raise ValueError(f"a state tensor of shape {getattr(t, 'shape', t)} for a parameter "
-                                 f"of shape {tuple(p.shape)}")
-    for value in kwargs.values():
-        if isinstance(value, torch.Tensor) and value.numel() != 1:
-            raise ValueError(f"a scalar argument is a tensor of shape {tuple(value.shape)}")
+@functools.lru_cache(maxsize=None)
+def standin(op) -> Callable[..., None]:
+    """A meta kernel for fused step ``op``: raises ``contracts.Broken`` (a ValueError) when the
+    arguments break the contract, else returns nothing (the step only writes in place)."""
+    def check(*args, **kwargs) -> None:
+        check_call(op, args, kwargs)
+    check.__name__ = f"{op._schema.name.split('::')[1]}_meta"
+    return check
 
 
 _lock = threading.Lock()
@@ -50,9 +50,9 @@ _library: torch.library.Library | None = None
 
 @contextlib.contextmanager
 def registered() -> Iterator[None]:
-    """``check_lists`` as the Meta kernel of every fused step in ``FUSED_STEPS`` that has none,
-    for the duration of the block (re-entrant; removed when the last block exits, so torch is
-    left as it was found)."""
+    """``standin`` as the Meta kernel of every fused step in ``FUSED_STEPS`` that has none, for
+    the duration of the block (re-entrant; removed when the last block exits, so torch is left
+    as it was found)."""
     global _users, _library
     with _lock:
         if _users == 0:
@@ -61,7 +61,7 @@ def registered() -> Iterator[None]:
             if missing:
                 _library = torch.library.Library("aten", "IMPL")
                 for op in missing:
-                    _library.impl(op.name().split("::", 1)[1], check_lists, "Meta")
+                    _library.impl(op.name().split("::", 1)[1], standin(op), "Meta")
         _users += 1
     try:
         yield

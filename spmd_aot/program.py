@@ -11,6 +11,10 @@ step pays on top of the kernels: each op is called through its C++ handle, its a
 gathered with precomputed ``itemgetter``s, the items of multi-output ops are unpacked where
 they are produced (no ``getitem`` steps), and values that depend on no input (causal masks,
 ``arange`` positions: see ``constant_fold.py``) are computed once when the program is built.
+
+Ops whose kernels write where index values say without bounds-checking them
+(``contracts.VALUE_CHECKS``: max-pool and embedding backward) have their index tensors' range
+checked right before every call; they are never folded, so no value escapes the check.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .constant_fold import fold_constants
+from .contracts import VALUE_CHECKS, op_name
 from .errors import CorruptArtifactError
 from .serialize import DecodedNode, Ref, refs_in
 
@@ -29,6 +34,7 @@ __all__ = ["Program"]
 
 class Program:
     def __init__(self, nodes: list[DecodedNode], constants: dict[str, torch.Tensor], *, fold: bool = True):
+        nodes = [_value_checked(n) for n in nodes]
         self.n_inputs = sum(1 for n in nodes if n.op == "placeholder")
         self.n_ops = sum(1 for n in nodes if n.op == "call_function")
         self._template: list[Any] = [None] * len(nodes)
@@ -74,6 +80,26 @@ class Program:
                 for f in frees:
                     env[f] = None
         return _materialize(self._output, env)
+
+
+class _ValueChecked:
+    """An op whose index values are checked before each call (not an OpOverload, so never folded)."""
+
+    __slots__ = ("op", "check", "__name__")
+
+    def __init__(self, op, check):
+        self.op, self.check, self.__name__ = op._op, check, op_name(op)
+
+    def __call__(self, *args, **kwargs):
+        self.check(args, kwargs)
+        return self.op(*args, **kwargs)
+
+
+def _value_checked(node: DecodedNode) -> DecodedNode:
+    check = VALUE_CHECKS.get(op_name(node.target)) if hasattr(node.target, "_overloadname") else None
+    if check is None or node.op != "call_function":
+        return node
+    return DecodedNode(node.op, node.name, _ValueChecked(node.target, check), node.args, node.kwargs)
 
 
 def _unpacked_items(nodes: list[DecodedNode], folded: set[int]) -> dict[int, tuple[int, int]]:

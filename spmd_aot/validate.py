@@ -2,8 +2,11 @@
 
 Some allowed ops describe memory with numbers the graph supplies (views from sizes, strides
 and offsets; factory ops with a size), and a few of torch's own kernels do not bounds-check
-them. So before a loaded graph runs, every node is executed on ``meta`` tensors shaped by the
-layout (no data, no allocation, no random numbers drawn), and every tensor it produces must
+them. So before a loaded graph runs, every node's arguments are checked against its op's
+contract (``contracts.py``: the size, dtype, stride and overlap relations its CPU and CUDA
+kernels assume; torch's meta kernels are no bounds checks), then the node is executed on
+``meta`` tensors shaped by the layout (no data, no allocation, no random numbers drawn), and
+every tensor it produces must
 
 * be a plain strided tensor (no sparse or other layouts),
 * lie inside its storage (offset and strides within the storage's bytes), and
@@ -19,17 +22,19 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from typing import Any
 
 import torch
 import torch.distributed._functional_collectives  # noqa: F401  (meta kernels of the collectives)
 
+from .contracts import Broken, check_call
 from .errors import CorruptArtifactError, UnsafeArtifactError
-from .fused_meta import FUSED_STEPS, check_lists
+from .fused_meta import FUSED_STEPS, standin
 from .limits import LoadLimits, load_limits
 from .serialize import DecodedNode, Ref
 
-__all__ = ["check_graph", "tensor_limit"]
+__all__ = ["check_graph", "check_node", "tensor_limit"]
 
 _META = torch.device("meta")
 
@@ -116,22 +121,43 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
             if known is not None:  # same op on the same metadata: same (already checked) result
                 env[i] = _rebuild(known, tensors)
                 continue
-            written = [(t, _geometry(t)) for t in _written_tensors(node.target, args, kwargs)]
-            try:
-                run = _STANDINS.get(node.target, node.target)
-                env[i] = run(*args, **kwargs)
-            except Exception as exc:  # the graph does not fit its own layout
-                raise CorruptArtifactError(
-                    f"node {node.name} ({_name(node.target)}) cannot run on the artifact's layout: "
-                    f"{type(exc).__name__}: {str(exc)[:300]}") from None
-            for t, before in written:
-                if _geometry(t) != before:  # e.g. ``mm.out`` into a wrongly shaped ``out`` resizes it
-                    raise UnsafeArtifactError(
-                        f"node {node.name} ({_name(node.target)}) changes the shape or strides of a tensor "
-                        f"it writes, from {before} to {_geometry(t)}")
-            _check_result(node, env[i], limit)
+            env[i] = check_node(node, args, kwargs, limit)
             if key is not None:
                 memo[key] = _describe(env[i], storages)
+
+
+def check_node(node: DecodedNode, args: tuple, kwargs: dict, limit: int) -> Any:
+    """One call on meta arguments: its op's contract, then its meta kernel, then every result
+    (plain strided, inside its storage, within ``limit`` bytes); returns the meta result."""
+    if node.target is not operator.getitem:
+        _check_contract(node, args, kwargs)
+    written = [(t, _geometry(t)) for t in _written_tensors(node.target, args, kwargs)]
+    try:
+        run = _STANDINS.get(node.target, node.target)
+        value = run(*args, **kwargs)
+    except Exception as exc:  # the graph does not fit its own layout
+        raise CorruptArtifactError(
+            f"node {node.name} ({_name(node.target)}) cannot run on the artifact's layout: "
+            f"{type(exc).__name__}: {str(exc)[:300]}") from None
+    for t, before in written:
+        if _geometry(t) != before:  # e.g. ``mm.out`` into a wrongly shaped ``out`` resizes it
+            raise UnsafeArtifactError(
+                f"node {node.name} ({_name(node.target)}) changes the shape or strides of a tensor "
+                f"it writes, from {before} to {_geometry(t)}")
+    _check_result(node, value, limit)
+    return value
+
+
+def _check_contract(node: DecodedNode, args: tuple, kwargs: dict) -> None:
+    """The node's arguments against its op's contract, before its meta kernel runs (memo hits
+    skip this: same op on the same metadata, already checked)."""
+    try:
+        check_call(node.target, args, kwargs)
+    except Broken as exc:
+        raise UnsafeArtifactError(f"node {node.name} ({_name(node.target)}) breaks its op's argument contract: "
+                                  f"{exc}") from None
+    except LookupError as exc:
+        raise UnsafeArtifactError(f"node {node.name}: {exc}; an allowed op runs only with a contract") from None
 
 
 def _geometry(t: torch.Tensor) -> tuple:
@@ -161,7 +187,8 @@ def _makes_tensors_on_a_device(op) -> bool:
     return schema is not None and any(a.name == "device" and a.kwarg_only for a in schema.arguments)
 
 
-_STANDINS = dict.fromkeys(FUSED_STEPS, check_lists)  # fused steps torch has no meta kernel for
+# Fused steps: torch has no meta kernel for some and a lax one for others; their contract is the check.
+_STANDINS = {op: standin(op) for op in FUSED_STEPS}
 
 
 def _signature(v, tensors: list, storages: dict[int, int]) -> Any:

@@ -1,0 +1,203 @@
+"""Op argument contracts (spmd_aot/contracts.py): every admitted overload has one, and the
+crafted entries of the op review (heap corruption and SIGSEGV from arguments torch's meta
+kernels accept) are refused by the load-time check, or by the run-time index check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmd_aot import allowlist, contracts
+from spmd_aot.errors import UnsafeArtifactError
+from spmd_aot.program import Program
+from spmd_aot.serialize import DecodedNode, Ref, resolve_target
+from spmd_aot.validate import check_graph
+
+aten = torch.ops.aten
+
+
+def test_every_allowed_overload_has_a_contract():
+    missing = sorted(n for n in allowlist.allowed_ops() if n not in contracts.CONTRACTS)
+    assert missing == [], f"add these to spmd_aot/contracts.py before admitting them: {missing}"
+
+
+def test_every_contract_names_an_overload_of_this_torch():
+    for name in contracts.CONTRACTS:
+        assert callable(resolve_target(name)) if name in allowlist.allowed_ops() else \
+            callable(getattr(getattr(getattr(torch.ops, name.split("::")[0]), name.split("::")[1].split(".")[0]),
+                             name.split(".")[-1])), name
+
+
+def test_value_checked_ops_have_contracts():
+    assert set(contracts.VALUE_CHECKS) <= set(contracts.CONTRACTS)
+
+
+def _graph(layout: list[tuple[list, str]], calls: list[tuple]) -> tuple[list, list]:
+    """Placeholders from ``layout``, then ``calls`` (name, op, args, kwargs) referring to earlier
+    values by index; the output returns the last call."""
+    nodes = [DecodedNode("placeholder", f"x{i}", f"x{i}", (), {}) for i in range(len(layout))]
+    for name, op, args, kwargs in calls:
+        nodes.append(DecodedNode("call_function", name, op, args, kwargs))
+    nodes.append(DecodedNode("output", "output", "output", ([Ref(len(nodes) - 1)],), {}))
+    return nodes, [{"local_shape": s, "dtype": d} for s, d in layout]
+
+
+def _refused(layout, calls, match):
+    nodes, inputs = _graph(layout, calls)
+    with pytest.raises(UnsafeArtifactError, match=match):
+        check_graph(nodes, {}, inputs)
+
+
+def _accepted(layout, calls):
+    nodes, inputs = _graph(layout, calls)
+    check_graph(nodes, {}, inputs)
+    return nodes
+
+
+F32 = "float32"
+ADAM = dict(beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+
+
+@pytest.mark.parametrize("op,lr", [(aten._fused_adam_.default, 0.1), (aten._fused_adamw_.default, 0.1),
+                                   (aten._fused_adam_.tensor_lr, "tensor"), (aten._fused_adamw_.tensor_lr, "tensor")])
+def test_fused_adam_with_one_element_state_is_refused(op, lr):
+    """Review case: the CPU kernel reads/writes exp_avg[param.numel()] (free(): invalid next size)."""
+    layout = [([100000], F32), ([100000], F32), ([1], F32), ([1], F32), ([], F32), ([], "float64")]
+    lr_arg = Ref(5) if lr == "tensor" else lr
+    call = ("step", op, ([Ref(0)], [Ref(1)], [Ref(2)], [Ref(3)], [], [Ref(4)]), dict(ADAM, lr=lr_arg))
+    _refused(layout, [call], r"breaks its op's argument contract: argument 'exp_avgs\[0\]' has shape \[1\], "
+                             r"must be self\[0\]\.shape")
+    good = [([100000], F32)] * 4 + [([], F32), ([], "float64")]
+    _accepted(good, [call])
+
+
+@pytest.mark.parametrize("op", [aten._fused_adam_.default, aten._fused_sgd_.default, aten._fused_sgd_.tensor_lr])
+def test_fused_step_on_a_stride_0_parameter_is_refused(op):
+    """Review case: a parameter expanded from one element (stride 0) is written by every index."""
+    layout = [([1], F32), ([4096], F32), ([4096], F32), ([4096], F32), ([], F32), ([], F32)]
+    expand = ("p", aten.expand.default, (Ref(0), [4096]), {})
+    if op is aten._fused_adam_.default:
+        call = ("step", op, ([Ref(6)], [Ref(1)], [Ref(2)], [Ref(3)], [], [Ref(4)]), dict(ADAM, lr=0.1))
+    else:
+        call = ("step", op, ([Ref(6)], [Ref(1)], [Ref(2)]),
+                dict(weight_decay=0.0, momentum=0.9, lr=Ref(5) if "tensor_lr" in str(op) else 0.1, dampening=0.0,
+                     nesterov=False, maximize=False, is_first_step=False))
+    _refused(layout, [expand, call], r"argument 'self\[0\]' is written but its elements overlap")
+
+
+def test_fused_adam_amsgrad_needs_its_max_list():
+    layout = [([8], F32)] * 4 + [([], F32)]
+    call = ("step", aten._fused_adam_.default, ([Ref(0)], [Ref(1)], [Ref(2)], [Ref(3)], [], [Ref(4)]),
+            dict(ADAM, lr=0.1, amsgrad=True))
+    _refused(layout, [call], "argument 'max_exp_avg_sqs' has 0 tensors, self has 1")
+    aliased = ("step", aten._fused_adam_.default, ([Ref(0)], [Ref(1)], [Ref(2)], [Ref(2)], [], [Ref(4)]),
+               dict(ADAM, lr=0.1))
+    _refused(layout, [aliased], r"argument 'exp_avgs\[0\]' overlaps argument 'exp_avg_sqs\[0\]'")
+
+
+def test_layer_norm_backward_with_short_mean_is_refused():
+    """Review case: torch's meta kernel does not check mean/rstd; the CPU kernel reads M of each."""
+    x, ns = [64, 128], [128]
+    layout = [(x, F32), (x, F32), ([1], F32), ([1], F32), (ns, F32), (ns, F32)]
+    call = ("lnb", aten.native_layer_norm_backward.default,
+            (Ref(0), Ref(1), ns, Ref(2), Ref(3), Ref(4), Ref(5), [True, True, True]), {})
+    _refused(layout, [call], r"argument 'mean' has shape \[1\], must be input.shape\[:-k\] \+ \[1\]\*k = \[64, 1\]")
+    layout[2] = layout[3] = ([64, 1], F32)
+    _accepted(layout, [call])
+    layout[0] = ([64, 1], F32)  # grad_out that does not match input
+    _refused(layout, [call], "argument 'grad_out' has shape")
+
+
+def test_batch_norm_with_short_weight_is_refused():
+    """Review case: torch's meta kernel does not check weight/running stats against C."""
+    layout = [([4, 1000, 8], F32), ([1], F32), ([1], F32), ([1000], F32), ([1000], F32)]
+    call = ("bn", aten.native_batch_norm.default, (Ref(0), Ref(1), Ref(2), Ref(3), Ref(4), True, 0.1, 1e-5), {})
+    _refused(layout, [call], r"argument 'weight' has shape \[1\], must be \[input.shape\[1\]\] = \[1000\]")
+    layout[1] = layout[2] = ([1000], F32)
+    _accepted(layout, [call])
+    stride0 = [("rm", aten.expand.default, (Ref(3), [1000]), {})]  # a running stat that is written
+    layout[3] = ([1], F32)
+    call = ("bn", aten.native_batch_norm.default, (Ref(0), Ref(1), Ref(2), Ref(5), Ref(4), True, 0.1, 1e-5), {})
+    _refused(layout, stride0 + [call], "argument 'running_mean' is written but its elements overlap")
+
+
+def test_max_pool_backward_shapes_are_checked_and_indices_at_run_time():
+    """Review case: the CPU kernel adds into grad_input[index] with unchecked index values."""
+    layout = [([1, 1, 4, 4], F32), ([1, 1, 2, 2], F32), ([1, 1, 2, 2], "int64")]
+    call = ("mpb", aten.max_pool2d_with_indices_backward.default,
+            (Ref(1), Ref(0), [2, 2], [2, 2], [0, 0], [1, 1], False, Ref(2)), {})
+    nodes = _accepted(layout, [call])
+    program = Program(nodes, {}, fold=False)
+    x, grad = torch.randn(1, 1, 4, 4), torch.ones(1, 1, 2, 2)
+    program(x, grad, torch.tensor([[[[0, 3], [8, 15]]]]))  # in range: fine
+    for bad in (1 << 30, -1, 16):
+        with pytest.raises(IndexError, match=r"must lie in \[0, 16\)"):
+            program(x, grad, torch.full((1, 1, 2, 2), bad))
+    layout[2] = ([1, 1, 1, 2], "int64")
+    _refused(layout, [call], "argument 'indices' has shape")
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_embedding_backward_index_values_are_checked_at_run_time(scale):
+    """Review case: with scale_grad_by_freq the CPU kernel counts counts[index]++ unchecked."""
+    layout = [([3, 4], F32), ([3], "int64")]
+    call = ("eb", aten.embedding_dense_backward.default, (Ref(0), Ref(1), 10, -1, scale), {})
+    program = Program(_accepted(layout, [call]), {}, fold=False)
+    assert program(torch.ones(3, 4), torch.tensor([0, 1, 9]))[0].shape == (10, 4)
+    with pytest.raises(IndexError, match="embedding_dense_backward indices"):
+        program(torch.ones(3, 4), torch.tensor([0, 1 << 30, 5]))
+    layout[1] = ([5], "int64")
+    _refused(layout, [call], "argument 'grad_output' has shape")
+
+
+def test_written_tensors_must_not_overlap_their_inputs():
+    layout = [([8, 8], F32), ([8, 8], F32)]
+    # out= a view of an input it reads: the kernel would read what it already overwrote
+    _refused(layout, [("mm", aten.mm.out, (Ref(0), Ref(1)), {"out": Ref(1)})], "overlaps argument")
+    # in place on itself (elementwise, identical view): fine
+    _accepted(layout, [("a", aten.add_.Tensor, (Ref(0), Ref(0)), {})])
+    # partial overlap between a written tensor and an input: refused
+    shifted = [("s", aten.slice.Tensor, (Ref(0), 0, 1, 8), {}), ("h", aten.slice.Tensor, (Ref(0), 0, 0, 7), {})]
+    _refused(layout, shifted + [("c", aten.copy_.default, (Ref(3), Ref(2)), {})], "overlaps argument")
+    # stride-0 written tensor
+    expand = [("e", aten.expand.default, (Ref(0), [4, 8, 8]), {})]
+    _refused(layout, expand + [("z", aten.zero_.default, (Ref(2),), {})], "is written but its elements overlap")
+
+
+def test_in_place_ops_cannot_broadcast_their_output():
+    layout = [([1, 8], F32), ([8, 8], F32)]
+    _refused(layout, [("a", aten.add_.Tensor, (Ref(0), Ref(1)), {})], r"argument 'self' has shape \[1, 8\]")
+
+
+def test_foreach_lists_line_up():
+    layout = [([4], F32), ([4], F32), ([5], F32)]
+    _accepted(layout[:2], [("f", aten._foreach_add_.List, ([Ref(0)], [Ref(1)]), {})])
+    _refused(layout, [("f", aten._foreach_add_.List, ([Ref(0), Ref(1)], [Ref(2)]), {})], "has 1 tensors")
+    _refused(layout, [("f", aten._foreach_add_.List, ([Ref(0)], [Ref(2)]), {})],
+             r"other\[0\]' of shape \[5\] does not broadcast")
+    layout[2] = ([2, 4], F32)  # broadcasting self[0] up: the written tensor would have to grow
+    _refused(layout, [("f", aten._foreach_add_.List, ([Ref(0)], [Ref(2)]), {})], "would broadcast self")
+
+
+def test_collective_input_must_have_dim_0():
+    layout = [([], F32)]
+    _refused(layout, [("g", torch.ops._c10d_functional.all_gather_into_tensor.default, (Ref(0), 2, "0"), {})],
+             "must have a dimension 0")
+
+
+def test_an_allowed_op_without_a_contract_is_refused(monkeypatch):
+    monkeypatch.delitem(contracts.CONTRACTS, "aten::relu.default")
+    _refused([([4], F32)], [("r", aten.relu.default, (Ref(0),), {})], "has no argument contract")
+
+
+def test_the_check_costs_little_per_node():
+    """Contract checks run on memo misses only; a 12-layer-like graph's distinct nodes are few."""
+    import time
+
+    x = torch.empty(64, 128, device="meta")
+    w = torch.empty(128, device="meta")
+    args = (x, x, [128], torch.empty(64, 1, device="meta"), torch.empty(64, 1, device="meta"), w, w, [True] * 3)
+    start = time.perf_counter()
+    for _ in range(1000):
+        contracts.check_call(aten.native_layer_norm_backward.default, args, {})
+    assert (time.perf_counter() - start) / 1000 < 1e-3
