@@ -353,7 +353,7 @@ def encode_spec(spec: pytree.TreeSpec) -> list:
             f"the step returns a {getattr(spec.type, '__qualname__', spec.type)}; a stored step may return "
             "tensors and Python scalars nested in tuples, lists, dicts (str or int keys) and None only. "
             "Return a dict or tuple instead")
-    children = [encode_spec(c) for c in spec.children_specs]
+    children = [encode_spec(c) for c in spec.children()]
     if tag == "none":
         return ["none"]
     if tag == "dict":

@@ -35,7 +35,7 @@ class LoadLimits:
     # Objects (containers plus their elements) one stored msgpack document may decode to: an
     # empty container is one byte stored and ~70 bytes decoded, so bytes alone bound nothing.
     # The graph may hold objects_per_node x nodes (a traced node decodes to ~12).
-    objects: int = 4_000_000
+    objects: int = 1_000_000
     objects_per_node: int = 32
     guard_file_bytes: int = 64 << 20  # a source file a guard hashes (larger: the guard fails)
     # Constant folding at load: estimated multiply-adds of one folded op, and of all of them.
