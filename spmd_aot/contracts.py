@@ -149,6 +149,8 @@ def _shape(t) -> list:
 
 
 def _broadcast(shapes: list, names: list) -> list:
+    if all(s == shapes[0] for s in shapes[1:]):  # the common case: nothing to broadcast
+        return list(shapes[0]) if shapes else []
     out: list = []
     for shape, name in zip(shapes, names):
         shape = list(shape)

@@ -201,3 +201,43 @@ def test_the_check_costs_little_per_node():
     for _ in range(1000):
         contracts.check_call(aten.native_layer_norm_backward.default, args, {})
     assert (time.perf_counter() - start) / 1000 < 1e-3
+
+
+def test_verify_reports_the_review_cases(tmp_path, capsys):
+    """The review's crafted entries, stored as someone with write access and no key would: each
+    refused at load and counted by ``spmd-aot verify`` (it reported 0 problems before)."""
+    import shutil
+
+    from jobs import build_unsigned
+    from test_hostile import Crafter, ints, node, ref
+
+    from spmd_aot.artifact import read_artifact
+    from spmd_aot.cli import main as cli
+    from spmd_aot.store import LocalStore
+
+    pristine = tmp_path / "pristine"
+    digest = build_unsigned(pristine).digest
+    cache = tmp_path / "cache"
+    shutil.copytree(pristine, cache)
+    store = LocalStore(cache)
+    c = Crafter(store, digest)
+    m, v = c.matrix, c.vector
+    rows, cols = c.shapes[m]
+    sgd = dict(weight_decay=0.0, momentum=0.9, lr=0.1, dampening=0.0, nesterov=False, maximize=False,
+               is_first_step=False)
+    table = {
+        "fused_sgd_short_momentum": c.graph(node("g", "aten::clone.default", ref(m)), node(
+            "evil", "aten::_fused_sgd_.default", ints(ref(m)), ints(ref("g")), ints(ref(v)), **sgd)),
+        "layer_norm_backward_short_mean": c.graph(node(
+            "evil", "aten::native_layer_norm_backward.default", ref(m), ref(m), ints(cols), ref(v), ref(v), None, None,
+            ints(True, True, True))),
+        "batch_norm_short_weight": c.graph(node(
+            "evil", "aten::native_batch_norm.default", ref(m), ref(v), None, None, None, True, 0.1, 1e-5)),
+    }
+    for name, doc in table.items():
+        d = c.store_graph(doc, ref=f"review-{name}")
+        with pytest.raises(UnsafeArtifactError, match="breaks its op's argument contract"):
+            read_artifact(store, d).check()
+    capsys.readouterr()
+    assert cli(["verify", "--cache-dir", str(cache)]) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"{len(table)} problems")
