@@ -20,7 +20,7 @@ with warnings.catch_warnings():
 
 from .builder import BuildResult, build  # noqa: E402
 from .errors import (ArtifactMismatchError, CacheMissError, CorruptArtifactError, LockTimeoutError,
-                     SpmdAotError, TargetError, UnsafeArtifactError, UnsupportedError)
+                     SpmdAotError, TargetError, UnsafeArtifactError, UnsupportedError, OpNotAllowedError)
 from .fingerprint import register_fingerprint
 from .job import Job, load_target
 from .override import Override
@@ -33,6 +33,6 @@ __all__ = [
     "Job", "build", "compile", "load_target", "Override", "register_fingerprint", "SPMD", "Schema",
     "BuildResult", "CacheInfo", "CompiledStep", "Plan",
     "SpmdAotError", "TargetError", "UnsupportedError", "CacheMissError", "ArtifactMismatchError",
-    "CorruptArtifactError", "UnsafeArtifactError", "LockTimeoutError",
+    "CorruptArtifactError", "UnsafeArtifactError", "OpNotAllowedError", "LockTimeoutError",
 ]
 del teardown  # imported for the exit handler it registers, not part of the API

@@ -7,6 +7,16 @@ and strides without bounds checks, build sparse tensors without checking their i
 seed the RNG or open files. ``REFUSED`` names those families with the reason; an op matching
 one is refused even if someone adds it to the data file (a test checks the file stays clear).
 
+**Opting in to more.** A job that needs an overload the list lacks names it: ``allow_ops=`` on
+``spmd_aot.build`` and ``spmd_aot.compile``, ``--allow-op`` on the CLI, or
+``SPMD_AOT_ALLOW_OPS`` (comma-separated) in the environment. The opt-in holds for the build or
+load it is given to (``opted_in``), never for the refused families, and each name must be an
+existing ``namespace::op.overload``. A build records the opted-in overloads its graph calls in the
+manifest's stats (``opted_in_ops``); a job that did not opt in to them refuses the entry, so a
+writer of the cache cannot widen the list: only the loading job's own opt-in counts. An
+opted-in op has no contract of its own (``contracts.py``): the generic checks of every loaded
+graph still run, and the user vouches for the rest.
+
 The list is tied to a torch release (``# torch-release:`` in the file): overload names can
 change between releases, so a process running another release logs a warning once and a
 test checks that every listed overload exists in the running torch.
@@ -14,14 +24,18 @@ test checks that every listed overload exists in the running torch.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.resources
 import logging
+import os
 import re
 
 import torch
 
-__all__ = ["ALLOWED_OPS", "PYTHON_CALLABLES", "REFUSED", "TORCH_RELEASE", "refusal", "allowed_ops"]
+__all__ = ["ALLOWED_OPS", "PYTHON_CALLABLES", "REFUSED", "TORCH_RELEASE", "ENV_ALLOW_OPS", "refusal",
+           "allowed_ops", "is_allowed", "opted_in", "opt_in_names", "extra_ops"]
 
 log = logging.getLogger(__name__)
 
@@ -78,3 +92,53 @@ def allowed_ops() -> frozenset:
 
 TORCH_RELEASE = _parse(importlib.resources.files(__package__).joinpath("allowed_ops.txt").read_text())[0]
 ALLOWED_OPS = allowed_ops()
+
+
+#: Comma-separated overloads every build and load of this process also admits.
+ENV_ALLOW_OPS = "SPMD_AOT_ALLOW_OPS"
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$")
+_OPTED_IN: contextvars.ContextVar[frozenset] = contextvars.ContextVar("spmd_aot_opted_in", default=frozenset())
+
+
+def opt_in_names(names) -> frozenset:
+    """``names`` (an iterable of ``"namespace::op.overload"``, or one comma-separated string) plus
+    ``$SPMD_AOT_ALLOW_OPS``, each checked: well formed, an existing overload, not refused."""
+    from .errors import SpmdAotError
+
+    if isinstance(names, str):
+        names = names.split(",")
+    wanted = [n.strip() for n in [*names, *os.environ.get(ENV_ALLOW_OPS, "").split(",")] if n and n.strip()]
+    for name in wanted:
+        if not _NAME.match(name):
+            raise SpmdAotError(f"allow_ops: {name[:80]!r} is not an operator overload name; expected "
+                               "'namespace::op.overload', e.g. 'aten::cumsum.default'")
+        namespace, rest = name.split("::")
+        op, overload = rest.split(".")
+        why = refusal(op)
+        if why:
+            raise SpmdAotError(f"allow_ops: {name} can never be allowed: it {why}")
+        try:
+            getattr(getattr(getattr(torch.ops, namespace), op), overload)
+        except (AttributeError, RuntimeError):
+            raise SpmdAotError(f"allow_ops: {name} does not exist in torch {torch.__version__}") from None
+    return frozenset(wanted) - allowed_ops()
+
+
+@contextlib.contextmanager
+def opted_in(names):
+    """While active, the overloads ``names`` (checked by ``opt_in_names``) are allowed too."""
+    token = _OPTED_IN.set(_OPTED_IN.get() | opt_in_names(names))
+    try:
+        yield
+    finally:
+        _OPTED_IN.reset(token)
+
+
+def is_allowed(name: str) -> bool:
+    """On the list, or opted in by the build or load in progress."""
+    return name in allowed_ops() or name in _OPTED_IN.get()
+
+
+def extra_ops(names) -> list[str]:
+    """The overloads among ``names`` that only an opt-in allows (what a manifest records)."""
+    return sorted(n for n in set(names) if n not in allowed_ops())

@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .allowlist import opt_in_names, opted_in
 from .artifact import read_manifest
 from .errors import SpmdAotError
 from .fake_factories import fake_factories
@@ -45,15 +46,18 @@ class BuildResult:
 def build(job: Job, *, world_size: int | None = None, placement: str = "replicate", cache_dir=None,
           device: str = "cpu", mesh_shape=None, param_placements=(), module_override=(),
           gm_transformation=None, extra_sources=(), store=None, plan: Plan | None = None,
-          **comm_options) -> BuildResult:
+          allow_ops=(), **comm_options) -> BuildResult:
     """Build ``job`` for one configuration; a no-op (``traced=False``) when already cached.
 
     The options mean what they mean for ``spmd_aot.compile``; pass the same ones to both.
     ``comm_options`` are ``Plan``'s communication fields (``bucket_cap_mb``, ``shard_groups``,
     ...) and ``tp_plan``; ``plan`` replaces every placement option at once.
     ``cache_dir`` may be a path or an ``s3://bucket/prefix`` URL (written through a local cache).
+    ``allow_ops`` names overloads beyond the allowlist the graph may call (``allowlist.py``); every
+    job that loads the entry must opt in to the same ones.
     """
     start = time.perf_counter()
+    opt_in_names(allow_ops)  # a bad name fails before any work
     if plan is None:
         if world_size is None:
             raise TypeError("build() needs world_size (or a plan)")
@@ -70,7 +74,8 @@ def build(job: Job, *, world_size: int | None = None, placement: str = "replicat
         with fake_mode:
             inputs = state.graph_inputs()
         for attempt in range(3):  # gc may evict the entry between storing (or finding) and reading it
-            digest, traced = trace_and_store(store, job.step, state, plan, key, mesh, inputs, transforms)
+            with opted_in(allow_ops):
+                digest, traced = trace_and_store(store, job.step, state, plan, key, mesh, inputs, transforms)
             try:
                 with reading(store, digest):
                     stats = read_manifest(store, digest)["stats"]

@@ -39,6 +39,7 @@ import sys
 import traceback
 from typing import Iterable, Sequence
 
+from .allowlist import opted_in
 from .errors import CorruptArtifactError, SpmdAotError, TargetError
 from .plan import PLACEMENTS
 
@@ -66,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_ERROR
     _configure_logging(args.verbose)
     try:
-        with _trusting(args.trust_cache):
+        with _trusting(args.trust_cache), opted_in(args.allow_op):
             status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not as a traceback at interpreter exit
         return status
@@ -150,6 +151,10 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--trust-cache", action="store_true",
                         help="use a cache directory other users can write, without a signing key "
                              "(as $SPMD_AOT_TRUST_CACHE=1; see the README's threat model)")
+    common.add_argument("--allow-op", action="append", default=[], metavar="OP",
+                        help="also allow operator overload OP ('namespace::op.overload') beyond the op "
+                             "allowlist, in builds and loads (repeatable; as $SPMD_AOT_ALLOW_OPS); every job "
+                             "loading such an entry must opt in too")
     parser = argparse.ArgumentParser(
         prog="spmd-aot",
         description="Ahead-of-time compile-and-cache for distributed PyTorch train steps.",

@@ -13,6 +13,7 @@ __all__ = [
     "ArtifactMismatchError",
     "CorruptArtifactError",
     "UnsafeArtifactError",
+    "OpNotAllowedError",
     "LockTimeoutError",
     "CacheIOError",
     "os_error",
@@ -49,6 +50,16 @@ class CorruptArtifactError(SpmdAotError):
 
 class UnsafeArtifactError(CorruptArtifactError):
     """A stored graph names a callable outside the op allowlist."""
+
+
+class OpNotAllowedError(UnsafeArtifactError):
+    """A stored graph calls an overload that is neither on the allowlist nor opted in to by this
+    job (``allow_ops``). Not repaired by rebuilding: the build that stored it opted in, or a
+    writer of the cache put it there; the job says which op and how to opt in."""
+
+    def __init__(self, message: str, op: str = ""):
+        super().__init__(message)
+        self.op = op
 
 
 class LockTimeoutError(SpmdAotError):

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import guards
+from .allowlist import extra_ops
 from .artifact import encode_artifact, layout_entries, read_artifact, store_artifact
 from .errors import CorruptArtifactError, UnsupportedError
 from .key import CacheKey
@@ -79,6 +80,9 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm, traced.gradient_collectives),
              "peak_bytes": graph_peak_bytes(gm)}
     _check_collectives(stats, slots, plan, traced.groups, traced.tp_budget, state.forward_only)
+    opted = extra_ops(_op_names(gm))
+    if opted:  # only when there are: entries without an opt-in keep the stats they always had
+        stats["opted_in_ops"] = opted
     stats["trace_seconds"] = round(time.perf_counter() - start, 4)
     recorded = guards.record(ran, key)
     log.debug("key %s: guarding %d files, %d distributions, %d tensor values", key.key[:12],
@@ -93,6 +97,12 @@ def _checked(result, gm, who: str) -> torch.fx.GraphModule:
     out.graph.lint()
     out.recompile()
     return out
+
+
+def _op_names(gm) -> set[str]:
+    """``"namespace::op.overload"`` of every operator the graph calls."""
+    return {f"{t.namespace}::{t._opname}.{t._overloadname}" for node in gm.graph.nodes
+            if node.op == "call_function" and isinstance((t := node.target), torch._ops.OpOverload)}
 
 
 def _check_collectives(stats: dict, slots, plan: Plan, groups=(), tp_budget=None, forward_only: bool = False) -> None:

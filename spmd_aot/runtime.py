@@ -25,9 +25,10 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from . import guards
+from .allowlist import opt_in_names, opted_in
 from .artifact import artifact_in_memory, layout_mismatch, read_artifact, read_manifest
 from .errors import (ArtifactMismatchError, CacheIOError, CacheMissError, CorruptArtifactError, LockTimeoutError,
-                     SpmdAotError, UnsupportedError)
+                     OpNotAllowedError, SpmdAotError, UnsupportedError)
 from .explain import explain_miss
 from .hints import TARGET_PLACEHOLDER, build_command
 from .key import compute_key
@@ -59,7 +60,7 @@ class CacheInfo:
 
 def compile(fn: Callable | None = None, *, placement: str = "replicate", cache_dir=None,
             require_hit: bool = False, mesh_shape=None, param_placements=(), module_override=(),
-            gm_transformation=None, extra_sources=(), store=None, **comm_options):
+            gm_transformation=None, extra_sources=(), store=None, allow_ops=(), **comm_options):
     """Wrap a train step ``fn(model, optim, batch)``; also usable as ``@spmd_aot.compile(...)``.
 
     The returned step returns what ``fn`` returns, computed on this rank: for the usual
@@ -70,11 +71,12 @@ def compile(fn: Callable | None = None, *, placement: str = "replicate", cache_d
     ``first_bucket_cap_mb``, ``shard_groups``, ``reshard_after_forward``) and ``tp_plan`` (tensor
     parallel, see ``tensor_parallel.py``): see ``Plan``. ``module_override``,
     ``gm_transformation``: build-time hooks (``override.py``); pass the same ones as the build.
+    ``allow_ops``: overloads beyond the allowlist this job admits (the build's opt-in, ``allowlist.py``).
     """
     options = dict(placement=placement, cache_dir=cache_dir, require_hit=require_hit,
                    mesh_shape=mesh_shape, param_placements=param_placements,
                    module_override=module_override, gm_transformation=gm_transformation,
-                   extra_sources=extra_sources, store=store, **comm_options)
+                   extra_sources=extra_sources, store=store, allow_ops=allow_ops, **comm_options)
     if fn is None:
         return functools.partial(compile, **options)
     return CompiledStep(fn, **options)
@@ -83,8 +85,9 @@ def compile(fn: Callable | None = None, *, placement: str = "replicate", cache_d
 class CompiledStep:
     def __init__(self, fn, *, placement="replicate", cache_dir=None, require_hit=False,
                  mesh_shape=None, param_placements=(), module_override=(), gm_transformation=None,
-                 extra_sources=(), store=None, **comm_options):
+                 extra_sources=(), store=None, allow_ops=(), **comm_options):
         Plan(1, placement, mesh_shape=None, **comm_options)  # unknown or invalid options fail here
+        self.allow_ops = tuple(opt_in_names(allow_ops))  # a bad name fails here, not at the first call
         self.fn = fn
         self.comm_options = comm_options
         self.placement = placement
@@ -122,7 +125,8 @@ class CompiledStep:
         bound = self._bound
         leaves, spec = pytree.tree_flatten(batch)
         if bound is None or not bound.fits(model, optim, leaves, spec):
-            bound = self._bound = self._prepare(model, optim, batch)
+            with opted_in(self.allow_ops):
+                bound = self._bound = self._prepare(model, optim, batch)
         return bound.run(leaves)
 
     # ------------------------------------------------------------------ first call
@@ -176,6 +180,11 @@ class CompiledStep:
                         f"rank {rank}: artifact {digest[:12]} (key {key.key[:12]}) serves rank 0 but "
                         f"not this rank: {problem}. Every rank must run the same code and libraries.")
                 program = artifact.program(_live_groups(mesh), device)
+            except OpNotAllowedError as exc:  # not repaired by a rebuild: the job opts in, or not
+                failure = OpNotAllowedError(
+                    f"{exc}. The entry for key {key.key[:12]} calls {exc.op}, which only an opt-in allows: if "
+                    f"you trust the build that stored it, pass allow_ops=[{exc.op!r}] to spmd_aot.compile (or "
+                    "set $SPMD_AOT_ALLOW_OPS); otherwise remove the entry and build it again.", op=exc.op)
             except Exception as exc:
                 failure = exc
             _all_ranks_ok(failure, world)

@@ -28,8 +28,8 @@ import msgpack
 import torch
 
 from . import bounded
-from .allowlist import allowed_ops, refusal
-from .errors import CorruptArtifactError, UnsafeArtifactError
+from .allowlist import ENV_ALLOW_OPS, is_allowed, refusal
+from .errors import CorruptArtifactError, OpNotAllowedError, UnsafeArtifactError
 from .limits import LoadLimits, load_limits
 
 __all__ = ["encode_graph", "decode_graph", "to_fx_graph", "Ref", "refs_in", "DecodedNode", "GRAPH_FORMAT",
@@ -72,12 +72,12 @@ def _target_name(node: torch.fx.Node) -> str:
     t = node.target
     if isinstance(t, torch._ops.OpOverload):
         name = f"{t.namespace}::{t._opname}.{t._overloadname}"
-        why = refusal(t._opname) or (None if name in allowed_ops() else "it is not on the op allowlist")
+        why = refusal(t._opname) or (None if is_allowed(name) else "it is not on the op allowlist")
         if why:
             raise UnsafeArtifactError(
                 f"node {node.name} calls {name}, which loading refuses: {why}. Write the step without "
-                "it, or, if it is an ordinary tensor op, add it to spmd_aot/allowed_ops.txt "
-                "(`spmd-aot ops` lists the allowlist)"
+                f"it, or opt in to it on the build and on every job that loads it (allow_ops=[{name!r}], "
+                f"CLI --allow-op {name}, or ${ENV_ALLOW_OPS}); `spmd-aot ops` lists the allowlist"
             )
         return name
     for name, fn in _PYTHON_CALLABLES.items():
@@ -415,10 +415,11 @@ def resolve_target(name) -> Callable:
     why = refusal(opname)
     if why:
         raise UnsafeArtifactError(f"graph calls {name!r}, which is refused: it {why}")
-    if name not in allowed_ops():
-        raise UnsafeArtifactError(
+    if not is_allowed(name):
+        raise OpNotAllowedError(
             f"graph calls {name[:80]!r}, which is not on the op allowlist of this spmd-aot "
-            "(`spmd-aot ops` lists it); refusing the artifact")
+            f"(`spmd-aot ops` lists it) and this job did not opt in to it (allow_ops=, --allow-op, "
+            f"${ENV_ALLOW_OPS}); refusing the artifact", op=name)
     try:
         packet = getattr(getattr(torch.ops, namespace), opname)
         op = getattr(packet, overload)
