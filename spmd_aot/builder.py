@@ -46,7 +46,7 @@ class BuildResult:
 def build(job: Job, *, world_size: int | None = None, placement: str = "replicate", cache_dir=None,
           device: str = "cpu", mesh_shape=None, param_placements=(), module_override=(),
           gm_transformation=None, extra_sources=(), store=None, plan: Plan | None = None,
-          allow_ops=(), **comm_options) -> BuildResult:
+          allow_ops=(), trust_cache=None, **comm_options) -> BuildResult:
     """Build ``job`` for one configuration; a no-op (``traced=False``) when already cached.
 
     The options mean what they mean for ``spmd_aot.compile``; pass the same ones to both.
@@ -64,7 +64,7 @@ def build(job: Job, *, world_size: int | None = None, placement: str = "replicat
         plan = Plan(world_size, placement, device, mesh_shape, param_placements, **comm_options)
     world_size = plan.world_size
     transforms = Transforms(tuple(module_override), gm_transformation)
-    store = store or open_store(cache_dir)
+    store = store or open_store(cache_dir, trust_cache=trust_cache)
     fake_mode = FakeTensorMode()
     state = _fake_state(job, plan, fake_mode)
     plan = state.plan  # bound to the model (a tp_plan="hf" resolved)

@@ -44,7 +44,7 @@ __all__ = ["CacheKey", "compute_key", "FORMAT_VERSION", "INGREDIENTS", "ENVIRONM
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: artifact format 3 (signature header, own output-spec format)
 _PACKAGE_DIR = pathlib.Path(__file__).parent
 # Parts of the package that never decide what graph is stored (they talk to people or move
 # bytes); every other module is hashed, so a new one is in the key by default.
@@ -61,6 +61,9 @@ ENVIRONMENT_NOT_IN_KEY = {
     "OMP_NUM_THREADS": "set by the quickstart for its ranks: how many threads, not which ops",
     "PYTHONWARNINGS": "the quickstart passes its ranks a filter for torch's no-numpy warning",
     "SPMD_AOT_LOAD_LIMITS": "bounds what a load accepts: it refuses an artifact, never changes one",
+    "SPMD_AOT_TRUST_CACHE": "whether a cache others can write is used at all, not what it holds",
+    "SPMD_AOT_ALLOW_OPS": "which overloads a build may store and a load accepts: it refuses a graph, never "
+                          "changes one (the manifest records the opted-in ops)",
 }
 
 

@@ -60,7 +60,8 @@ class CacheInfo:
 
 def compile(fn: Callable | None = None, *, placement: str = "replicate", cache_dir=None,
             require_hit: bool = False, mesh_shape=None, param_placements=(), module_override=(),
-            gm_transformation=None, extra_sources=(), store=None, allow_ops=(), **comm_options):
+            gm_transformation=None, extra_sources=(), store=None, allow_ops=(), trust_cache=None,
+            **comm_options):
     """Wrap a train step ``fn(model, optim, batch)``; also usable as ``@spmd_aot.compile(...)``.
 
     The returned step returns what ``fn`` returns, computed on this rank: for the usual
@@ -72,11 +73,14 @@ def compile(fn: Callable | None = None, *, placement: str = "replicate", cache_d
     parallel, see ``tensor_parallel.py``): see ``Plan``. ``module_override``,
     ``gm_transformation``: build-time hooks (``override.py``); pass the same ones as the build.
     ``allow_ops``: overloads beyond the allowlist this job admits (the build's opt-in, ``allowlist.py``).
+    ``trust_cache=True`` uses a cache directory other users can write without a signing key
+    (``store/trust.py``; default: ``$SPMD_AOT_TRUST_CACHE``).
     """
     options = dict(placement=placement, cache_dir=cache_dir, require_hit=require_hit,
                    mesh_shape=mesh_shape, param_placements=param_placements,
                    module_override=module_override, gm_transformation=gm_transformation,
-                   extra_sources=extra_sources, store=store, allow_ops=allow_ops, **comm_options)
+                   extra_sources=extra_sources, store=store, allow_ops=allow_ops,
+                   trust_cache=trust_cache, **comm_options)
     if fn is None:
         return functools.partial(compile, **options)
     return CompiledStep(fn, **options)
@@ -85,7 +89,7 @@ def compile(fn: Callable | None = None, *, placement: str = "replicate", cache_d
 class CompiledStep:
     def __init__(self, fn, *, placement="replicate", cache_dir=None, require_hit=False,
                  mesh_shape=None, param_placements=(), module_override=(), gm_transformation=None,
-                 extra_sources=(), store=None, allow_ops=(), **comm_options):
+                 extra_sources=(), store=None, allow_ops=(), trust_cache=None, **comm_options):
         Plan(1, placement, mesh_shape=None, **comm_options)  # unknown or invalid options fail here
         self.allow_ops = tuple(opt_in_names(allow_ops))  # a bad name fails here, not at the first call
         self.fn = fn
@@ -98,6 +102,7 @@ class CompiledStep:
         self.extra_sources = tuple(extra_sources)
         self._store = store
         self._cache_dir = cache_dir
+        self._trust_cache = trust_cache
         self._bound: _BoundStep | None = None
         self._unstored = None  # a traced artifact the cache could not take (rank 0 serves it)
         self.cache_info: CacheInfo | None = None
@@ -107,7 +112,7 @@ class CompiledStep:
     @property
     def store(self):
         if self._store is None:
-            self._store = open_store(self._cache_dir)
+            self._store = open_store(self._cache_dir, trust_cache=self._trust_cache)
         return self._store
 
     def __call__(self, model, *args):

@@ -83,7 +83,8 @@ def test_opted_in_entry_loads_only_for_a_job_that_opts_in(tmp_path, monkeypatch)
     # the environment variable is the same opt-in, for jobs started by torchrun
     monkeypatch.setenv(ENV_ALLOW_OPS, EXTRA)
     by_env = spmd_aot.compile(step, cache_dir=tmp_path, require_hit=True)
-    by_env(make_model(), torch.optim.SGD(make_model().parameters(), lr=0.1), batches[0])
+    fresh = make_model()
+    by_env(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), batches[0])
     assert by_env.cache_info.traces == 0
 
 

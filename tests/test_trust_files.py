@@ -217,6 +217,23 @@ def test_a_cache_others_can_write_is_refused_without_a_key_or_opt_in(tmp_path, m
     LocalStore(cache)
 
 
+def test_build_and_compile_take_trust_cache(tmp_path, monkeypatch):
+    import spmd_aot
+    from jobs import make_job
+
+    monkeypatch.delenv(signing.ENV_SIGNING_KEY, raising=False)
+    monkeypatch.delenv(ENV_TRUST_CACHE, raising=False)
+    cache = tmp_path / "shared"
+    LocalStore(cache).put(b"x")
+    os.chmod(cache, 0o775)
+    with pytest.raises(UntrustedCacheError):
+        spmd_aot.build(make_job("mlp", "sgd"), world_size=1, cache_dir=cache)
+    spmd_aot.build(make_job("mlp", "sgd"), world_size=1, cache_dir=cache, trust_cache=True)
+    with pytest.raises(UntrustedCacheError):
+        spmd_aot.compile(lambda m, o, b: None, cache_dir=cache).store
+    assert spmd_aot.compile(lambda m, o, b: None, cache_dir=cache, trust_cache=True).store is not None
+
+
 def test_subdirectories_owners_and_ancestors_are_checked(tmp_path, monkeypatch):
     monkeypatch.delenv(signing.ENV_SIGNING_KEY, raising=False)
     monkeypatch.delenv(ENV_TRUST_CACHE, raising=False)
