@@ -108,6 +108,19 @@ def test_layer_norm_backward_with_short_mean_is_refused():
     _refused(layout, [call], "argument 'grad_out' has shape")
 
 
+def test_layer_norm_backward_takes_a_strided_grad_out_as_its_kernel_does():
+    """Sequence-parallel graphs pass a transposed grad_out; the CPU kernel makes it contiguous
+    first, so the contract admits any strides and the result equals the contiguous call's."""
+    x, w, b = torch.randn(4, 8, 16), torch.randn(16), torch.randn(16)
+    _, mean, rstd = aten.native_layer_norm.default(x, [16], w, b, 1e-5)
+    for g in (torch.randn(8, 4, 16).transpose(0, 1), torch.randn(1, 1, 16).expand(4, 8, 16)):
+        args = (g, x, [16], mean, rstd, w, b, [True, True, True])
+        contracts.check_call(aten.native_layer_norm_backward.default, args, {})
+        got = aten.native_layer_norm_backward.default(*args)
+        want = aten.native_layer_norm_backward.default(g.contiguous(), *args[1:])
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_batch_norm_with_short_weight_is_refused():
     """Review case: torch's meta kernel does not check weight/running stats against C."""
     layout = [([4, 1000, 8], F32), ([1], F32), ([1], F32), ([1000], F32), ([1000], F32)]
