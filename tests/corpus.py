@@ -255,7 +255,7 @@ MODELS: dict[str, Model] = {
     "gpt2_eager": Model(_p(_gpt2, attn_implementation="eager"), lm_batch, about="GPT-2, eager attention"),
     "llama": Model(_p(_decoder, "LlamaConfig", "LlamaForCausalLM"), lm_batch, tp=True,
                    about="Llama, GQA 4/2 heads, default attention (sdpa)"),
-    "llama_eager": Model(_p(_decoder, "LlamaConfig", "LlamaForCausalLM", attn_implementation="eager"), lm_batch,
+    "llama_eager": Model(_p(_decoder, "LlamaConfig", "LlamaForCausalLM", attn_implementation="eager"), lm_batch, tp=True,
                          about="Llama, eager attention"),
     "mistral": Model(_p(_decoder, "MistralConfig", "MistralForCausalLM", sliding_window=8), lm_batch, tp=True,
                      about="Mistral, sliding window 8 < sequence 16"),
@@ -303,16 +303,23 @@ def job(name: str, **config_overrides) -> spmd_aot.Job:
                         optimizer=None if spec.eval else adamw, batch=lambda: spec.batch(0, 0))
 
 
-SPMD_CONFIG = {"use_cache": False, "return_dict": False}
+class Logits(nn.Module):
+    """What a user wraps a transformers model in for ``SPMD``: a stored step returns tensors in
+    tuples/lists/dicts, not transformers' ``ModelOutput`` classes (nor its ``DynamicCache``)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
 
 
-def spmd_job(**config_overrides) -> spmd_aot.Job:
-    """The ``SPMD`` wrapper's job: GPT-2 in eval mode, input_ids split over the ranks (Shard(0)).
-    ``return_dict=False``: a stored step returns tuples, not transformers' ``ModelOutput``
-    classes; ``use_cache=False``: with the default the forward also returns a ``DynamicCache``
-    (each refused at build, naming the type)."""
-    overrides = {**SPMD_CONFIG, **config_overrides}
-    return spmd_aot.SPMD.job(model=lambda: factory("gpt2", **overrides)().eval(), inputs=spmd_inputs)
+def spmd_job(bare: bool = False) -> spmd_aot.Job:
+    """The ``SPMD`` wrapper's job: GPT-2 in eval mode (``Logits`` around it unless ``bare``),
+    input_ids split over the ranks (Shard(0))."""
+    wrap = (lambda m: m) if bare else Logits
+    return spmd_aot.SPMD.job(model=lambda: wrap(factory("gpt2")()).eval(), inputs=spmd_inputs)
 
 
 def spmd_inputs():
@@ -531,11 +538,11 @@ def run_spmd(rank: int, world: int, cache: str) -> dict:
     """The ``SPMD`` wrapper around GPT-2 (eval) against the DDP-wrapped module, this rank's piece."""
     from torch.nn.parallel import DistributedDataParallel
 
-    wrapper = spmd_aot.SPMD(factory("gpt2", **SPMD_CONFIG)().eval(), cache_dir=cache, require_hit=True)
-    ref = DistributedDataParallel(factory("gpt2", **SPMD_CONFIG)().eval())
+    wrapper = spmd_aot.SPMD(Logits(factory("gpt2")()).eval(), cache_dir=cache, require_hit=True)
+    ref = DistributedDataParallel(Logits(factory("gpt2")()).eval())
     x = spmd_inputs().chunk(world)[rank]
     with torch.no_grad():
-        (got,), (want,) = wrapper(x), ref(x)  # (logits,)
+        got, want = wrapper(x), ref(x)
     info = wrapper.cache_info
     return {"diff": {"logits": (got - want).abs().max().item()}, "hit": info.hit,
             "source": info.source, "traces": info.traces}

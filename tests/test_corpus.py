@@ -129,14 +129,24 @@ def test_a_config_field_forward_reads_changes_the_key(corpus_run, name, target, 
     assert rc == 1 and field in out, out
 
 
-def spmd_with_cache():
-    return corpus.spmd_job(use_cache=True)
+def bare_gpt2_spmd():
+    return corpus.spmd_job(bare=True)
 
 
-def test_wrapping_a_model_that_returns_its_kv_cache_is_refused_at_build(tmp_path):
-    """GPT-2 in eval mode with transformers' default ``use_cache=True`` returns a ``DynamicCache``
-    beside the logits: the SPMD wrapper's build names it (exit 2), rather than storing a graph
-    whose output it cannot rebuild."""
-    built = corpus.cli_build("spmd_with_cache", str(tmp_path), placements=("replicate",),
+def test_wrapping_a_model_that_returns_a_model_output_is_refused_at_build(tmp_path):
+    """GPT-2 returns transformers' ``CausalLMOutputWithCrossAttentions`` holding a ``DynamicCache``
+    in eval (``use_cache=False``: the ModelOutput class itself is refused): the SPMD wrapper's
+    build names the type (exit 2) rather than storing a graph whose output it cannot rebuild.
+    (``config.return_dict=False`` is no way out: transformers 5.25's GPT2LMHeadModel then fails
+    reading ``.last_hidden_state`` off a tuple, in eager too.)"""
+    built = corpus.cli_build("bare_gpt2_spmd", str(tmp_path), placements=("replicate",),
                              target_module="test_corpus")
-    assert built.rc == 2 and "DynamicCache" in built.output, built.output
+    assert built.rc == 2 and "the step returns a DynamicCache" in built.output, built.output
+
+
+def test_the_default_attention_variants_run_sdpa():
+    """The default rows are the SDPA variants (transformers 5 resolves the default to sdpa on
+    CPU); the ``_eager`` rows run the eager attention."""
+    impl = {name: corpus.factory(name)().config._attn_implementation
+            for name in ("gpt2", "gpt2_eager", "llama", "llama_eager")}
+    assert impl == {"gpt2": "sdpa", "gpt2_eager": "eager", "llama": "sdpa", "llama_eager": "eager"}
