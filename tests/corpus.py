@@ -7,6 +7,14 @@ build, the eager oracle and the compiled job start from the same weights in any 
 Configs keep transformers' defaults (dropout, ``use_cache``, attention implementation) except
 where a variant says otherwise. ``corpus:NAME`` is a CLI target for every model (``job(NAME)``).
 
+Parity: each rank runs 5 AdamW steps eagerly (DDP, ``fully_shard``, ``parallelize_module`` from
+the model's own transformers TP plan), again with every initial parameter perturbed by relative
+1e-7 (the job's own rounding floor), and loaded; the loaded run must be within
+max(1e-5, 10 x floor). Dropout stays on where the config has it (GPT-2, BERT, T5: 0.1): the
+stored graph draws from the global RNG with eager's ops in eager's order (README "Dropout /
+RNG"), so with the same seed per data-parallel rank the masks are the same and parity is exact
+up to rounding, not statistical.
+
 Shared by ``tests/test_corpus.py`` and ``tools/run_corpus.py``.
 """
 
@@ -489,26 +497,23 @@ def _train(name, config, rank, world, model, call, optim=None):
     for s in range(STEPS):
         args = (model, spec.batch(dp_rank, s)) if spec.eval else (model, optim, spec.batch(dp_rank, s))
         out, dt = _timed(call, *args)
-        losses.append(out[0].detach() if spec.eval else out.detach())
+        # an eval step's loss and logits, flattened together: "loss" compares every output
+        losses.append(torch.cat([o.detach().flatten() for o in out]) if spec.eval else out.detach())
         seconds.append(dt)
     return losses, seconds
 
 
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def _diffs(ref, got) -> dict:
-    """Largest absolute differences of parameters and buffers, optimizer state and losses."""
-    (ref_model, ref_optim, ref_losses), (model, optim, losses) = ref, got
-    out = {"param": max((_full(a).float() - _full(b).float()).abs().max().item()
-                        for a, b in zip(ref_model.state_dict().values(), model.state_dict().values())),
-           "loss": max((a - b).abs().max().item() for a, b in zip(ref_losses, losses))}
+    """Largest absolute differences of parameters and buffers, optimizer state and losses
+    (``features.max_diffs``); for a forward-only step, of parameters and every output."""
+    import features
+
+    (ref_model, ref_optim, ref_outputs), (model, optim, outputs) = ref, got
     if ref_optim is not None:
-        s1, s2 = ref_optim.state_dict()["state"], optim.state_dict()["state"]
-        out["state"] = max([(_full(s1[i][k]).float() - _full(s2[i][k]).float()).abs().max().item()
-                            for i in s1 for k in s1[i] if isinstance(s1[i][k], torch.Tensor)] or [0.0])
-    return out
+        return features.max_diffs(ref_model, ref_optim, model, optim, ref_outputs, outputs)
+    return {"param": max((features.full(a) - features.full(b)).abs().max().item()
+                         for a, b in zip(ref_model.state_dict().values(), model.state_dict().values())),
+            "loss": max((a - b).abs().max().item() for a, b in zip(ref_outputs, outputs))}
 
 
 def run_case(name: str, config: str, rank: int, world: int, cache: str) -> dict:
@@ -531,7 +536,7 @@ def run_case(name: str, config: str, rank: int, world: int, cache: str) -> dict:
     return {"diff": _diffs(ref, (model, optim, losses)), "floor": _diffs(ref, (floor_model, floor_optim, floor_losses)),
             "hit": info.hit, "source": info.source, "traces": info.traces, "load_s": info.seconds,
             "ratio": statistics.median(loaded_s[1:]) / statistics.median(eager_s[1:]),
-            "losses": [float(x) for x in losses]}
+            "losses": [float(x.flatten()[0]) for x in losses]}
 
 
 def run_spmd(rank: int, world: int, cache: str) -> dict:
