@@ -7,6 +7,7 @@ world size and for a CUDA target.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -74,7 +75,7 @@ def build(job: Job, *, world_size: int | None = None, placement: str = "replicat
         with fake_mode:
             inputs = state.graph_inputs()
         for attempt in range(3):  # gc may evict the entry between storing (or finding) and reading it
-            with opted_in(allow_ops):
+            with opted_in(allow_ops), _backward_for(plan, state):
                 digest, traced = trace_and_store(store, job.step, state, plan, key, mesh, inputs, transforms)
             try:
                 with reading(store, digest):
@@ -87,6 +88,24 @@ def build(job: Job, *, world_size: int | None = None, placement: str = "replicat
     log.info("build %s: key %s, digest %s, %s, %.2f s", plan.describe(), key.key[:12], digest[:12],
              "traced and stored" if traced else "already cached", seconds)
     return BuildResult(plan, key.key, digest, traced, stats, seconds)
+
+
+def _backward_for(plan: Plan, state: TrainState):
+    """The C++ autograd engine cannot run over fake CUDA tensors where torch sees no GPU: there the
+    backward runs in Python (``python_autograd.py``), which runs no autograd-node hooks."""
+    from . import python_autograd
+
+    if not python_autograd.needed(plan.device_type) or state.forward_only:
+        return contextlib.nullcontext()
+    hooked = [name or "model" for name, m in state.model.named_modules()
+              if m._backward_hooks or m._backward_pre_hooks]
+    if hooked or torch.nn.modules.module._global_backward_hooks or \
+            torch.nn.modules.module._global_backward_pre_hooks:
+        raise SpmdAotError(
+            f"building for cuda on a machine where torch sees no GPU runs the backward in Python, which "
+            f"cannot run module backward hooks ({', '.join(hooked[:3]) or 'global hooks'}): build on a "
+            "machine with a GPU, or remove the hooks")
+    return python_autograd.python_backward()
 
 
 def job_key(job: Job, plan: Plan, transforms: Transforms = Transforms(), extra_sources=()) -> CacheKey:
