@@ -105,7 +105,7 @@ def _backward_for(plan: Plan, state: TrainState):
             f"building for cuda on a machine where torch sees no GPU runs the backward in Python, which "
             f"cannot run module backward hooks ({', '.join(hooked[:3]) or 'global hooks'}): build on a "
             "machine with a GPU, or remove the hooks")
-    return python_autograd.python_backward()
+    return python_autograd.gpu_less_cuda_tracing()
 
 
 def job_key(job: Job, plan: Plan, transforms: Transforms = Transforms(), extra_sources=()) -> CacheKey:

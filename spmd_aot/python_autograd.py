@@ -39,7 +39,7 @@ import torch.autograd.graph
 
 from .errors import UnsupportedError
 
-__all__ = ["needed", "python_backward", "run_backward"]
+__all__ = ["needed", "python_backward", "run_backward", "gpu_less_cuda_tracing"]
 
 
 def needed(device_type: str) -> bool:
@@ -256,3 +256,21 @@ def python_backward():
         torch.Tensor.register_hook = original_hook
         torch.autograd.Function.apply = original_apply
         _NONLEAF_HOOKS, _TENSOR_INPUTS = previous
+
+
+@contextlib.contextmanager
+def gpu_less_cuda_tracing():
+    """What tracing for CUDA needs where torch sees no GPU: the Python backward, and no real
+    constants. ``make_fx`` keeps a real copy of every tensor of at most one element made from
+    constants (``torch.tensor([], device="cuda")`` in transformers' KV cache) to answer a later
+    ``.item()``; making it on CUDA needs a driver ("Found no NVIDIA driver"). Without that copy
+    such a read is a data-dependent error at build time, never a wrong value."""
+    from torch.fx.experimental import proxy_tensor
+
+    limit = proxy_tensor.CONSTANT_NUMEL_LIMIT
+    proxy_tensor.CONSTANT_NUMEL_LIMIT = -1
+    try:
+        with python_backward():
+            yield
+    finally:
+        proxy_tensor.CONSTANT_NUMEL_LIMIT = limit
