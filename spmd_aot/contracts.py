@@ -532,13 +532,19 @@ def convolution(a: Args, *, backward: bool) -> None:
     g = a.tensor("grad_output")
     _shape_eq(g, out_shape, "grad_output", "the convolution's output shape")
     _dtype_eq(g, a.tensor("input"), "grad_output", "input")
-    if a.get("bias_sizes") is not None:
-        _need(list(a["bias_sizes"]) == [out_c], "bias_sizes", f"= {a['bias_sizes']} must be [{out_c}]")
+    if a.get("bias_sizes") is not None:  # a conv without bias passes [0] and asks no bias gradient
+        mask = a.get("output_mask")
+        wants_bias = mask is None or len(mask) < 3 or bool(mask[2])
+        allowed = [[out_c]] if wants_bias else [[out_c], [0]]
+        _need(list(a["bias_sizes"]) in allowed, "bias_sizes",
+              f"= {a['bias_sizes']} must be [{out_c}]" + ("" if wants_bias else " or [0] (no bias)"))
 
 
 def attention_cpu(a: Args, *, backward: bool) -> None:
-    """CPU flash attention: q [B, H, L, E], k [B, H, S, E], v [B, H, S, E], one dtype, rows
-    dense (stride 1 in the last dim); mask broadcastable to [B, H, L, S]; backward: ``out`` and
+    """CPU flash attention: q [B, H, L, E], k [B, Hk, S, E], v [B, Hk, S, E] where Hk divides H
+    (grouped-query attention: the kernel maps query head h to key head h / (H / Hk); Hk > H
+    divides by zero, a Hk that does not divide H reads past the key heads), one dtype, rows dense
+    (stride 1 in the last dim); mask broadcastable to [B, H, L, S]; backward: ``out`` and
     ``grad_out`` [B, H, L, E], ``logsumexp`` [B, H, L] in the accumulation dtype."""
     q, k, v = a.tensor("query"), a.tensor("key"), a.tensor("value")
     for name, t in (("query", q), ("key", k), ("value", v)):
@@ -546,7 +552,9 @@ def attention_cpu(a: Args, *, backward: bool) -> None:
         _dtype_eq(t, q, name, "query")
         _last_dim_dense(t, name)
     b, h, length, e = q.shape
-    _shape_eq(k, [b, h, k.shape[2], e], "key", "[B, H, S, E] of query")
+    hk = k.shape[1]
+    _need(1 <= hk <= h and h % hk == 0, "key", f"has {hk} heads, which must divide query's {h} (grouped-query attention)")
+    _shape_eq(k, [b, hk, k.shape[2], e], "key", "[B, Hk, S, E] of query")
     _shape_eq(v, list(k.shape), "value", "key.shape")
     _need(a.get("dropout_p") == 0.0, "dropout_p", f"= {a.get('dropout_p')} must be 0 (no dropout on CPU)")
     mask = a.t("attn_mask")

@@ -121,6 +121,29 @@ def test_layer_norm_backward_takes_a_strided_grad_out_as_its_kernel_does():
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("hq,hk,ok", [(4, 2, True), (4, 1, True), (4, 4, True),
+                                       (4, 3, False),   # the kernel reads past the key heads
+                                       (2, 4, False)])  # the kernel divides by zero (SIGFPE)
+def test_grouped_query_attention_needs_key_heads_dividing_query_heads(hq, hk, ok):
+    op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    args = (torch.randn(2, hq, 5, 8), torch.randn(2, hk, 6, 8), torch.randn(2, hk, 6, 8), 0.0, True)
+    if ok:
+        contracts.check_call(op, args, {})
+    else:
+        with pytest.raises(contracts.Broken, match="must divide query's"):
+            contracts.check_call(op, args, {})
+
+
+def test_convolution_backward_without_bias_passes_bias_sizes_0():
+    op = aten.convolution_backward.default
+    args = [torch.randn(1, 6, 6, 6), torch.randn(1, 4, 6, 6), torch.randn(6, 2, 3, 3), [0], [1, 1], [1, 1],
+            [1, 1], False, [0, 0], 2, [True, True, False]]
+    contracts.check_call(op, tuple(args), {})
+    args[-1] = [True, True, True]  # a bias gradient needs the bias' size
+    with pytest.raises(contracts.Broken, match="bias_sizes"):
+        contracts.check_call(op, tuple(args), {})
+
+
 def test_batch_norm_with_short_weight_is_refused():
     """Review case: torch's meta kernel does not check weight/running stats against C."""
     layout = [([4, 1000, 8], F32), ([1], F32), ([1], F32), ([1000], F32), ([1000], F32)]

@@ -194,11 +194,15 @@ SAMPLES: dict[str, list] = {  # op -> [[args, kwargs], ...]; the rest is derived
     "aten::convolution.default": [[(t(1, 4, 6, 6), t(6, 2, 3, 3), t(6), [1, 1], [1, 1], [1, 1], False, [0, 0], 2), {}],
                                   [(t(1, 4, 6, 6), t(4, 3, 3, 3), t(3), [2, 2], [1, 1], [1, 1], True, [1, 1], 1), {}]],
     "aten::convolution_backward.default": [[(t(1, 6, 6, 6), t(1, 4, 6, 6), t(6, 2, 3, 3), [6], [1, 1], [1, 1], [1, 1],
-                                             False, [0, 0], 2, [True, True, True]), {}]],
+                                             False, [0, 0], 2, [True, True, True]), {}],
+                                           [(t(1, 6, 6, 6), t(1, 4, 6, 6), t(6, 2, 3, 3), [0], [1, 1], [1, 1], [1, 1],
+                                             False, [0, 0], 2, [True, True, False]), {}]],  # no bias
     "aten::_scaled_dot_product_flash_attention_for_cpu.default": [[(t(2, 3, 5, 8), t(2, 3, 6, 8), t(2, 3, 6, 8)),
-                                                                    {"attn_mask": t(5, 6)}]],
+                                                                    {"attn_mask": t(5, 6)}],
+                                                                   [(t(2, 4, 5, 8), t(2, 2, 6, 8), t(2, 2, 6, 8)), {}]],
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward.default": [
-        [(t(2, 3, 5, 8), t(2, 3, 5, 8), t(2, 3, 6, 8), t(2, 3, 6, 8), t(2, 3, 5, 8), t(2, 3, 5), 0.0, False), {}]],
+        [(t(2, 3, 5, 8), t(2, 3, 5, 8), t(2, 3, 6, 8), t(2, 3, 6, 8), t(2, 3, 5, 8), t(2, 3, 5), 0.0, False), {}],
+        [(t(2, 4, 5, 8), t(2, 4, 5, 8), t(2, 2, 6, 8), t(2, 2, 6, 8), t(2, 4, 5, 8), t(2, 4, 5), 0.0, True), {}]],
     "aten::_fused_adam_.default": [_adam(False)], "aten::_fused_adamw_.default": [_adam(False)],
     "aten::_fused_adam_.tensor_lr": [_adam(True)], "aten::_fused_adamw_.tensor_lr": [_adam(True)],
     "aten::_fused_sgd_.default": [_sgd(False)], "aten::_fused_sgd_.tensor_lr": [_sgd(True)],
