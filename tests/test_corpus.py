@@ -17,8 +17,7 @@ import pytest
 from spmd_aot.cli import main
 
 pytestmark = pytest.mark.corpus
-pytest.importorskip("transformers", reason="the corpus's real models come from transformers (not a dependency)")
-import corpus  # noqa: E402
+import corpus  # noqa: E402  (needs transformers: a test dependency, `pip install -e ".[test]"`)
 
 TESTS = pathlib.Path(__file__).resolve().parent
 
