@@ -56,8 +56,11 @@ def _edge(t):
         return t.node, t.output_nr
     if not t.requires_grad:
         raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
-    e = torch.autograd.graph.get_gradient_edge(t)
-    return e.node, e.output_nr
+    # A leaf's AccumulateGrad is reached through a view (torch's own way from Python): not traced
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with disable_proxy_modes_tracing():
+        return torch.autograd.graph._get_grad_fn_or_grad_acc(t), t.output_nr
 
 
 def _fit(g: torch.Tensor, meta) -> torch.Tensor:
