@@ -27,10 +27,11 @@ from .override import Override
 from .plan import Plan
 from .runtime import CacheInfo, CompiledStep, compile
 from . import teardown  # noqa: E402  (registers what a job's end must do; see the module)
-from .spmd import SPMD, Schema
+from .schema import Comm, Schema
+from .spmd import SPMD
 
 __all__ = [
-    "Job", "build", "compile", "load_target", "Override", "register_fingerprint", "SPMD", "Schema",
+    "Job", "build", "compile", "load_target", "Override", "register_fingerprint", "SPMD", "Schema", "Comm",
     "BuildResult", "CacheInfo", "CompiledStep", "Plan",
     "SpmdAotError", "TargetError", "UnsupportedError", "CacheMissError", "ArtifactMismatchError",
     "CorruptArtifactError", "UnsafeArtifactError", "OpNotAllowedError", "LockTimeoutError",

@@ -24,6 +24,7 @@ from .job import Job
 from .key import CacheKey, compute_key
 from .pipeline import Transforms, trace_and_store
 from .plan import Plan
+from .schema import Schema
 from .state import TrainState, initialize_optimizer_state
 from .store import open_store
 from .mesh import device_mesh, fake_world
@@ -44,15 +45,15 @@ class BuildResult:
     seconds: float
 
 
-def build(job: Job, *, world_size: int | None = None, placement: str = "replicate", cache_dir=None,
-          device: str = "cpu", mesh_shape=None, param_placements=(), module_override=(),
-          gm_transformation=None, extra_sources=(), store=None, plan: Plan | None = None,
-          allow_ops=(), trust_cache=None, **comm_options) -> BuildResult:
+def build(job: Job, *, world_size: int | None = None, schema: Schema | None = None, cache_dir=None,
+          device: str = "cpu", module_override=(), gm_transformation=None, extra_sources=(), store=None,
+          plan: Plan | None = None, allow_ops=(), trust_cache=None, **layout) -> BuildResult:
     """Build ``job`` for one configuration; a no-op (``traced=False``) when already cached.
 
     The options mean what they mean for ``spmd_aot.compile``; pass the same ones to both.
-    ``comm_options`` are ``Plan``'s communication fields (``bucket_cap_mb``, ``shard_groups``,
-    ...) and ``tp_plan``; ``plan`` replaces every placement option at once.
+    ``schema`` (a ``spmd_aot.Schema``) says how the step is spread, or its keywords ``layout``
+    do (``placement``, ``mesh_shape``, ``param_placements``, ``tp_plan``, the communication
+    options); ``plan`` replaces schema, world size and device at once.
     ``cache_dir`` may be a path or an ``s3://bucket/prefix`` URL (written through a local cache).
     ``allow_ops`` names overloads beyond the allowlist the graph may call (``allowlist.py``); every
     job that loads the entry must opt in to the same ones.
@@ -60,9 +61,12 @@ def build(job: Job, *, world_size: int | None = None, placement: str = "replicat
     start = time.perf_counter()
     opt_in_names(allow_ops)  # a bad name fails before any work
     if plan is None:
+        schema = Schema.of(schema, **layout)
         if world_size is None:
             raise TypeError("build() needs world_size (or a plan)")
-        plan = Plan(world_size, placement, device, mesh_shape, param_placements, **comm_options)
+        plan = schema.plan(world_size, device)
+    elif schema is not None or layout:
+        raise TypeError("build() takes a plan or a schema (and its keywords), not both")
     world_size = plan.world_size
     transforms = Transforms(tuple(module_override), gm_transformation)
     store = store or open_store(cache_dir, trust_cache=trust_cache)

@@ -41,7 +41,7 @@ from typing import Iterable, Sequence
 
 from .allowlist import opted_in
 from .errors import CorruptArtifactError, SpmdAotError, TargetError
-from .plan import PLACEMENTS
+from .parallel.dims import PLACEMENT_NAMES, cli_fields
 
 __all__ = ["main"]
 
@@ -173,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
                         "zero-argument callable returning one")
     p.add_argument("-w", "--world-size", type=_positive_int, action="append", required=True,
                    metavar="N", help="world size to build for (repeat for several)")
-    p.add_argument("-p", "--placement", action="append", choices=sorted(PLACEMENTS),
+    p.add_argument("-p", "--placement", action="append", choices=sorted(PLACEMENT_NAMES),
                    help="placement to build for (repeat for several; default: replicate)")
     p.add_argument("--device", default="cpu", help="device type the job will run on (default: cpu)")
     _add_shard_options(p)
@@ -204,7 +204,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="TARGET", help="as for build: 'pkg.module:job' or 'path/to/file.py:job'")
     p.add_argument("-w", "--world-size", type=_positive_int, required=True, metavar="N",
                    help="world size the job will run at")
-    p.add_argument("-p", "--placement", default="replicate", choices=sorted(PLACEMENTS),
+    p.add_argument("-p", "--placement", default="replicate", choices=sorted(PLACEMENT_NAMES),
                    help="placement (default: replicate)")
     p.add_argument("--device", default="cpu", help="device type the job will run on (default: cpu)")
     _add_shard_options(p)
@@ -304,8 +304,9 @@ def _positive_int(text: str) -> int:
 # ---------------------------------------------------------------------------- build
 def _add_shard_options(p) -> None:
     p.add_argument("--mesh-shape", type=_mesh_shape, metavar="RxS",
-                   help="for placement shard: a 2-D mesh of R replicas x S shards (HSDP), e.g. 2x4, or with "
-                        "--tp-plan DP x TP ranks (FSDP x TP)")
+                   help="for placement shard: a 2-D mesh of R replicas x S shards (HSDP), e.g. 2x4; with "
+                        "--tp-plan the last dimension is TP: DPxTP (DDP x TP under replicate, FSDP x TP "
+                        "under shard) or RxSxTP (HSDP x TP)")
     p.add_argument("--param-placement", action="append", type=_param_placement, default=[],
                    metavar="PATTERN=PLACEMENT",
                    help="for placement shard: keep parameters whose FQN matches PATTERN (fnmatch) "
@@ -322,8 +323,8 @@ def _add_shard_options(p) -> None:
                         "(fnmatch) run STYLE (colwise, rowwise or a sequence-parallel style, see README), "
                         "e.g. 'blocks.*.attn.q=colwise'; or 'hf': a transformers model's own plan "
                         "(config.base_model_tp_plan) "
-                        "(repeat for several; first match wins). Placement replicate: TP alone over the "
-                        "world; placement shard: FSDP x TP on --mesh-shape DPxTP")
+                        "(repeat for several; first match wins). Without --mesh-shape TP alone over the "
+                        "world (placement replicate); with it, TP on its last dimension")
     p.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, metavar="MIB",
                    help="for placement replicate: gradient bucket size (default 25, as DDP)")
     p.add_argument("--first-bucket-cap-mb", type=_positive_float, default=1.0, metavar="MIB",
@@ -360,16 +361,16 @@ def _pattern_pair(text: str, what: str, choices) -> tuple[str, str]:
 
 
 def _param_placement(text: str) -> tuple[str, str]:
-    return _pattern_pair(text, "PLACEMENT", PLACEMENTS)
+    return _pattern_pair(text, "PLACEMENT", PLACEMENT_NAMES)
 
 
 def _tp_style(text: str) -> tuple[str, str] | str:
     """``PATTERN=STYLE`` (ours or transformers' style names), or ``hf``/``auto``: the model's own plan."""
-    from .tensor_parallel import HF_REFUSED_STYLES, HF_STYLE_NAMES, MODEL_PLAN_NAMES, TP_STYLES
+    from .parallel.tp_plan import HF_REFUSED_STYLES, HF_STYLE_NAMES, MODEL_PLAN_NAMES, STYLE_NAMES
 
     if text in MODEL_PLAN_NAMES:
         return text
-    return _pattern_pair(text, "STYLE", [*TP_STYLES, *HF_STYLE_NAMES, *HF_REFUSED_STYLES])
+    return _pattern_pair(text, "STYLE", [*STYLE_NAMES, *HF_STYLE_NAMES, *HF_REFUSED_STYLES])
 
 
 def _tp_plan(entries: list) -> tuple | str:
@@ -382,16 +383,16 @@ def _tp_plan(entries: list) -> tuple | str:
 
 
 def _plan(args, world_size: int, placement: str):
-    """One configuration; a placement's own options (``Placement.cli_fields``) apply to it alone."""
-    from .plan import Plan
+    """One configuration; a placement's own options (``parallel.dims.cli_fields``) apply to it alone."""
+    from .schema import Schema
 
     options = {"mesh_shape": args.mesh_shape, "param_placements": tuple(args.param_placement),
                "shard_groups": tuple(args.shard_group),
                "reshard_after_forward": not args.keep_params_after_forward}
-    own = PLACEMENTS[placement].cli_fields
-    return Plan(world_size, placement, args.device, bucket_cap_mb=args.bucket_cap_mb,
-                first_bucket_cap_mb=args.first_bucket_cap_mb, tp_plan=_tp_plan(args.tp_plan),
-                **{name: value for name, value in options.items() if name in own})
+    own = cli_fields(placement, bool(args.tp_plan))
+    schema = Schema(placement, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb,
+                    tp_plan=_tp_plan(args.tp_plan), **{k: v for k, v in options.items() if k in own})
+    return schema.plan(world_size, args.device)
 
 
 def cmd_build(args) -> int:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import shlex
 
+from .parallel.dims import cli_fields
 from .plan import Plan
+from .schema import Comm
 
 __all__ = ["build_command", "TARGET_PLACEHOLDER"]
 
@@ -21,12 +23,12 @@ TARGET_PLACEHOLDER = "TARGET"
 
 def build_command(plan: Plan, *, target: str | None = None, cache_dir: str | os.PathLike | None = None) -> str:
     """``spmd-aot build TARGET --world-size N --placement P ...`` for exactly ``plan``."""
-    default = Plan(plan.world_size, plan.placement)
+    default = Comm()
     args = ["spmd-aot", "build", target or TARGET_PLACEHOLDER,
             "--world-size", str(plan.world_size), "--placement", plan.placement]
-    if plan.device_type != default.device_type:
+    if plan.device_type != "cpu":
         args += ["--device", plan.device_type]
-    own = plan.strategy.cli_fields  # the CLI applies these options to this placement only
+    own = cli_fields(plan.placement, bool(plan.tp_plan))  # the CLI applies these options to it only
     if "mesh_shape" in own and len(plan.mesh_shape) > 1:
         args += ["--mesh-shape", "x".join(map(str, plan.mesh_shape))]
     if "param_placements" in own:

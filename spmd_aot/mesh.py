@@ -7,6 +7,7 @@ meshes, and the runtime and builder create them; keeping them here keeps imports
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 
 from .plan import Plan
 
-__all__ = ["device_mesh", "fake_world"]
+__all__ = ["device_mesh", "flat_mesh", "fake_world"]
 
 _MESHES: dict[tuple, Any] = {}
 
@@ -25,15 +26,22 @@ def device_mesh(plan: Plan):
     One mesh per shape and default group per process: a new mesh means new process groups
     (collective calls on every rank), and DTensor caches decisions across equal meshes.
     """
-    if plan.world_size == 1:
-        return None
+    return _mesh(plan.device_type, plan.mesh_shape) if plan.world_size > 1 else None
+
+
+def flat_mesh(plan: Plan):
+    """The 1-D mesh of every rank (one collective over the world where a gradient averages over
+    every data-parallel dimension); the plan's own mesh when it is 1-D."""
+    return _mesh(plan.device_type, (plan.world_size,)) if plan.world_size > 1 else None
+
+
+def _mesh(device_type: str, shape: tuple[int, ...]):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    key = (plan.device_type, plan.mesh_shape, id(dist.group.WORLD), dist.group.WORLD.group_name)
+    key = (device_type, shape, id(dist.group.WORLD), dist.group.WORLD.group_name)
     if key not in _MESHES:
-        ranks = torch.arange(plan.world_size).reshape(plan.mesh_shape)
-        _MESHES[key] = DeviceMesh(plan.device_type, ranks)
+        _MESHES[key] = DeviceMesh(device_type, torch.arange(math.prod(shape)).reshape(shape))
     return _MESHES[key]
 
 

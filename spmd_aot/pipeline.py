@@ -28,6 +28,7 @@ from .numpy_absent import numpy_lookups_skipped
 from .override import Override, swapped_submodules
 from .passes import (collective_stats, dedupe_collectives, fold_views, prefetch_groups,
                      remove_detach, sink_waits, strip_profiler_ops)
+from .parallel import axes
 from .plan import Plan
 from .state import TrainState
 from .trace import trace_step
@@ -64,7 +65,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
         dedupe_collectives(gm)
         prefetch_groups(gm)
         if plan.world_size > 1:
-            plan.strategy.graph_passes(gm, plan, traced)
+            axes.graph_passes(gm, plan, traced)
         slots = state.slots()
         layout = layout_entries(slots, plan)
         if transforms.module_override or transforms.gm_transformation is not None:
@@ -79,7 +80,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     traced.gm = gm
     stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm, traced.gradient_collectives),
              "peak_bytes": graph_peak_bytes(gm)}
-    _check_collectives(stats, slots, plan, traced.groups, traced.tp_budget, state.forward_only)
+    _check_collectives(stats, slots, plan, traced.groups, traced.axis_budget, state.forward_only)
     opted = extra_ops(_op_names(gm))
     if opted:  # only when there are: entries without an opt-in keep the stats they always had
         stats["opted_in_ops"] = opted
@@ -105,20 +106,11 @@ def _op_names(gm) -> set[str]:
             if node.op == "call_function" and isinstance((t := node.target), torch._ops.OpOverload)}
 
 
-def _check_collectives(stats: dict, slots, plan: Plan, groups=(), tp_budget=None, forward_only: bool = False) -> None:
-    """Refuse graphs with more collectives than the placement (its budget) and the
-    tensor-parallel layers (theirs) need. A forward-only step needs one all_gather per group
-    and no reduction (beyond the forward all_reduces of tensor-parallel layers)."""
+def _check_collectives(stats: dict, slots, plan: Plan, groups=(), axis_budget=None, forward_only: bool = False) -> None:
+    """Refuse graphs with more collectives than the axes need (``axes.collective_limits``: what
+    each allows for the parameters plus what the traced calls of its layers added)."""
     kinds = stats["by_kind"]
-    limits = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}
-    limits.update(plan.strategy.budget(plan, slots, groups))
-    if forward_only:
-        limits = {"all_gather_into_tensor": len(groups), "reduce_scatter_tensor": 0}
-        if not plan.tp:
-            limits["all_reduce"] = 0
-    for kind, n in (tp_budget or {}).items():
-        if kind in limits:
-            limits[kind] += n
+    limits = axes.collective_limits(plan, slots, groups, axis_budget or {}, forward_only)
     for kind, limit in limits.items():
         if kinds.get(kind, 0) > limit:
             raise UnsupportedError(

@@ -1,18 +1,20 @@
 """How a step is spread over ranks: world size, device mesh, placements, tensor-parallel plan,
-device type."""
+device type. A pure value: names and arithmetic (the mesh's named dimensions, each parameter's
+layout), no mechanics; the axes that act on it are ``parallel/axes.py``'s."""
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 from typing import Mapping
 
 from .errors import SpmdAotError
 from .layout import TensorLayout
-from .placements import PLACEMENTS, Placement
-from .tensor_parallel import MODEL_PLAN_NAMES, TPStyle, resolve_tp_plan, style_for, style_name
+from .parallel.dims import DATA_PARALLEL_ROLES, PLACEMENT_NAMES, mesh_roles
+from .parallel.tp_plan import MODEL_PLAN_NAMES, resolve_tp_plan, split_dim, style_name
 
-__all__ = ["Plan", "PLACEMENTS"]
+__all__ = ["Plan", "PLACEMENT_NAMES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,8 +26,10 @@ class Plan:
     ``tp_plan`` maps module FQN patterns (fnmatch, first match wins) to a tensor-parallel style
     (``tensor_parallel.py``: ``"colwise"``, ``"rowwise"`` and the sequence-parallel styles), e.g.
     ``{"blocks.*.attn.q": "colwise", "blocks.*.attn.o": "rowwise"}``. With one, the last mesh
-    dimension is the TP dimension: under ``replicate`` the whole (1-D) mesh is TP (TP alone);
-    under ``shard`` the mesh is ``(dp, tp)``, FSDP over dp and TP over tp."""
+    dimension is ``tp``. The mesh's dimensions are named (``mesh_roles``, ``parallel/dims.py``):
+    ``replicate`` takes ``(dp_replicate,)``, with TP ``(tp,)`` (TP alone) or ``(dp_replicate, tp)``
+    (DDP x TP); ``shard`` takes ``(dp_shard,)`` or ``(dp_replicate, dp_shard)`` (HSDP), with TP
+    ``(dp_shard, tp)`` (FSDP x TP) or ``(dp_replicate, dp_shard, tp)`` (HSDP x TP)."""
 
     world_size: int
     placement: str = "replicate"
@@ -45,13 +49,15 @@ class Plan:
     shard_groups: tuple[str, ...] = ()
     reshard_after_forward: bool = True
     tp_plan: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
+    # derived: the role of each mesh dimension (``parallel/dims.py``), e.g. ("dp_shard", "tp")
+    mesh_roles: tuple[str, ...] = dataclasses.field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self):
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise SpmdAotError(f"world size must be a positive integer, got {self.world_size!r}")
-        if self.placement not in PLACEMENTS:
+        if self.placement not in PLACEMENT_NAMES:
             raise SpmdAotError(
-                f"unknown placement {self.placement!r}; expected one of: {', '.join(PLACEMENTS)}"
+                f"unknown placement {self.placement!r}; expected one of: {', '.join(PLACEMENT_NAMES)}"
             )
         mesh = tuple(self.mesh_shape) if self.mesh_shape else (self.world_size,)
         product = 1
@@ -77,15 +83,22 @@ class Plan:
                     raise SpmdAotError(f"tp_plan entries are (module FQN pattern, style) pairs, got {entry!r}")
             tp_plan = tuple((pattern, style_name(pattern, style)) for pattern, style in tp_plan)
         object.__setattr__(self, "tp_plan", tp_plan)
-        self.strategy.check(self)
+        roles = mesh_roles(self.placement, mesh, ("tp",) if tp_plan and self.world_size > 1 else ())
+        if isinstance(roles, str):
+            raise SpmdAotError(roles)
+        object.__setattr__(self, "mesh_roles", roles)
         overrides = self.param_placements
         overrides = tuple(overrides.items()) if isinstance(overrides, Mapping) else tuple(map(tuple, overrides))
         for pattern, placement in overrides:
-            if placement not in PLACEMENTS:
+            if placement not in PLACEMENT_NAMES:
                 raise SpmdAotError(
-                    f"param_placements[{pattern!r}] is {placement!r}; expected one of: {', '.join(PLACEMENTS)}"
+                    f"param_placements[{pattern!r}] is {placement!r}; expected one of: {', '.join(PLACEMENT_NAMES)}"
                 )
-            self.strategy.check_override(pattern, placement)
+            if placement != self.placement and self.placement == "replicate":
+                raise SpmdAotError(
+                    f"param_placements[{pattern!r}] asks for {placement!r} under placement 'replicate'; use "
+                    f"placement={placement!r} and mark the parameters to keep whole as 'replicate'"
+                )
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1 << 20:
@@ -107,29 +120,37 @@ class Plan:
         resolved = resolve_tp_plan(self.tp_plan, model)
         return self if resolved == self.tp_plan else dataclasses.replace(self, tp_plan=resolved)
 
-    @property
-    def strategy(self) -> Placement:
-        """The placement object (``placements.py``) that ``placement`` names."""
-        return PLACEMENTS[self.placement]
+    def mesh_dim(self, role: str) -> int | None:
+        """The mesh dimension that has ``role``; None when the mesh has none (or one rank)."""
+        if self.world_size == 1 or role not in self.mesh_roles:
+            return None
+        return self.mesh_roles.index(role)
+
+    def size(self, role: str) -> int:
+        """Ranks along the dimension that has ``role`` (1 without one)."""
+        dim = self.mesh_dim(role)
+        return 1 if dim is None else self.mesh_shape[dim]
 
     @property
     def tp(self) -> int:
-        """Ranks of the TP mesh dimension (the last one); 0 when the plan has no TP (or one rank)."""
-        return self.mesh_shape[-1] if self.tp_plan and self.world_size > 1 else 0
+        """Ranks of the TP mesh dimension; 0 when the plan has no TP (or one rank)."""
+        return self.size("tp") if self.mesh_dim("tp") is not None else 0
 
     @property
     def dp_size(self) -> int:
         """Ranks that see different batches: the data-parallel mesh dimensions (TP ranks share one)."""
-        return self.world_size // max(self.tp, 1)
+        return math.prod(self.size(role) for role in DATA_PARALLEL_ROLES)
+
+    @property
+    def dtensor_leaves(self) -> bool:
+        """Graph leaves (what the optimizer and ``model.parameters()`` see in the step) are
+        DTensors: on every mesh but DDP's alone (a shard or split dimension, more than one rank)."""
+        return self.world_size > 1 and self.mesh_roles != ("dp_replicate",)
 
     def batch_placements(self) -> list[str]:
         """A batch leaf per mesh dimension: split on dim 0 over the data-parallel dimensions
-        (each rank passes its own share), whole over TP (the TP ranks of one share pass the same)."""
-        dp = len(self.mesh_shape) - (1 if self.tp else 0)
-        return ["Shard(0)"] * dp + (["Replicate()"] if self.tp else [])
-
-    def tp_style_for(self, module_fqn: str) -> TPStyle | None:
-        return style_for(self.tp_plan, module_fqn) if self.tp else None
+        (each rank passes its own share), whole over the others (their ranks pass the same)."""
+        return ["Shard(0)" if role in DATA_PARALLEL_ROLES else "Replicate()" for role in self.mesh_roles]
 
     def placement_for(self, fqn: str, shape) -> str:
         """'replicate' or 'shard' for one parameter (scalars are never sharded)."""
@@ -139,17 +160,25 @@ class Plan:
         return self.placement if len(shape) else "replicate"
 
     def layout_for(self, fqn: str, shape) -> TensorLayout:
-        """How parameter ``fqn`` (and optimizer state shaped like it) lies over the mesh."""
+        """How parameter ``fqn`` (and optimizer state shaped like it) lies over the mesh: split
+        over ``tp`` as its module's style says, then dim 0 of that TP-local tensor split over
+        ``dp_shard`` under ``shard`` (padded up to a multiple of the shard count, as FSDP2 pads)."""
         shape = tuple(shape)
         placement = self.placement_for(fqn, shape) if self.world_size > 1 else "replicate"
-        owner, _, name = fqn.rpartition(".")
-        style = self.tp_style_for(owner)
-        tp_dim = style.param_dims.get(name) if style is not None else None
-        if tp_dim is not None and (tp_dim >= len(shape) or shape[tp_dim] % self.tp):
-            raise SpmdAotError(
-                f"parameter {fqn} of shape {list(shape)} cannot be split {style.name} over {self.tp} TP "
-                f"ranks: its dim {tp_dim} must divide evenly; change the TP size or the tp_plan")
-        return PLACEMENTS[placement].layout(self, shape, tp_dim)
+        local, tp_dim = shape, None
+        if self.tp:
+            style, tp_dim = split_dim(self.tp_plan, fqn) or (None, None)
+            if tp_dim is not None and (tp_dim >= len(shape) or shape[tp_dim] % self.tp):
+                raise SpmdAotError(
+                    f"parameter {fqn} of shape {list(shape)} cannot be split {style} over {self.tp} TP "
+                    f"ranks: its dim {tp_dim} must divide evenly; change the TP size or the tp_plan")
+            if tp_dim is not None:
+                local = shape[:tp_dim] + (shape[tp_dim] // self.tp,) + shape[tp_dim + 1:]
+        shards = 1
+        if placement == "shard":
+            shards = self.size("dp_shard")
+            local = (math.ceil(local[0] / shards),) + local[1:]
+        return TensorLayout(placement, shape, local, len(self.mesh_shape), shards, tp=self.tp, tp_dim=tp_dim)
 
     def to_dict(self) -> dict:
         """The plan's one text form: stored in manifests, hashed into the key, shown by the CLI."""
@@ -185,4 +214,4 @@ class Plan:
         return f"world={self.world_size} mesh={mesh} {self.placement}{extra} {self.device_type}"
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
+_FIELDS = tuple(f.name for f in dataclasses.fields(Plan) if f.init)

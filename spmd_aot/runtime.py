@@ -33,8 +33,9 @@ from .explain import explain_miss
 from .hints import TARGET_PLACEHOLDER, build_command
 from .key import compute_key
 from .lookup import find_entry
+from .parallel import axes
 from .pipeline import Transforms, trace_and_store, trace_to_blobs
-from .plan import Plan
+from .schema import Schema
 from .state import TrainState, initialize_optimizer_state
 from .store import open_store
 from .store.fsafe import LinkError
@@ -58,46 +59,40 @@ class CacheInfo:
     traces: int = 0  # traces this process has performed for this compiled step so far
 
 
-def compile(fn: Callable | None = None, *, placement: str = "replicate", cache_dir=None,
-            require_hit: bool = False, mesh_shape=None, param_placements=(), module_override=(),
-            gm_transformation=None, extra_sources=(), store=None, allow_ops=(), trust_cache=None,
-            **comm_options):
+def compile(fn: Callable | None = None, *, schema: Schema | None = None, cache_dir=None,
+            require_hit: bool = False, module_override=(), gm_transformation=None, extra_sources=(),
+            store=None, allow_ops=(), trust_cache=None, **layout):
     """Wrap a train step ``fn(model, optim, batch)``; also usable as ``@spmd_aot.compile(...)``.
 
     The returned step returns what ``fn`` returns, computed on this rank: for the usual
     ``return loss`` that is the rank-local loss, exactly what eager DDP returns.
     A forward-only step (evaluation, inference) ``fn(model, batch)`` is called the same way,
     ``step(model, batch)``, with no optimizer; it runs under ``torch.no_grad()``.
-    ``placement``/``mesh_shape``/``param_placements`` and ``comm_options`` (``bucket_cap_mb``,
-    ``first_bucket_cap_mb``, ``shard_groups``, ``reshard_after_forward``) and ``tp_plan`` (tensor
-    parallel, see ``tensor_parallel.py``): see ``Plan``. ``module_override``,
-    ``gm_transformation``: build-time hooks (``override.py``); pass the same ones as the build.
-    ``allow_ops``: overloads beyond the allowlist this job admits (the build's opt-in, ``allowlist.py``).
-    ``trust_cache=True`` uses a cache directory other users can write without a signing key
-    (``store/trust.py``; default: ``$SPMD_AOT_TRUST_CACHE``).
+    ``schema`` (a ``spmd_aot.Schema``) says how the step is spread; its keywords ``layout``
+    (``placement``, ``mesh_shape``, ``param_placements``, ``tp_plan`` (tensor parallel, see
+    ``tensor_parallel.py``) and the communication options ``bucket_cap_mb``,
+    ``first_bucket_cap_mb``, ``shard_groups``, ``reshard_after_forward``) make one, checked now.
+    ``module_override``, ``gm_transformation``: build-time hooks (``override.py``); pass the same
+    ones as the build. ``allow_ops``: overloads beyond the allowlist this job admits (the build's
+    opt-in, ``allowlist.py``). ``trust_cache=True`` uses a cache directory other users can write
+    without a signing key (``store/trust.py``; default: ``$SPMD_AOT_TRUST_CACHE``).
     """
-    options = dict(placement=placement, cache_dir=cache_dir, require_hit=require_hit,
-                   mesh_shape=mesh_shape, param_placements=param_placements,
+    options = dict(schema=Schema.of(schema, **layout), cache_dir=cache_dir, require_hit=require_hit,
                    module_override=module_override, gm_transformation=gm_transformation,
-                   extra_sources=extra_sources, store=store, allow_ops=allow_ops,
-                   trust_cache=trust_cache, **comm_options)
+                   extra_sources=extra_sources, store=store, allow_ops=allow_ops, trust_cache=trust_cache)
     if fn is None:
         return functools.partial(compile, **options)
     return CompiledStep(fn, **options)
 
 
 class CompiledStep:
-    def __init__(self, fn, *, placement="replicate", cache_dir=None, require_hit=False,
-                 mesh_shape=None, param_placements=(), module_override=(), gm_transformation=None,
-                 extra_sources=(), store=None, allow_ops=(), trust_cache=None, **comm_options):
-        Plan(1, placement, mesh_shape=None, **comm_options)  # unknown or invalid options fail here
+    def __init__(self, fn, *, schema: Schema | None = None, cache_dir=None, require_hit=False,
+                 module_override=(), gm_transformation=None, extra_sources=(), store=None, allow_ops=(),
+                 trust_cache=None):
+        self.schema = schema if schema is not None else Schema()
         self.allow_ops = tuple(opt_in_names(allow_ops))  # a bad name fails here, not at the first call
         self.fn = fn
-        self.comm_options = comm_options
-        self.placement = placement
         self.require_hit = require_hit
-        self.mesh_shape = mesh_shape
-        self.param_placements = param_placements
         self.transforms = Transforms(tuple(module_override), gm_transformation)
         self.extra_sources = tuple(extra_sources)
         self._store = store
@@ -140,19 +135,18 @@ class CompiledStep:
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         device = _local_device(model)
-        plan = Plan(world, self.placement, device.type, self.mesh_shape, self.param_placements,
-                    **self.comm_options).for_model(model)
+        plan = self.schema.plan(world, device.type).for_model(model)
         mesh = device_mesh(plan)  # collective for 2-D meshes: every rank builds it
-        placement = plan.strategy if world > 1 else None  # one rank: nothing is spread
-        if placement is not None and model not in _BROADCAST_MODELS:
+        spread = world > 1  # one rank: nothing is spread
+        if spread and model not in _BROADCAST_MODELS:
             # As DDP does at construction: once per model, whichever compiled step (train or
             # eval) sees it first; later, FSDP2-style per-rank buffers must not be overwritten.
             _broadcast_from_rank0(model)
             _BROADCAST_MODELS.add(model)
-        if placement is not None:
-            placement.prepare(model, optim, plan, mesh)  # as fully_shard / parallelize_module; idempotent
+        if spread:
+            axes.prepare_live_state(model, optim, plan, mesh)  # as fully_shard / parallelize_module; idempotent
         if optim is not None:
-            initialize_optimizer_state(optim, placement.state_zeros if placement else None)
+            initialize_optimizer_state(optim, axes.state_zeros if spread else None)
         state = TrainState(model, optim, batch, plan)
         key = compute_key(self.fn, state, plan, self.transforms.identities(), self.extra_sources)
         _check_ranks_agree(key, world)
@@ -202,7 +196,7 @@ class CompiledStep:
         self.cache_info = CacheInfo(hit, key.key, digest, "trace" if traced else "cache", seconds,
                                     float(artifact.manifest["stats"].get("trace_seconds", 0.0)),
                                     self._traces)
-        return _BoundStep(program, state, artifact, placement)
+        return _BoundStep(program, state, artifact, spread)
 
     def _read_everywhere(self, digest: str, world: int, artifact, leases):
         """Every rank reads the artifact (rank 0 already has); ranks that cannot (no shared
@@ -313,10 +307,10 @@ class CompiledStep:
 class _BoundStep:
     """A loaded program bound to one model, optimizer and batch signature."""
 
-    def __init__(self, program, state: TrainState, artifact, placement):
+    def __init__(self, program, state: TrainState, artifact, spread: bool):
         self.program = program
         self.state = state
-        self.placement = placement  # None at world size 1
+        self.spread = spread  # False at world size 1
         self.slots = state.slots()
         self.batch_spec = state.batch_spec
         self.batch_sig = [(tuple(t.shape), t.dtype) for t in state.batch_leaves]
@@ -345,8 +339,8 @@ class _BoundStep:
         optim_state = state.optim.state if state.optim is not None else {}
         if cached is None or cached[0] is not optim_state or \
                 not all(entries.get(k) is t for entries, k, t in cached[1]):
-            if self.placement is not None and state.optim is not None:
-                self.placement.rehome_state(state.optim)
+            if self.spread and state.optim is not None:
+                axes.rehome_state(state.optim)
             slots = state.optimizer_slots()
             watched = [(optim_state[p], k, optim_state[p][k]) for p, k in slots]
             n_state = len(state.params) + len(state.buffers) + len(slots)

@@ -17,16 +17,15 @@ parameters require gradients is an error, not a silently detached output.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from .errors import UnsupportedError
 from .job import Job, input_placements as _input_placements
-from .plan import Plan
 from .runtime import CompiledStep
+from .schema import COMM_FIELDS, Schema
 
 __all__ = ["SPMD", "Schema", "module_forward"]
 
@@ -34,33 +33,6 @@ __all__ = ["SPMD", "Schema", "module_forward"]
 def module_forward(module: nn.Module, inputs: tuple):
     """The forward-only step every ``SPMD`` wrapper compiles: the module on this rank's inputs."""
     return module(*inputs)
-
-
-class Schema:
-    """How the module's parameters are spread over the ranks: a ``Plan`` without the world
-    size, which comes from the process group at the first call (as with ``compile``).
-
-    ``placement`` ("replicate" or "shard"), ``mesh_shape`` ((replicas, shards) for HSDP),
-    ``param_placements`` and the communication options mean what they mean for ``compile``.
-    """
-
-    def __init__(self, placement: str = "replicate", *, mesh_shape: Sequence[int] | None = None,
-                 param_placements: Mapping[str, str] | Sequence = (), **comm_options):
-        world = math.prod(mesh_shape) if mesh_shape else 1
-        Plan(world, placement, mesh_shape=mesh_shape, param_placements=param_placements,
-             **comm_options)  # an invalid schema fails here, not at the first call
-        self.placement = placement
-        self.mesh_shape = tuple(mesh_shape) if mesh_shape else None
-        self.param_placements = param_placements
-        self.comm_options = dict(comm_options)
-
-    def compile_options(self) -> dict:
-        return dict(placement=self.placement, mesh_shape=self.mesh_shape,
-                    param_placements=self.param_placements, **self.comm_options)
-
-    def __repr__(self) -> str:
-        extra = "".join(f", {k}={v!r}" for k, v in self.compile_options().items() if k != "placement" and v)
-        return f"Schema({self.placement!r}{extra})"
 
 
 class SPMD(nn.Module):
@@ -84,14 +56,14 @@ class SPMD(nn.Module):
         schema = schema if schema is not None else Schema()
         if not isinstance(schema, Schema):
             raise TypeError(f"SPMD schema must be a spmd_aot.Schema, got {type(schema).__name__}")
-        clash = sorted(set(options) & set(schema.compile_options()))
+        clash = sorted(set(options) & {*schema.options(), *COMM_FIELDS})
         if clash:
             raise TypeError(f"SPMD: pass {', '.join(clash)} in the Schema, not as options")
         self.module = module
         self.schema = schema
         self.input_placements = (_input_placements(input_placements, "SPMD input_placements")
                                  if input_placements is not None else None)
-        self._step = CompiledStep(module_forward, **schema.compile_options(), **options)
+        self._step = CompiledStep(module_forward, schema=schema, **options)
 
     @property
     def cache_info(self):

@@ -61,20 +61,20 @@ rowwise outputs are whole.
 
 from __future__ import annotations
 
-import fnmatch
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import SpmdAotError, UnsupportedError
+from .errors import UnsupportedError
+from .parallel.axis import Axis
+from .parallel.tp_plan import SPLIT_DIMS, first_match
 from .passes.collectives import label_collective
 
 __all__ = ["TP_STYLES", "TPStyle", "Colwise", "Rowwise", "ColwiseSeq", "RowwiseSeq", "SequenceParallel",
            "SeqShardOutput", "SeqGatherInput", "ColwiseGatherOutput", "RowwiseSplitInput", "EmbeddingColwise",
-           "ReplicatedWithGradAllreduce", "TensorParallel", "planned_modules", "style_name", "resolve_tp_plan",
-           "MODEL_PLAN_NAMES", "HF_STYLE_NAMES", "HF_REFUSED_STYLES"]
+           "ReplicatedWithGradAllreduce", "TensorParallel", "planned_modules", "style_for", "AXIS"]
 
 TP_STYLES: dict[str, "TPStyle"] = {}  # name -> style object, in definition order
 
@@ -84,13 +84,15 @@ class TPStyle:
 
     name: ClassVar[str]
     summary: ClassVar[str]
-    # parameter of the module -> tensor dimension split over TP (None: whole on every TP rank)
+    # parameter of the module -> tensor dimension split over TP (None: whole on every TP rank),
+    # from the plan text's table (``parallel/tp_plan.py``: the plan value lays parameters out)
     param_dims: ClassVar[dict[str, int | None]]
     # the most collectives of each kind one call of the module adds to the step
     budget: ClassVar[dict[str, int]]
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        cls.param_dims = SPLIT_DIMS[cls.name]
         TP_STYLES[cls.name] = cls()
 
     def check(self, fqn: str, module: nn.Module) -> None:
@@ -107,7 +109,6 @@ class TPStyle:
 class Colwise(TPStyle):
     name = "colwise"
     summary = "nn.Linear split on output features; input copied to the TP region, output local"
-    param_dims = {"weight": 0, "bias": 0}
     budget = {"all_reduce": 1}
 
     def forward(self, tp, fqn, module, x):
@@ -118,7 +119,6 @@ class Colwise(TPStyle):
 class Rowwise(TPStyle):
     name = "rowwise"
     summary = "nn.Linear split on input features; partial output all_reduced over TP, bias added once"
-    param_dims = {"weight": 1, "bias": None}
     budget = {"all_reduce": 1}
 
     def forward(self, tp, fqn, module, x):
@@ -151,7 +151,6 @@ class RowwiseSeq(Rowwise):
 class SequenceParallel(TPStyle):
     name = "sequence_parallel"
     summary = "nn.LayerNorm/nn.RMSNorm on the local sequence shard; parameter gradients all_reduced over TP"
-    param_dims = {"weight": None, "bias": None}
     budget = {"all_reduce": 1}
 
     def check(self, fqn, module):
@@ -173,7 +172,6 @@ class SequenceParallel(TPStyle):
 class SeqShardOutput(TPStyle):
     name = "seq_shard_output"
     summary = "the model's entry: the module's (whole) output cut to this rank's sequence shard"
-    param_dims = {}
     budget = {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1}
 
     def check(self, fqn, module):
@@ -193,7 +191,6 @@ class SeqShardOutput(TPStyle):
 class SeqGatherInput(TPStyle):
     name = "seq_gather_input"
     summary = "the model's exit: the module's first input all_gathered over the sequence; the module runs whole"
-    param_dims = {}
     budget = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
 
     def check(self, fqn, module):
@@ -235,7 +232,6 @@ class RowwiseSplitInput(Rowwise):
 class EmbeddingColwise(TPStyle):
     name = "embedding_colwise"
     summary = "nn.Embedding split on the embedding dim; the looked-up features all_gathered over TP"
-    param_dims = {"weight": 1}
     budget = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
 
     def check(self, fqn, module):
@@ -255,7 +251,6 @@ class ReplicatedWithGradAllreduce(TPStyle):
     name = "replicated_with_grad_allreduce"
     summary = ("the module runs whole on TP-local activations (e.g. per-head norms between colwise and "
                "rowwise); its parameters' gradients, partial over TP, all_reduced")
-    param_dims = {}
     budget = {"all_reduce": 1}
 
     def check(self, fqn, module):
@@ -275,83 +270,9 @@ class ReplicatedWithGradAllreduce(TPStyle):
                 shadow.pop(n, None)
 
 
-# transformers' style names (``config.base_model_tp_plan``, ``model._tp_plan``): the same style
-# under another name, or why it is refused and what to use instead.
-HF_STYLE_NAMES = {"colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
-_LOCAL = ("leaves parameters as shards that the model's own code combines, which spmd-aot cannot see; "
-          "plan the linears 'colwise'/'rowwise'")
-HF_REFUSED_STYLES = {
-    "embedding_rowwise": "splits the vocabulary, so each TP rank must mask the token ids outside its share "
-                         "(a rank-dependent offset one graph for every rank cannot hold); plan it "
-                         "'embedding_colwise' or leave the embedding out of the plan (whole on every TP rank)",
-    "packed_colwise": "splits a packed projection part by part; plan it 'colwise_gather_output' "
-                      "(and its reader 'rowwise_split_input'), or leave it out",
-    "packed_rowwise": "splits a packed projection part by part; plan it 'rowwise_split_input', or leave it out",
-    "moe_tp_experts": "is expert parallelism, not supported yet; leave the experts out of the plan",
-    "grouped_gemm": "is expert parallelism, not supported yet; leave the experts out of the plan",
-    "ep_router": "is expert parallelism, not supported yet; leave the router out of the plan",
-    "mla_kv_a_proj": "is not supported yet; leave the module out of the plan",
-    "local_params": _LOCAL, "local": _LOCAL, "local_colwise": _LOCAL, "local_rowwise": _LOCAL,
-    "local_packed_rowwise": _LOCAL, "gather": _LOCAL, "isolated": _LOCAL,
-    "unit_colwise": "is not supported yet; plan the module 'colwise'",
-    "unit_rowwise": "is not supported yet; plan the module 'rowwise'",
-    "all_reduce": "all_reduces an output the module computed from local shards; plan its linears 'rowwise'",
-    "replicate": "keeps parameters whole: leave the module out of the plan (unplanned parameters are whole "
-                 "on every TP rank)",
-}
-
-
-def style_name(pattern: str, style) -> str:
-    """``style`` as spmd-aot names it (transformers' names mapped), or an error saying what to use."""
-    name = HF_STYLE_NAMES.get(style, style) if isinstance(style, str) else style
-    if name in TP_STYLES:
-        return name
-    if style in HF_REFUSED_STYLES:
-        raise SpmdAotError(f"tp_plan[{pattern!r}] is transformers' style {style!r}, which spmd-aot refuses: it "
-                           f"{HF_REFUSED_STYLES[style]}")
-    raise SpmdAotError(f"tp_plan[{pattern!r}] is {style!r}; expected one of: {', '.join(TP_STYLES)} "
-                       f"(or transformers' {', '.join(HF_STYLE_NAMES)})")
-
-
-#: ``tp_plan`` values that mean "the model's own plan": transformers' ``config.base_model_tp_plan``.
-MODEL_PLAN_NAMES = ("hf", "auto")
-
-
-def resolve_tp_plan(tp_plan, model: nn.Module) -> tuple[tuple[str, str], ...]:
-    """``tp_plan`` bound to ``model``: ``"hf"``/``"auto"`` replaced by the model's own plan, and
-    patterns written relative to a transformers base model (``layers.*.self_attn.q_proj``, as
-    ``config.base_model_tp_plan`` has them) prefixed with ``model.base_model_prefix`` when they
-    match no module as written but do under the prefix."""
-    if isinstance(tp_plan, str):
-        config = getattr(model, "config", None)
-        own = getattr(config, "base_model_tp_plan", None)
-        if not own:
-            raise UnsupportedError(
-                f"tp_plan={tp_plan!r} takes the model's own plan (transformers' config.base_model_tp_plan), "
-                f"but {type(model).__qualname__} has none; pass tp_plan={{PATTERN: STYLE, ...}}")
-        tp_plan = tuple((pattern, style_name(pattern, style)) for pattern, style in own.items())
-    fqns = [fqn for fqn, _ in model.named_modules()]
-    prefix = getattr(model, "base_model_prefix", "")
-    resolved = []
-    for pattern, style in tp_plan:
-        if prefix and not any(fnmatch.fnmatchcase(f, pattern) for f in fqns):
-            prefixed = f"{prefix}.{pattern}"
-            if any(fnmatch.fnmatchcase(f, prefixed) for f in fqns):
-                pattern = prefixed
-        resolved.append((pattern, style))
-    return tuple(resolved)
-
-def _first_match(tp_plan, fqn: str) -> tuple[str, str] | None:
-    """The (pattern, style name) pair of ``tp_plan`` that module ``fqn`` takes (first match wins)."""
-    for pattern, name in tp_plan:
-        if fnmatch.fnmatchcase(fqn, pattern):
-            return pattern, name
-    return None
-
-
 def style_for(tp_plan, fqn: str) -> TPStyle | None:
     """The style of module ``fqn`` under ``tp_plan`` ((pattern, style name) pairs), or None."""
-    match = _first_match(tp_plan, fqn)
+    match = first_match(tp_plan, fqn)
     return TP_STYLES[match[1]] if match else None
 
 
@@ -360,7 +281,7 @@ def planned_modules(model: nn.Module, tp_plan) -> list[tuple[str, nn.Module, TPS
     module and modules a style cannot split."""
     found, used = [], set()
     for fqn, module in model.named_modules():
-        match = _first_match(tp_plan, fqn)
+        match = first_match(tp_plan, fqn)
         if match:
             used.add(match[0])
             found.append((fqn, module, TP_STYLES[match[1]]))
@@ -393,10 +314,10 @@ class TensorParallel:
 
     ``budget()`` is the most collectives of each kind the planned modules' calls may add."""
 
-    def __init__(self, model: nn.Module, tp_plan, mesh):
+    def __init__(self, model: nn.Module, tp_plan, mesh, mesh_dim: int):
         self.modules = planned_modules(model, tp_plan)
-        self.group = mesh.get_group(mesh.ndim - 1).group_name
-        self.size = mesh.size(mesh.ndim - 1)
+        self.group = mesh.get_group(mesh_dim).group_name
+        self.size = mesh.size(mesh_dim)
         self.calls: dict[str, int] = {}
         self.seq: int | None = None  # the whole sequence length, as the latest entry call saw it
         self.in_sequence_region = False  # between an entry call and the exit: activations are shards
@@ -597,3 +518,17 @@ class _SumGradsOverTP(torch.autograd.Function):
         summed = ctx.tp.all_reduce(flat, [ctx.fqn], "parameter gradients", [f"{ctx.fqn}.{n}" for n in ctx.names])
         parts = summed.split([s.numel() for s in ctx.shapes])
         return (None, None, None, *(part.view(shape) for part, shape in zip(parts, ctx.shapes)))
+
+
+class TensorParallelAxis(Axis):
+    """The ``tp`` mesh dimension: planned modules run their style's forward while the step is
+    traced; their calls bound the collectives they add (``TensorParallel.budget``)."""
+
+    name = "tensor_parallel"
+    roles = ("tp",)
+
+    def tracing(self, plan, model, mesh):
+        return TensorParallel(model, plan.tp_plan, mesh, plan.mesh_dim("tp"))
+
+
+AXIS = TensorParallelAxis()

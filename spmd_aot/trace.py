@@ -28,9 +28,9 @@ from . import fused_meta
 from .errors import UnsupportedError
 from .expand import Expander
 from .groups import GroupGather, ParamGroup, assign_groups, resharding
+from .parallel import axes
 from .plan import Plan
 from .state import TrainState
-from .tensor_parallel import TensorParallel
 
 __all__ = ["TracedStep", "trace_step"]
 
@@ -43,7 +43,7 @@ class TracedStep:
     group_names: dict[str, int | str]  # traced process-group name -> mesh dimension or "world"
     gradient_collectives: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> param FQN
     groups: list[ParamGroup] = dataclasses.field(default_factory=list)  # shard communication groups
-    tp_budget: dict[str, int] = dataclasses.field(default_factory=dict)  # collectives TP layers may add
+    axis_budget: dict[str, int] = dataclasses.field(default_factory=dict)  # collectives the axes' calls may add
 
 
 def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list[torch.Tensor],
@@ -65,8 +65,8 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
     sharded = [i for i, s in enumerate(param_slots) if expander.dtensor_leaves and s.layout.sharded]
     groups = assign_groups(state.model, plan, [(param_slots[i].fqn, param_slots[i].dtype) for i in sharded])
     slot_of = {param_slots[i].fqn: i for i in sharded}
-    # planned modules run their TP style's forward while tracing (checked here, before tracing)
-    tp = TensorParallel(state.model, plan.tp_plan, mesh) if plan.tp and mesh is not None else None
+    # the axes' tracing contexts (TP: planned modules run their style's forward), checked here
+    axis_contexts = axes.Tracing(plan, state.model, mesh)
     out_info: dict[str, Any] = {}
     forward_only = state.forward_only
 
@@ -79,7 +79,7 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
                 leaf.register_hook(functools.partial(_note_gradient_collectives, names[0], gradient_collectives))
         buffers = take("buffer")
         if plan.world_size > 1 and mesh is not None:
-            buffers = plan.strategy.traced_buffers(plan, buffers, mesh)
+            buffers = axes.traced_buffers(plan, buffers, mesh)
         bindings = {}
         for (names, _), leaf in zip(state.params, leaves):
             bindings.update(dict.fromkeys(names, leaf))
@@ -104,7 +104,7 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
             _optimizer_swapped(state.optim, by_real, traced_state, lrs)
         with (transform_model() if transform_model else contextlib.nullcontext()), \
                 stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
-                optimizer, where.tracking(state.model), (tp or contextlib.nullcontext()):
+                optimizer, where.tracking(state.model), axis_contexts:
             result = step(state.model, batch) if forward_only else step(state.model, state.optim, batch)
         stale = [names[0] for (names, _), leaf in zip(state.params, leaves) if leaf.grad is not None]
         if stale:
@@ -138,7 +138,7 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
             f"{_first_lines(str(exc))}{hint}"
         ) from exc
     return TracedStep(gm, out_info["spec"], out_info["constants"], _group_names(gm, mesh, plan),
-                      gradient_collectives, groups, tp.budget() if tp else {})
+                      gradient_collectives, groups, axis_contexts.budget())
 
 
 _VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default,

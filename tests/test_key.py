@@ -629,10 +629,13 @@ def test_tp_plan_changes_key_and_is_one_text_form():
     assert Plan.from_dict(plan.to_dict()) == plan
     with pytest.raises(SpmdAotError, match="tp_plan"):
         Plan(2, tp_plan={"fc1": "sequence"})
-    with pytest.raises(SpmdAotError, match=r"mesh_shape=\(dp, tp\)"):
+    with pytest.raises(SpmdAotError, match=r"mesh_shape=\(dp_shard, tp\)"):
         Plan(4, "shard", tp_plan={"fc1": "colwise"})  # FSDP x TP needs a dimension for each
     with pytest.raises(SpmdAotError, match="2-D meshes"):
-        Plan(4, "replicate", mesh_shape=(2, 2), tp_plan={"fc1": "colwise"})
+        Plan(8, "replicate", mesh_shape=(2, 2, 2), tp_plan={"fc1": "colwise"})
+    assert Plan(4, "replicate", mesh_shape=(2, 2), tp_plan={"fc1": "colwise"}).mesh_roles == ("dp_replicate", "tp")
+    assert Plan(8, "shard", mesh_shape=(2, 2, 2), tp_plan={"fc1": "colwise"}).mesh_roles == \
+        ("dp_replicate", "dp_shard", "tp")
 
 
 def test_device_type_changes_key():

@@ -1,7 +1,9 @@
-"""Tensor parallelism, alone (1-D mesh) and with FSDP (a (dp, tp) mesh), without and with
+"""Tensor parallelism, alone (1-D mesh), with FSDP (a (dp_shard, tp) mesh), with HSDP (a
+(dp_replicate, dp_shard, tp) mesh) and with DDP (a (dp_replicate, tp) mesh), without and with
 sequence parallel: steps built offline, loaded and run on real gloo ranks match eager
-``parallelize_module`` (+ ``fully_shard`` per block and on the root) after 5 steps, with SGD and
-AdamW; the stored graphs hold exactly the collectives TP, sequence parallel and FSDP need."""
+``parallelize_module`` (+ ``fully_shard`` per block and on the root over the data-parallel
+mesh, or DDP over the replicas) after 5 steps; the stored graphs hold exactly the collectives
+TP, sequence parallel, FSDP/HSDP and DDP need."""
 
 from __future__ import annotations
 
@@ -105,8 +107,11 @@ CONFIGS = {
     2: {"tp": ("replicate", (2,)), "fsdp_tp": ("shard", (1, 2)),  # FSDP over one rank: its code, not its savings
         "sp": ("replicate", (2,))},
     4: {"tp": ("replicate", (4,)), "fsdp_tp": ("shard", (2, 2)), "fsdp_sp": ("shard", (2, 2))},
+    # 3-D and DDP x TP meshes (one optimizer: 8 ranks on a small box)
+    8: {"hsdp_tp": ("shard", (2, 2, 2)), "ddp_tp": ("replicate", (4, 2))},
 }
-PLANS = {"tp": TP_PLAN, "fsdp_tp": TP_PLAN, "sp": SP_PLAN, "fsdp_sp": SP_PLAN}
+PLANS = {"tp": TP_PLAN, "fsdp_tp": TP_PLAN, "sp": SP_PLAN, "fsdp_sp": SP_PLAN, "hsdp_tp": TP_PLAN, "ddp_tp": TP_PLAN}
+WORLD_OPTIMIZERS = {2: ("sgd", "adamw"), 4: ("sgd", "adamw"), 8: ("adamw",)}
 
 
 def _options(config, world):
@@ -131,23 +136,37 @@ def _torch_styles():
 
 
 # ---------------------------------------------------------------------------- the ranks
+def _roles(config, world):
+    placement, shape = CONFIGS[world][config]
+    return spmd_aot.Plan(world, placement, mesh_shape=shape, tp_plan=PLANS[config]).mesh_roles
+
+
 def _eager(config, optim_name, rank, world):
-    """The oracle: parallelize_module on the TP mesh (+ fully_shard per block and on the root
-    over the dp mesh)."""
+    """The oracle: parallelize_module on the TP mesh, then fully_shard per block and on the root
+    over the data-parallel mesh (1-D: FSDP, 2-D: HSDP), or DDP over the replicas (torchtitan's
+    order: TP first)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    _, shape = CONFIGS[world][config]
+    placement, shape = CONFIGS[world][config]
+    roles = _roles(config, world)
     torch.manual_seed(0)
     model = TPNet()
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[-len(shape):])
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=roles)
     styles = _torch_styles()
     parallelize_module(model, mesh["tp"], {k: styles[v]() for k, v in PLANS[config].items()})
-    if "dp" in mesh.mesh_dim_names:
+    dp = tuple(role for role in roles if role.startswith("dp_"))
+    if placement == "shard":
         for block in model.blocks:
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+            fully_shard(block, mesh=mesh[dp])
+        fully_shard(model, mesh=mesh[dp])
+    elif dp:
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+        from torch.nn.parallel import DistributedDataParallel
+
+        _pre_dp_module_transform(model)  # DDP averages TP-local gradients over the replicas
+        model = DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group())
     optim = OPTIMIZERS[optim_name](model)
     dp_rank = rank // shape[-1]
     losses = [step(model, optim, make_batch(dp_rank, s)).detach() for s in range(STEPS)]
@@ -165,6 +184,16 @@ def _compiled(config, optim_name, rank, world, cache_dir):
     return model, optim, losses, fn.cache_info
 
 
+def _local_diffs(ref_model, ref_optim, model, optim, ref_losses, losses) -> dict:
+    local = lambda t: (t.to_local() if hasattr(t, "to_local") else t).float()  # noqa: E731
+    ours = dict(model.named_parameters())  # by name: localizing re-registers eager's parameters
+    params = max((local(a) - local(ours[name])).abs().max().item() for name, a in ref_model.module.named_parameters())
+    state = max((local(t) - local(optim.state[ours[name]][k])).abs().max().item()
+                for name, a in ref_model.module.named_parameters() for k, t in ref_optim.state[a].items()
+                if isinstance(t, torch.Tensor))
+    return {"param": params, "state": state, "loss": max((a - b).abs().item() for a, b in zip(ref_losses, losses))}
+
+
 def _parity_worker(rank, world, cache_dirs):
     from torch.distributed.tensor import DTensor
 
@@ -175,8 +204,13 @@ def _parity_worker(rank, world, cache_dirs):
         ref_model, ref_optim, ref_losses = _eager(config, optim_name, rank, world)
         model, optim, losses, info = _compiled(config, optim_name, rank, world, cache_dir)
         q = model.blocks[0].attn.q.weight
+        if isinstance(ref_model, torch.nn.parallel.DistributedDataParallel):
+            # DDP x TP: eager keeps TP-local plain tensors; compare this rank's TP-local values
+            diffs = _local_diffs(ref_model, ref_optim, model, optim, ref_losses, losses)
+        else:
+            diffs = features.max_diffs(ref_model, ref_optim, model, optim, ref_losses, losses)
         out[config, optim_name] = {
-            **features.max_diffs(ref_model, ref_optim, model, optim, ref_losses, losses),
+            **diffs,
             "hit": info.hit,
             # after the first call parameters are DTensors placed as the eager oracle's
             "placements": {name: [str(x) for x in p.placements] for name, p in model.named_parameters()
@@ -196,7 +230,7 @@ def built(tmp_path_factory):
     for world, configs in CONFIGS.items():
         out[world] = {}
         for config in configs:
-            for optim_name in OPTIMIZERS:
+            for optim_name in WORLD_OPTIMIZERS[world]:
                 cache = str(tmp_path_factory.mktemp(f"tp-{world}-{config}-{optim_name}"))
                 job = spmd_aot.Job(step=step, model=TPNet, optimizer=OPTIMIZERS[optim_name], batch=make_batch)
                 out[world][config, optim_name] = cache, spmd_aot.build(job, world_size=world, cache_dir=cache,
@@ -211,7 +245,7 @@ def parity(built):
             for world, cases in built.items()}
 
 
-CASES = [(w, c, o) for w, configs in CONFIGS.items() for c in configs for o in OPTIMIZERS]
+CASES = [(w, c, o) for w, configs in CONFIGS.items() for c in configs for o in WORLD_OPTIMIZERS[w]]
 
 
 @pytest.mark.parametrize("world,config,optim_name", CASES)
@@ -226,13 +260,19 @@ def test_tp_matches_eager_parallelize_module(parity, built, world, config, optim
         ndim = len(CONFIGS[world][config][1])
         for name, placements in r["placements"].items():
             eager = r["eager_placements"].get(name, [])
-            if len(eager) == ndim:
+            owner, _, attr = name.rpartition(".")
+            style = next((s for p, s in PLANS[config].items() if fnmatch.fnmatchcase(owner, p)), None)
+            if CONFIGS[world][config][0] == "replicate" and ndim == 2:  # DDP x TP: eager's are plain
+                dim = TP_STYLES[style].param_dims.get(attr) if style else None
+                assert placements == ["R", "R" if dim is None else f"S({dim})"], (name, placements)
+            elif len(eager) == ndim:
                 assert placements == eager, (name, placements, eager)
             else:
                 split = any(fnmatch.fnmatchcase(name.rpartition(".")[0], p) for p, style in PLANS[config].items()
                             if any(d is not None for d in TP_STYLES[style].param_dims.values()))
                 assert placements == eager + ["R"] and not split, (name, placements, eager)
-        assert r["q_local"] == (D // world, D)  # split over TP (and its rows over dp under FSDP)
+        plan = spmd_aot.Plan(world, CONFIGS[world][config][0], mesh_shape=CONFIGS[world][config][1], tp_plan=TP_PLAN)
+        assert r["q_local"] == (D // (plan.size("tp") * plan.size("dp_shard")), D)  # split over TP and dp_shard
 
 
 def _collectives(cache, result):
@@ -263,18 +303,24 @@ def test_stored_graph_has_exactly_the_collectives_tp_and_fsdp_need(built, world,
     cache, result = built[world][config, "adamw"]
     by_kind = result.stats["by_kind"]
     found = _collectives(cache, result)
-    tp_dim = len(CONFIGS[world][config][1]) - 1
-    tp = [c for c in found if c[2].startswith("tp ")]
-    assert {group for _, group, _ in tp} == {tp_dim}
+    roles = _roles(config, world)
+    tp = [c for c in found if (c[2] or "").startswith("tp ")]
+    assert {group for _, group, _ in tp} == {roles.index("tp")}
     assert sorted((kind, label) for kind, _, label in tp) == sorted(
         SP_COLLECTIVES if config.endswith("sp") else TP_COLLECTIVES)
-    fsdp = [(kind, group) for kind, group, label in found if not label.startswith("tp ")]
-    if config.startswith("fsdp"):
-        # FSDP over dp: the block gathered in forward and again in backward, the root once;
-        # one reduce_scatter each; no gradient averaging over TP, none for the dp dimension
-        assert sorted(fsdp) == [("all_gather_into_tensor", 0)] * 3 + [("reduce_scatter_tensor", 0)] * 2
+    dp = sorted((kind, group) for kind, group, label in found if not (label or "").startswith("tp "))
+    if "dp_shard" in roles:
+        # FSDP over dp_shard: the block gathered in forward and again in backward, the root
+        # once; one reduce_scatter each, and under HSDP one all_reduce of each over the replicas;
+        # no gradient averaging over TP
+        shard, replicas = roles.index("dp_shard"), [("all_reduce", 0)] * 2 if "dp_replicate" in roles else []
+        assert dp == sorted(replicas + [("all_gather_into_tensor", shard)] * 3 + [("reduce_scatter_tensor", shard)] * 2)
+    elif "dp_replicate" in roles:
+        # DDP x TP: one all_reduce per gradient over the replicas, none over TP
+        grads = sum(1 for _ in TPNet().parameters())
+        assert dp == [("all_reduce", roles.index("dp_replicate"))] * grads
     else:
-        assert fsdp == []
+        assert dp == []
     assert sum(by_kind.values()) == len(found)
 
 

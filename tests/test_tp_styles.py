@@ -15,7 +15,7 @@ import spmd_aot
 from multiproc import run_ranks
 from spmd_aot.errors import SpmdAotError, UnsupportedError
 from spmd_aot.plan import Plan
-from spmd_aot.tensor_parallel import HF_REFUSED_STYLES, resolve_tp_plan
+from spmd_aot.parallel.tp_plan import HF_REFUSED_STYLES, resolve_tp_plan
 
 STEPS = 3
 TOL = 1e-5
