@@ -65,6 +65,7 @@ import bench_step as bench  # noqa: E402  (a sibling file: its rank launcher and
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("lm", "llama")
+NAMES = {"lm": "the example transformer LM (lm)", "llama": "transformers LlamaForCausalLM (llama)"}
 PLACEMENTS = ("replicate", "shard")
 BASE_TOL = 1e-5  # README: parameters, optimizer state and losses within 1e-5 in fp32
 FLOOR_FACTOR = 10  # ... or 10x the job's own rounding floor, where AdamW amplifies rounding beyond it
@@ -196,7 +197,7 @@ def found(args) -> list[str]:
                      "holds the torch release, so artifacts built elsewhere on 2.13 miss and are built here; "
                      "continuing where possible")
     z = args.sizes
-    lines.append(f"# device {args.device}; models: example LM and Llama (transformers), {z.layers} layers, "
+    lines.append(f"# device {args.device}; models: {', '.join(NAMES[m] for m in args.models)}, {z.layers} layers, "
                  f"d_model {z.d_model}, context {z.seq}, batch {z.batch}/rank, AdamW(lr=1e-3); "
                  f"{args.steps} parity steps; budget {args.budget_seconds:.0f}s")
     return lines
@@ -529,6 +530,7 @@ def parse(argv):
     parser.add_argument("--compile-seconds", type=float, default=None, help="torch.compile starts only with this much "
                         "left (cuda 60, cpu 30)")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     layers, d_model, seq, batch = SIZES[args.device]
     args.sizes = Sizes(args.layers or layers, args.d_model or d_model, args.seq or seq, args.batch or batch)
     args.models = [m for m in args.models.split(",") if m]
@@ -550,8 +552,15 @@ def build_artifacts(args) -> int:
     problems = build_all(specs, args, args.build_artifacts, None, from_artifacts=False)
     for name, (status, why) in problems.items():
         print(f"{status} {name}: {why}", flush=True)
-    print(f"# artifacts in {args.build_artifacts}: run `python tools/check_cuda.py --artifacts "
-          f"{args.build_artifacts}` on the GPU machine (same commit, same torch release)", flush=True)
+    rest, argv = [], list(args.argv)
+    while argv:  # the same options, less --build-artifacts DIR: the sizes must match for a hit
+        a = argv.pop(0)
+        if a == "--build-artifacts":
+            argv.pop(0)
+        elif not a.startswith("--build-artifacts="):
+            rest.append(a)
+    print(f"# artifacts in {args.build_artifacts}: on the GPU machine (same spmd-aot code, same torch release) run "
+          f"`python tools/check_cuda.py {' '.join(rest + ['--artifacts', args.build_artifacts])}`", flush=True)
     return 1 if any(status == "FAIL" for status, _ in problems.values()) else 0
 
 
