@@ -92,3 +92,19 @@ def test_an_exhausted_budget_skips_every_check_with_a_reason(check_cuda, capsys)
     for check in CHECKS:
         assert f"SKIP {check}: budget: 0s left" in out, out
     assert "# 0 passed, 0 failed, 8 skipped, 1 not yet implemented" in out, out
+
+
+def test_a_failing_torch_compile_costs_its_timing_not_the_check(check_cuda, capsys, monkeypatch):
+    def broken(module):
+        def call(*args, **kwargs):
+            raise RuntimeError("no compiler here")
+        return call
+
+    monkeypatch.setattr(check_cuda.torch, "compile", broken)
+    code = check_cuda.main(TINY + ["--models", "lm", "--worlds", "1", "--compile", "lm"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert _verdicts(out) == {"world 1 lm replicate": "PASS", "world 1 lm shard": "PASS",
+                              "world 1 bf16 mixed precision": "TODO"}, out
+    assert "torch.compile failed: RuntimeError: no compiler here" in out
+    assert _summary_row(out, "world 1 lm replicate")[5] == "-", out

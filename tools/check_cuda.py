@@ -222,6 +222,15 @@ def agree(ok: bool, world: int) -> bool:
     return flag[0]
 
 
+def all_ranks(ok: bool, world: int, device) -> bool:
+    """True where every rank says so (for what may go wrong on one rank only)."""
+    if world == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 # ---------------------------------------------------------------------------- one check, on every rank
 @dataclasses.dataclass
 class Spec:
@@ -326,15 +335,21 @@ def run_check(spec: Spec, rank: int, args, cache_dir: str, deadline: Deadline) -
     variants = {"loaded": lambda: step(model, optim, batches[0]), "eager": lambda: fn(call, ref_optim, batches[0])}
     if spec.compile:
         if agree(deadline.left() > args.compile_seconds, world):
-            c_model = make_model(spec.model, z).to(device)
-            c_optim = adamw(c_model)
-            compiled = torch.compile(c_model)
+            c_call, _, c_optim = eager_model(spec, z, device)  # plain at world 1, DDP at world 2
+            compiled = torch.compile(c_call)
             _sync(device, world)
             start = time.perf_counter()
-            fn(compiled, c_optim, batches[0])  # the first step compiles: timed apart
-            _sync(device, world)
-            row["compile_s"] = time.perf_counter() - start
-            variants["compiled"] = lambda: fn(compiled, c_optim, batches[0])
+            try:  # the first step compiles: timed apart; a compiler that fails costs the timing, not the check
+                fn(compiled, c_optim, batches[0])
+                error = None
+            except Exception as exc:  # noqa: BLE001
+                error = f"torch.compile failed: {type(exc).__name__}: {str(exc)[:300]}"
+            if all_ranks(error is None, world, device):
+                _sync(device, world)
+                row["compile_s"] = time.perf_counter() - start
+                variants["compiled"] = lambda: fn(compiled, c_optim, batches[0])
+            else:
+                row["timing"] = error or "torch.compile failed on another rank"
         else:
             row["timing"] = f"torch.compile skipped: {max(0, deadline.left()):.0f}s of the budget left"
     for v in variants.values():
