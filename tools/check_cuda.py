@@ -60,10 +60,16 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+# The checkout's spmd_aot, found through a sys.path entry (as PYTHONPATH=. would): with an
+# editable install alone (a finder hook, no path entry) the trace's file guards name
+# spmd_aot/examples/models.py by its bare file name, which another loaded models.py (transformers
+# imports charset_normalizer's) then matches, and every example-LM load misses.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step as bench  # noqa: E402  (a sibling file: its rank launcher and timing helpers)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("lm", "llama")
 NAMES = {"lm": "the example transformer LM (lm)", "llama": "transformers LlamaForCausalLM (llama)"}
 PLACEMENTS = ("replicate", "shard")
