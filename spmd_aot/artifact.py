@@ -30,7 +30,7 @@ from .plan import Plan
 from .serialize import decode_graph, encode_graph, to_fx_graph
 from .state import Slot
 
-__all__ = ["Artifact", "encode_artifact", "store_artifact", "artifact_in_memory", "read_artifact", "read_manifest",
+__all__ = ["Artifact", "encode_artifact", "store_artifact", "artifact_in_memory", "read_artifact", "read_manifest", "blob_list", "artifact_blobs",
            "layout_entries", "layout_mismatch", "pack_manifest", "check_entry", "FORMAT", "encode_spec", "decode_spec"]
 
 #: The artifact format (the manifest's ``format``; cache/README.md). 3: the manifest blob is an
@@ -236,6 +236,17 @@ def read_manifest(store, digest: str) -> dict:
             "it): another writer re-encoded it; refusing it. Rebuild the artifact.")
     _check_manifest(manifest, digest)
     return manifest
+
+
+def blob_list(manifest: dict, digest: str) -> list[tuple[str, str]]:
+    """An artifact's blobs as (part name, digest), its manifest first: the one list of what an
+    entry holds (copying, verifying, listing and lending an artifact all walk it)."""
+    return [("manifest", digest), *manifest["blobs"].items()]
+
+
+def artifact_blobs(store, digest: str) -> dict[str, bytes]:
+    """Every blob of the artifact whose manifest is ``digest``, by digest (read, not verified)."""
+    return {d: store.get(d) for _, d in blob_list(read_manifest(store, digest), digest)}
 
 
 def read_artifact(store, digest: str) -> Artifact:

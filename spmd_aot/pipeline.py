@@ -33,7 +33,7 @@ from .plan import Plan
 from .state import TrainState
 from .trace import trace_step
 
-__all__ = ["Transforms", "trace_to_blobs", "trace_and_store"]
+__all__ = ["Transforms", "trace_to_blobs", "trace_and_store", "UnstoredTrace"]
 
 log = logging.getLogger(__name__)
 
@@ -120,14 +120,25 @@ def _check_collectives(stats: dict, slots, plan: Plan, groups=(), axis_budget=No
             )
 
 
+class UnstoredTrace(Exception):
+    """The step was traced but the store refused the entry: the blobs (the job runs from them,
+    in memory, instead of tracing again) and why."""
+
+    def __init__(self, blobs: dict[str, bytes], cause: BaseException):
+        super().__init__(str(cause))
+        self.blobs, self.cause = blobs, cause
+
+
 def trace_and_store(store, step: Callable, state: TrainState, plan: Plan, key: CacheKey, mesh,
-                    inputs: list[torch.Tensor], transforms: Transforms = Transforms()) -> tuple[str, bool]:
+                    inputs: list[torch.Tensor], transforms: Transforms = Transforms(),
+                    store_failures: tuple[type[BaseException], ...] = ()) -> tuple[str, bool]:
     """Trace and store unless an entry for the key whose guards hold here exists (another
     process may have stored it while this one waited for the lock). Returns (digest, traced).
 
     An existing entry counts only if it reads back whole and is the entry for this key; a
     damaged one (a missing part, a corrupt blob, a ref to another key's manifest) is rebuilt.
     An entry whose guards fail stays reachable behind the new one (``previous``).
+    ``store_failures``: the errors of storing that raise ``UnstoredTrace`` (holding the blobs).
     """
     from .store.gc import reading
 
@@ -143,4 +154,7 @@ def trace_and_store(store, step: Callable, state: TrainState, plan: Plan, key: C
         except CorruptArtifactError as exc:
             log.warning("cache entry for key %s is damaged (%s); rebuilding it", key.key[:12], exc)
         blobs = trace_to_blobs(step, state, plan, key, mesh, inputs, transforms, previous)
-        return store_artifact(store, key.key, blobs), True
+        try:
+            return store_artifact(store, key.key, blobs), True
+        except store_failures as exc:
+            raise UnstoredTrace(blobs, exc) from exc

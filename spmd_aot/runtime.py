@@ -17,24 +17,24 @@ import dataclasses
 import functools
 import logging
 import time
-import weakref
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from . import guards
+from . import guards, ranks
 from .allowlist import opt_in_names, opted_in
-from .artifact import artifact_in_memory, layout_mismatch, read_artifact, read_manifest
+from .artifact import artifact_blobs, artifact_in_memory, layout_mismatch, read_artifact
 from .errors import (ArtifactMismatchError, CacheIOError, CacheMissError, CorruptArtifactError, LockTimeoutError,
-                     OpNotAllowedError, SpmdAotError, UnsupportedError)
+                     OpNotAllowedError, SpmdAotError)
+from .device_check import check_device
 from .explain import explain_miss
 from .hints import TARGET_PLACEHOLDER, build_command
 from .key import compute_key
 from .lookup import find_entry
 from .parallel import axes
-from .pipeline import Transforms, trace_and_store, trace_to_blobs
+from .pipeline import Transforms, UnstoredTrace, trace_and_store, trace_to_blobs
 from .schema import Schema
 from .state import TrainState, initialize_optimizer_state
 from .store import open_store
@@ -134,22 +134,18 @@ class CompiledStep:
         start = time.perf_counter()
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        device = _local_device(model)
-        plan = self.schema.plan(world, device.type).for_model(model)
+        plan = self.schema.plan(world, _device_type(model)).for_model(model)
+        device = check_device(plan, model)  # the device the program binds to, or why it cannot run here
         mesh = device_mesh(plan)  # collective for 2-D meshes: every rank builds it
         spread = world > 1  # one rank: nothing is spread
-        if spread and model not in _BROADCAST_MODELS:
-            # As DDP does at construction: once per model, whichever compiled step (train or
-            # eval) sees it first; later, FSDP2-style per-rank buffers must not be overwritten.
-            _broadcast_from_rank0(model)
-            _BROADCAST_MODELS.add(model)
         if spread:
+            ranks.broadcast_model_once(model)
             axes.prepare_live_state(model, optim, plan, mesh)  # as fully_shard / parallelize_module; idempotent
         if optim is not None:
             initialize_optimizer_state(optim, axes.state_zeros if spread else None)
         state = TrainState(model, optim, batch, plan)
         key = compute_key(self.fn, state, plan, self.transforms.identities(), self.extra_sources)
-        _check_ranks_agree(key, world)
+        ranks.check_ranks_agree(key, world)
 
         # Reader leases keep gc from deleting the artifact until every rank has loaded it.
         with contextlib.ExitStack() as leases:
@@ -160,11 +156,11 @@ class CompiledStep:
                 except Exception as exc:  # any failure reaches every rank: none is left waiting
                     status, payload, error = type(exc).__name__, str(exc), exc
                 self._traces += int(traced)
-            status, payload, hit, traced = _broadcast_decision((status, payload, hit, traced), world)
+            status, payload, hit, traced = ranks.broadcast_decision((status, payload, hit, traced), world)
             if error is not None:
                 raise error
             if status != "ok":
-                raise _ERRORS.get(status, SpmdAotError)(f"rank 0 failed: {payload}")
+                raise ranks.error_from_rank0(status, payload)
             digest = payload
             program, failure = None, None
             try:
@@ -178,7 +174,8 @@ class CompiledStep:
                     raise ArtifactMismatchError(
                         f"rank {rank}: artifact {digest[:12]} (key {key.key[:12]}) serves rank 0 but "
                         f"not this rank: {problem}. Every rank must run the same code and libraries.")
-                program = artifact.program(_live_groups(mesh), device)
+                check_device(artifact.manifest, model)  # the artifact's own plan, not only the job's
+                program = artifact.program(ranks.live_groups(mesh), device)
             except OpNotAllowedError as exc:  # not repaired by a rebuild: the job opts in, or not
                 failure = OpNotAllowedError(
                     f"{exc}. The entry for key {key.key[:12]} calls {exc.op}, which only an opt-in allows: if "
@@ -186,7 +183,7 @@ class CompiledStep:
                     "set $SPMD_AOT_ALLOW_OPS); otherwise remove the entry and build it again.", op=exc.op)
             except Exception as exc:
                 failure = exc
-            _all_ranks_ok(failure, world)
+            ranks.all_ranks_ok(failure, world)
         if rank == 0:  # for gc's least-recently-used order; rank 0 is the one that has the cache
             touch_used(self.store, key.key)
         seconds = time.perf_counter() - start
@@ -208,16 +205,12 @@ class CompiledStep:
                 artifact = read_artifact(self.store, digest)
             except (SpmdAotError, OSError) as exc:
                 problem = exc
-        if world == 1:
-            if problem:
-                raise problem
+        if world == 1 and problem:
+            raise problem
+        if not ranks.needs_blobs(artifact is not None, world):
             return artifact
-        needed = torch.tensor([0 if artifact else 1], dtype=torch.int64, device=_comm_device())
-        dist.all_reduce(needed)
-        if needed.item() == 0:
-            return artifact
-        blobs = _artifact_blobs(self._unstored or self.store, digest) if dist.get_rank() == 0 else None
-        received = _broadcast_blobs(blobs, world)
+        blobs = artifact_blobs(self._unstored or self.store, digest) if dist.get_rank() == 0 else None
+        received = ranks.broadcast_blobs(blobs)
         if artifact is not None:
             return artifact
         log.info("rank %d read artifact %s from rank 0 (%s)", dist.get_rank(), digest[:12], problem)
@@ -261,19 +254,24 @@ class CompiledStep:
                 f"this job and require_hit=True. {why} {build_it}")
         log.warning("%s: cache miss for key %s (%s) in %s; tracing the step now, the other ranks "
                     "wait. %s %s", _name(self.fn), key.key[:12], plan.describe(), store.root, why, build_it)
+        blobs = None
         try:
             digest, traced = trace_and_store(store, self.fn, state, plan, key, mesh, state.graph_inputs(),
-                                             self.transforms)
+                                             self.transforms, _STORE_FAILURES)
             leases.enter_context(reading(store, digest))
             return digest, False, traced, read_artifact(store, digest)
-        except (CacheIOError, LinkError, LockTimeoutError, OSError) as exc:
-            # The cache cannot take the new entry (full, read-only, locked, tampered with): the
-            # job still trains from its own trace, held in memory; other ranks get it from here.
-            log.warning("cannot store the traced step for key %s in %s (%s); training from the trace "
-                        "without caching it", key.key[:12], store.root, exc)
+        except UnstoredTrace as exc:
+            blobs, cause = exc.blobs, exc.cause
+        except _STORE_FAILURES as exc:
+            cause = exc
+        # The cache cannot take the new entry (full, read-only, locked, tampered with): the job
+        # still trains from its own trace, held in memory; other ranks get it from here.
+        log.warning("cannot store the traced step for key %s in %s (%s); training from the trace "
+                    "without caching it", key.key[:12], store.root, cause)
+        if blobs is None:  # the store failed before tracing (its lock), or when reading back
             blobs = trace_to_blobs(self.fn, state, plan, key, mesh, state.graph_inputs(), self.transforms)
-            digest, self._unstored = artifact_in_memory(blobs)
-            return digest, False, True, read_artifact(self._unstored, digest)
+        digest, self._unstored = artifact_in_memory(blobs)
+        return digest, False, True, read_artifact(self._unstored, digest)
 
     def _lookup(self, store, key, leases, attempts: int = 3):
         """(lookup, (digest, True, False, artifact)) for the serving entry of ``key`` under a
@@ -356,112 +354,15 @@ class _BoundStep:
         return pytree.tree_unflatten(leaves, self.out_spec)
 
 
-# ---------------------------------------------------------------------------- collectives
-_ERRORS = {cls.__name__: cls for cls in (SpmdAotError, CacheMissError, CorruptArtifactError,
-                                          ArtifactMismatchError, UnsupportedError)}
+_STORE_FAILURES = (CacheIOError, LinkError, LockTimeoutError, OSError)  # the cache cannot take an entry
 
 
 def _name(fn) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
-def _local_device(model) -> torch.device:
+def _device_type(model) -> str:
+    """The device type the plan is made for: where the model's parameters lie (cpu without any)."""
     for t in model.parameters():
-        return t.device
-    return torch.device("cpu")
-
-
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-_BROADCAST_MODELS = weakref.WeakSet()  # models this process has taken rank 0's values for
-
-
-def _broadcast_from_rank0(model) -> None:
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(t.data, src=0)
-
-
-def _broadcast_bytes(data: bytes | None, world: int) -> bytes:
-    dev = _comm_device()
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=dev)
-    dist.broadcast(size, src=0)
-    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if data
-           else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
-    if int(size.item()):
-        dist.broadcast(buf, src=0)
-    return _tensor_bytes(buf) if int(size.item()) else b""
-
-
-def _tensor_bytes(buf: torch.Tensor) -> bytes:
-    """A uint8 tensor's bytes without numpy (not a dependency): its own exact-size storage."""
-    buf = buf.cpu().contiguous()
-    return bytes(buf.untyped_storage())[buf.storage_offset(): buf.storage_offset() + buf.numel()]
-
-
-def _artifact_blobs(store, digest: str) -> dict[str, bytes]:
-    manifest = read_manifest(store, digest)
-    blobs = {digest: store.get(digest)}
-    for part in manifest["blobs"].values():
-        blobs[part] = store.get(part)
-    return blobs
-
-
-def _broadcast_blobs(blobs: dict[str, bytes] | None, world: int) -> dict[str, bytes]:
-    """Rank 0's blobs to every rank: a count, then (digest, bytes) pairs; receivers verify."""
-    count = _broadcast_bytes(str(len(blobs)).encode() if blobs is not None else None, world)
-    items = list(blobs.items()) if blobs is not None else [None] * int(count)
-    out = {}
-    for item in items:
-        name = _broadcast_bytes(item[0].encode() if item else None, world).decode()
-        out[name] = _broadcast_bytes(item[1] if item else None, world)
-    return out
-
-
-def _broadcast_decision(decision, world):
-    """Rank 0's (status, payload, hit, traced) to every rank, as bytes (no pickle)."""
-    if world == 1:
-        return decision
-    status, payload, hit, traced = decision
-    data = f"{status}\n{int(hit)}{int(traced)}\n{payload}".encode() if dist.get_rank() == 0 else None
-    status, flags, payload = _broadcast_bytes(data, world).decode().split("\n", 2)
-    return status, payload, flags[0] == "1", flags[1] == "1"
-
-
-def _check_ranks_agree(key, world) -> None:
-    if world == 1:
-        return
-    dev = _comm_device()
-    mine = torch.tensor([int(d[:12], 16) for d in key.ingredients.values()], dtype=torch.int64, device=dev)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine)
-    names = list(key.ingredients)
-    for r, theirs in enumerate(everyone):
-        differ = [names[i] for i in range(len(names)) if theirs[i] != everyone[0][i]]
-        if differ:
-            raise ArtifactMismatchError(
-                f"rank {r} computes a different cache key than rank 0; differing ingredients: "
-                f"{', '.join(differ)}. Every rank must run the same code, model and batch shapes."
-            )
-
-
-def _all_ranks_ok(failure: Exception | None, world) -> None:
-    """Raise on every rank if any rank failed to load, instead of leaving the others hanging."""
-    if world > 1:
-        flag = torch.tensor([1 if failure else 0], dtype=torch.int64, device=_comm_device())
-        dist.all_reduce(flag)
-        if flag.item() and failure is None:
-            raise SpmdAotError(f"{flag.item()} rank(s) failed to load the artifact; see their errors")
-    if failure is not None:
-        raise failure
-
-
-def _live_groups(mesh) -> list[str]:
-    """Live process-group name of each mesh dimension (the stored graph names dimensions)."""
-    if mesh is None:
-        return []
-    return [mesh.get_group(dim).group_name for dim in range(mesh.ndim)]
+        return t.device.type
+    return "cpu"

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import spmd_aot
+from spmd_aot import pipeline
 from jobs import make_batch, make_job
 from spmd_aot.cli import main as cli
 from spmd_aot.errors import CacheIOError, CacheMissError, SpmdAotError
@@ -77,9 +78,13 @@ def test_a_miss_that_cannot_be_stored_still_trains(tmp_path, monkeypatch, caplog
     expected = [train_step(ref_model, ref_optim, make_batch("mlp", 0, s)).item() for s in range(3)]
     model, optim = fresh()
     step = spmd_aot.compile(train_step, cache_dir=tmp_path / "full")
+    traced = []
+    real_trace = pipeline.trace_step
+    monkeypatch.setattr(pipeline, "trace_step", lambda *a, **k: traced.append(1) or real_trace(*a, **k))
     with caplog.at_level(logging.WARNING, logger="spmd_aot"):
         losses = [step(model, optim, make_batch("mlp", 0, s)).item() for s in range(3)]
     assert not step.cache_info.hit and step.cache_info.source == "trace"
+    assert len(traced) == 1 and step.cache_info.traces == 1  # the failed store keeps the trace's blobs
     assert losses == pytest.approx(expected, abs=1e-5)  # it trained, as eager does
     assert any("training from the trace" in r.getMessage() and "ENOSPC" in r.getMessage() for r in caplog.records)
     assert LocalStore(tmp_path / "full").refs() == {}  # nothing was stored
