@@ -190,16 +190,42 @@ def _roots() -> list[str]:
 
 
 def relative_name(path: str) -> str:
-    """``path`` relative to the deepest ``sys.path`` entry holding it, else its file name
-    (with its package folder for an ``__init__.py``)."""
+    """``path`` relative to the deepest ``sys.path`` entry holding it; else, for a loaded
+    module's file, the path its dotted name spells (``pkg/sub/mod.py``: an editable install
+    finds packages through an import hook, not ``sys.path``, and a bare ``models.py`` would also
+    match every other loaded ``models.py``, so the guard never held); else its file name (with
+    its package folder for an ``__init__.py``)."""
     best = ""
     for root in _roots():
         if path.startswith(root) and len(root) > len(best):
             best = root
     if best:
         return path[len(best):]
+    module = _loaded_modules_by_file().get(os.path.abspath(path))
     head, name = os.path.split(path)
+    if module:
+        spelled = module.replace(".", "/") + ("/__init__.py" if name == "__init__.py" else ".py")
+        if os.path.abspath(path).endswith(os.sep + spelled):  # not __main__ or a file imported by path
+            return spelled
     return f"{os.path.basename(head)}/{name}" if name == "__init__.py" else name
+
+
+_BY_FILE: tuple[int, dict[str, str]] = (-1, {})
+
+
+def _loaded_modules_by_file() -> dict[str, str]:
+    """Absolute file path -> dotted name of the loaded module defined there (``.py`` files;
+    rebuilt when modules come or go)."""
+    global _BY_FILE
+    modules = list(sys.modules.items())
+    if _BY_FILE[0] != len(modules):
+        out: dict[str, str] = {}
+        for name, m in modules:
+            f = getattr(m, "__file__", None)
+            if isinstance(f, str) and f.endswith(".py") and getattr(m, "__name__", None) == name:
+                out.setdefault(os.path.abspath(f), name)
+        _BY_FILE = (len(modules), out)
+    return _BY_FILE[1]
 
 
 _INDEX: tuple[int, dict[str, list[str]]] = (-1, {})
