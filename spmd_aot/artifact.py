@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import gc
 import math
-import re
 from typing import Any
 
 import msgpack
@@ -22,13 +21,14 @@ import torch.utils._pytree as pytree
 from . import bounded, signing
 from .errors import CorruptArtifactError, SpmdAotError, UnsupportedError
 from .faults import crash_point
-from .guards import is_safe_path
+from .guards import KINDS as GUARD_KINDS, empty as no_guards, is_safe_path
 from .key import CacheKey
 from .limits import ENV_LOAD_LIMITS, LoadLimits, load_limits
 from .numpy_absent import numpy_lookups_skipped
 from .plan import Plan
 from .serialize import decode_graph, encode_graph, to_fx_graph
 from .state import Slot
+from .store.names import is_digest
 
 __all__ = ["Artifact", "encode_artifact", "store_artifact", "artifact_in_memory", "read_artifact", "read_manifest", "blob_list", "artifact_blobs",
            "layout_entries", "layout_mismatch", "pack_manifest", "check_entry", "FORMAT", "encode_spec", "decode_spec"]
@@ -39,7 +39,6 @@ __all__ = ["Artifact", "encode_artifact", "store_artifact", "artifact_in_memory"
 FORMAT = 3
 
 _PARTS = ("graph", "code", "schema", "layout", "constants")
-_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclasses.dataclass
@@ -157,7 +156,7 @@ def encode_artifact(traced, key: CacheKey, plan: Plan, slots: list[Slot], stats:
         "plan": plan.to_dict(),
         "blobs": {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()},
         "stats": stats,
-        "guards": guards if guards is not None else {"files": [], "distributions": [], "tensors": []},
+        "guards": guards if guards is not None else no_guards(),
         "previous": previous,
     }
     blobs["manifest"] = pack_manifest(manifest)
@@ -508,7 +507,7 @@ def _check_manifest(m: Any, digest: str) -> None:
     if not isinstance(blobs, dict) or set(blobs) != set(_PARTS):
         bad(f"blobs must name exactly {list(_PARTS)}")
     for name, d in blobs.items():
-        if not isinstance(d, str) or not _DIGEST.fullmatch(d):
+        if not isinstance(d, str) or not is_digest(d):
             bad(f"blob {name} has invalid digest {str(d)[:80]!r}")
     plan = m.get("plan")
     if not isinstance(plan, dict):
@@ -527,7 +526,7 @@ def _check_manifest(m: Any, digest: str) -> None:
         bad("ingredient_values must be a map")
     _check_guards(m.get("guards"), bad)
     previous = m.get("previous", False)
-    if previous is not None and not (isinstance(previous, str) and _DIGEST.fullmatch(previous)):
+    if previous is not None and not (isinstance(previous, str) and is_digest(previous)):
         bad(f"previous must be a manifest digest or nil, got {str(previous)[:80]!r}")
     stats = m.get("stats")
     if not isinstance(stats, dict):
@@ -542,14 +541,11 @@ def _check_manifest(m: Any, digest: str) -> None:
             bad(f"stats field {name!r} has invalid value {str(value)[:80]!r}")
 
 
-_GUARD_KINDS = ("files", "distributions", "tensors")  # each a list of [name, value] string pairs
-
-
 def _check_guards(guards, bad) -> None:
     """Guards decide whether an entry may serve: every field typed, digests well formed."""
-    if not isinstance(guards, dict) or set(guards) != set(_GUARD_KINDS):
-        bad(f"guards must be a map of exactly {list(_GUARD_KINDS)}")
-    for kind in _GUARD_KINDS:
+    if not isinstance(guards, dict) or set(guards) != set(GUARD_KINDS):
+        bad(f"guards must be a map of exactly {list(GUARD_KINDS)}")
+    for kind in GUARD_KINDS:
         entries = guards[kind]
         if not isinstance(entries, list):
             bad(f"guards.{kind} must be a list")
@@ -557,7 +553,7 @@ def _check_guards(guards, bad) -> None:
             if not (isinstance(entry, list) and len(entry) == 2
                     and all(isinstance(x, str) and 0 < len(x) <= 4096 for x in entry)):
                 bad(f"guards.{kind} entry {str(entry)[:80]!r} must be two non-empty strings")
-            if kind != "distributions" and not _DIGEST.fullmatch(entry[1]):
+            if kind != "distributions" and not is_digest(entry[1]):
                 bad(f"guards.{kind} entry {entry[0][:80]!r} has invalid digest {entry[1][:80]!r}")
             if kind == "files" and not is_safe_path(entry[0]):
                 bad(f"guard file {entry[0][:80]!r} is not a plain relative path (absolute, empty parts or '..')")

@@ -489,14 +489,14 @@ def cmd_ls(args) -> int:
 
 
 def _ls_columns(store, entry) -> list:
-    from .artifact import read_manifest
+    from .artifact import blob_list, read_manifest
 
     if entry.error:
         return [f"CORRUPT: {entry.error}"]
     try:
         manifest = read_manifest(store, entry.digest)
         size = 0
-        for name, digest in [("manifest", entry.digest), *manifest["blobs"].items()]:
+        for name, digest in blob_list(manifest, entry.digest):
             blob_size = store.size(digest)
             if blob_size is None:
                 return [f"CORRUPT: {name} blob {digest[:12]} is missing"]
@@ -582,6 +582,7 @@ def _describe(store, entry) -> str:
 
 def _print_manifest(store, key: str, digest: str, m: dict) -> None:
     """Every line escaped (``_safe``): every field is stored data."""
+    from .artifact import blob_list
     from .plan import Plan
 
     stats = m["stats"]
@@ -605,7 +606,7 @@ def _print_manifest(store, key: str, digest: str, m: dict) -> None:
               "measures eager FSDP2 the same way)")
     _print_communication(stats.get("comm"))
     _say("blobs:")
-    for name, d in [("manifest", digest), *m["blobs"].items()]:
+    for name, d in blob_list(m, digest):
         blob_size = store.size(d)
         size = "MISSING" if blob_size is None else f"{blob_size} bytes"
         _say(f"  {name:<12}{d}  {size}")
@@ -693,12 +694,12 @@ def cmd_verify(args) -> int:
 def _entry_problem(store, key: str, digest: str, bad: set, check_entry) -> str | None:
     """Why the entry ``digest`` of ``key`` would not load, or None; read-only (a blob the re-hash
     found damaged is reported, not read: reading it would move it to quarantine/)."""
-    from .artifact import read_manifest
+    from .artifact import blob_list, read_manifest
 
     if digest in bad:
         return "its manifest blob is damaged"
     try:
-        damaged = [f"{name} blob {d}" for name, d in read_manifest(store, digest)["blobs"].items() if d in bad]
+        damaged = [f"{name} blob {d}" for name, d in blob_list(read_manifest(store, digest), digest)[1:] if d in bad]
         if damaged:
             return f"{', '.join(damaged)} damaged"
         check_entry(store, key, digest)

@@ -53,8 +53,13 @@ _TORCH_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
 _STDLIB_DIRS = tuple(sorted({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib")}))
 
 
+#: The guard schema: a manifest's ``guards`` maps exactly these kinds to lists of [name, value]
+#: string pairs (files: path, content digest; distributions: name, version; tensors: path, digest).
+KINDS = ("files", "distributions", "tensors")
+
+
 def empty() -> dict:
-    return {"files": [], "distributions": [], "tensors": []}
+    return {kind: [] for kind in KINDS}
 
 
 # ---------------------------------------------------------------------------- recording
@@ -151,8 +156,7 @@ def record(ran: set[str], key) -> dict:
                 if version is not None:
                     dists.add((dist, version))
     tensors = {(path, value_digest(t)) for path, t in key.tensors.items() if _has_value(t)}
-    return {"files": sorted(map(list, files)), "distributions": sorted(map(list, dists)),
-            "tensors": sorted(map(list, tensors))}
+    return dict(zip(KINDS, (sorted(map(list, found)) for found in (files, dists, tensors))))
 
 
 # ---------------------------------------------------------------------------- checking

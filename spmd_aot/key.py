@@ -46,9 +46,16 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3  # 3: artifact format 3 (signature header, own output-spec format)
 _PACKAGE_DIR = pathlib.Path(__file__).parent
-# Parts of the package that never decide what graph is stored (they talk to people or move
-# bytes); every other module is hashed, so a new one is in the key by default.
-_NOT_GRAPH_PRODUCING = ("__main__.py", "cli.py", "progress.py", "explain.py", "store", "examples")
+# Parts of the package (paths relative to it: a file, or a folder and all below) that never
+# decide what graph is stored: they talk to people (messages, hints, the command line), check
+# the process, or move bytes. Every other module is hashed, so a new one is in the key by default.
+_NOT_GRAPH_PRODUCING = ("__main__.py", "cli.py", "progress.py", "explain.py", "hints.py", "device_check.py",
+                        "store", "examples")
+
+
+def _graph_producing(rel: pathlib.PurePath) -> bool:
+    return not any(rel.as_posix() == part or rel.as_posix().startswith(part + "/")
+                   for part in _NOT_GRAPH_PRODUCING)
 # Environment variables spmd-aot reads, and why none belongs in the key.
 ENVIRONMENT_NOT_IN_KEY = {
     "SPMD_AOT_CACHE_DIR": "where the cache is, not what it holds",
@@ -151,7 +158,7 @@ def spmd_aot_code(**_) -> str:
     h = hashlib.sha256()
     for f in sorted(_PACKAGE_DIR.rglob("*.py")):
         rel = f.relative_to(_PACKAGE_DIR)
-        if rel.parts[0] in _NOT_GRAPH_PRODUCING:
+        if not _graph_producing(rel):
             continue
         h.update(rel.as_posix().encode() + b"\0")
         h.update(f.read_bytes())

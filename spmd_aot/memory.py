@@ -25,6 +25,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .passes.ops import is_wait
+
 __all__ = ["graph_peak_bytes", "PeakMemory", "state_tensors"]
 
 
@@ -59,7 +61,7 @@ def graph_peak_bytes(gm: torch.fx.GraphModule) -> int:
             pinned.update(k for a in node.all_input_nodes for k in _node_storages(a, canonical))
             continue
         source = None
-        if getattr(node.target, "__name__", "").startswith("wait_tensor") and node.args \
+        if is_wait(node) and node.args \
                 and isinstance(node.args[0], torch.fx.Node):
             source = next(iter(_node_storages(node.args[0], canonical)), None)
         stop = max((position[u] for u in node.users), default=i)

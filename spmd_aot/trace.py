@@ -29,6 +29,7 @@ from .errors import UnsupportedError
 from .expand import Expander
 from .groups import GroupGather, ParamGroup, assign_groups, resharding
 from .parallel import axes
+from .passes.ops import GRADIENT_PATH_VIEWS, is_wait
 from .plan import Plan
 from .state import TrainState
 
@@ -141,10 +142,6 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
                       gradient_collectives, groups, axis_contexts.budget())
 
 
-_VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default,
-             torch.ops.aten.reshape.default, torch.ops.aten.detach.default}
-
-
 def _note_gradient_collectives(fqn: str, found: dict[str, str], grad) -> None:
     """Leaf gradient hook while tracing: name the collectives that produced ``fqn``'s gradient
     (walking back through views and waits), so buckets and groups can list their parameters."""
@@ -156,9 +153,9 @@ def _note_gradient_collectives(fqn: str, found: dict[str, str], grad) -> None:
     node = getattr(getattr(slot, "proxy", None), "node", None)
     while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args:
         namespace = getattr(node.target, "namespace", None)
-        if namespace == "_c10d_functional" and not node.target.__name__.startswith("wait_tensor"):
+        if namespace == "_c10d_functional" and not is_wait(node):
             found.setdefault(node.name, fqn)
-        elif namespace != "_c10d_functional" and node.target not in _VIEW_OPS:
+        elif namespace != "_c10d_functional" and node.target not in GRADIENT_PATH_VIEWS:
             break
         node = node.args[0]
 

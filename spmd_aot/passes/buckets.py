@@ -28,6 +28,8 @@ import operator
 import torch
 from torch.fx import Node
 
+from .ops import FLAT_ORDER_VIEWS, is_wait
+
 __all__ = ["Bucket", "bucket_gradient_all_reduces", "assign_buckets"]
 
 _aten = torch.ops.aten
@@ -49,7 +51,7 @@ def _val(node) -> torch.Tensor | None:
 
 def _single_wait(node: Node) -> Node | None:
     users = list(node.users)
-    if len(users) == 1 and users[0].target is _c10d.wait_tensor.default:
+    if len(users) == 1 and is_wait(users[0]):
         return users[0]
     return None
 
@@ -115,15 +117,11 @@ def _read_after_last(members: list[Node], order: dict[Node, int]) -> bool:
     return all(order[u] > last for m in members for u in _single_wait(m).users)
 
 
-_VIEW_OPS = frozenset({_aten.view.default, _aten._unsafe_view.default, _aten.t.default,
-                       _aten.transpose.int, _aten.permute.default})
-
-
 def _matmul_behind(grad: Node) -> tuple[Node, list[Node]] | None:
     """The ``mm`` whose output ``grad`` is, seen through views nobody else reads, and those views;
     None unless both are contiguous at offset 0 with the same elements (so the same flat order)."""
     chain, node = [], grad
-    while node.op == "call_function" and node.target in _VIEW_OPS:
+    while node.op == "call_function" and node.target in FLAT_ORDER_VIEWS:
         if len(node.users) != 1:
             return None
         chain.append(node)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .ops import FOLDABLE_VIEWS
+
 __all__ = ["strip_profiler_ops", "remove_detach", "fold_views"]
 
 
@@ -40,9 +42,6 @@ def remove_detach(gm: torch.fx.GraphModule) -> int:
     return removed
 
 
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
-
-
 def _meta(node) -> torch.Tensor | None:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None
@@ -62,7 +61,7 @@ def fold_views(gm: torch.fx.GraphModule) -> int:
     outputs = set(graph.output_node().all_input_nodes) if any(n.op == "output" for n in graph.nodes) else set()
     removed = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _VIEWS or node in outputs:
+        if node.op != "call_function" or node.target not in FOLDABLE_VIEWS or node in outputs:
             continue
         source, out = node.args[0], _meta(node)
         src = _meta(source)
@@ -74,7 +73,7 @@ def fold_views(gm: torch.fx.GraphModule) -> int:
             removed += 1
             continue
         # view(view(x, a), b) -> view(x, b) on a contiguous x; the inner one goes when unused
-        if isinstance(source, torch.fx.Node) and source.op == "call_function" and source.target in _VIEWS:
+        if isinstance(source, torch.fx.Node) and source.op == "call_function" and source.target in FOLDABLE_VIEWS:
             base = source.args[0]
             base_val = _meta(base)
             if base_val is not None and base_val.is_contiguous():

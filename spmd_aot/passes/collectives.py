@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .ops import is_wait
+
 __all__ = ["is_collective", "collective_kind", "collective_stats", "dedupe_collectives", "label_collective"]
 
 
@@ -13,7 +15,7 @@ def is_collective(node: torch.fx.Node) -> bool:
     return (
         node.op == "call_function"
         and getattr(target, "namespace", None) == "_c10d_functional"
-        and target.__name__.split(".")[0] != "wait_tensor"
+        and not is_wait(node)
     )
 
 
@@ -31,7 +33,7 @@ def label_collective(tensor: torch.Tensor, comm: dict) -> None:
 
 
 def _wait_of(node: torch.fx.Node):
-    waits = [u for u in node.users if getattr(u.target, "__name__", "").startswith("wait_tensor")]
+    waits = [u for u in node.users if is_wait(u)]
     return waits[0] if len(waits) == 1 and len(node.users) == 1 else None
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .ops import is_wait
+
 __all__ = ["prefetch_groups", "group_gathers"]
 
 
@@ -34,7 +36,7 @@ def prefetch_groups(gm: torch.fx.GraphModule) -> int:
     for phase in ("forward", "backward"):
         gathers = group_gathers(gm, phase)
         for prev, nxt in zip(gathers, gathers[1:]):
-            waits = [u for u in prev.users if getattr(u.target, "__name__", "").startswith("wait_tensor")]
+            waits = [u for u in prev.users if is_wait(u)]
             if len(waits) != 1:
                 continue
             anchor = wait = waits[0]

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from .ops import is_wait
+
 __all__ = ["sink_waits"]
-
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
-
 
 def sink_waits(gm: torch.fx.GraphModule) -> int:
     """Move every ``wait_tensor`` to just before its first user. Returns how many moved.
@@ -24,7 +23,7 @@ def sink_waits(gm: torch.fx.GraphModule) -> int:
     order = {n: i for i, n in enumerate(nodes)}
     moved = 0
     for node in nodes:
-        if node.target is not _WAIT or not node.users or _scheduled(node):
+        if not is_wait(node) or not node.users or _scheduled(node):
             continue
         first = min(node.users, key=order.__getitem__)
         if first.op == "output" or first is node.next:
