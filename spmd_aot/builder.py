@@ -28,7 +28,7 @@ from .schema import Schema
 from .state import TrainState, initialize_optimizer_state
 from .store import open_store
 from .mesh import device_mesh, fake_world
-from .store.gc import ArtifactGoneError, reading
+from .store.leases import ArtifactGoneError, reading
 
 __all__ = ["build", "job_key", "BuildResult", "local_batch"]
 

@@ -829,7 +829,7 @@ def _existing_store(cache_dir):
 # ---------------------------------------------------------------------------- rm / gc
 def cmd_rm(args) -> int:
     """Remove refs; their blobs stay until gc (which spares any a job is loading)."""
-    from .store.gc import forget_used
+    from .store.leases import forget_used
 
     store = _existing_store(args.cache_dir)
     for key, digest in list(dict.fromkeys(_resolve_ref(store, ref) for ref in args.refs)):
@@ -845,7 +845,8 @@ def cmd_gc(args) -> int:
     """Evict by age and LRU under the size bound, then remove unreferenced blobs."""
     import datetime
 
-    from .store.gc import collect_garbage, format_size, last_used
+    from .store.gc import collect_garbage, format_size
+    from .store.leases import last_used
 
     store = _existing_store(args.cache_dir)
     used = {}

@@ -140,7 +140,7 @@ def trace_and_store(store, step: Callable, state: TrainState, plan: Plan, key: C
     An entry whose guards fail stays reachable behind the new one (``previous``).
     ``store_failures``: the errors of storing that raise ``UnstoredTrace`` (holding the blobs).
     """
-    from .store.gc import reading
+    from .store.leases import reading
 
     with store.lock(key.key):
         previous = None

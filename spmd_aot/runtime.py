@@ -39,7 +39,7 @@ from .schema import Schema
 from .state import TrainState, initialize_optimizer_state
 from .store import open_store
 from .store.fsafe import LinkError
-from .store.gc import ArtifactGoneError, reading, touch_used
+from .store.leases import ArtifactGoneError, reading, touch_used
 from .store.memory import MemoryStore
 from .mesh import device_mesh
 

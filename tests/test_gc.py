@@ -17,8 +17,8 @@ import pytest
 import spmd_aot
 from spmd_aot.cli import main
 from spmd_aot.store import LocalStore
-from spmd_aot.store.gc import (ArtifactGoneError, cache_size, collect_garbage, last_used,
-                               parse_age, parse_size, reading, touch_used)
+from spmd_aot.store.gc import cache_size, collect_garbage, parse_age, parse_size
+from spmd_aot.store.leases import ArtifactGoneError, last_used, reading, touch_used
 from spmd_aot.store.transfer import artifact_blobs, copy_artifact
 
 from jobs import make_job
@@ -182,7 +182,7 @@ _HOLDER = textwrap.dedent("""
     pkg = types.ModuleType("spmd_aot"); pkg.__path__ = [sys.argv[1]]; sys.modules["spmd_aot"] = pkg
     sys.modules["torch"] = None  # leases need no torch
     from spmd_aot.store import LocalStore
-    from spmd_aot.store.gc import reading
+    from spmd_aot.store.leases import reading
     with reading(LocalStore(sys.argv[2]), sys.argv[3]):
         print("leased", flush=True)
         sys.stdin.readline()
@@ -226,7 +226,7 @@ _READER = textwrap.dedent("""
     import json, sys, time
     from spmd_aot.artifact import read_artifact
     from spmd_aot.store import LocalStore
-    from spmd_aot.store.gc import ArtifactGoneError, reading
+    from spmd_aot.store.leases import ArtifactGoneError, reading
     store, key, seconds = LocalStore(sys.argv[1]), sys.argv[2], float(sys.argv[3])
     loads = misses = gone = 0
     failures = []

@@ -22,7 +22,8 @@ from spmd_aot.artifact import read_artifact, read_manifest
 from spmd_aot.cli import main as cli
 from spmd_aot.errors import SpmdAotError
 from spmd_aot.store import LocalStore
-from spmd_aot.store.gc import collect_garbage, reading, touch_used
+from spmd_aot.store.gc import collect_garbage
+from spmd_aot.store.leases import reading, touch_used
 
 OLD = time.time() - 7200  # older than clean_tmp's hour
 

@@ -24,7 +24,7 @@ from spmd_aot.cli import main as cli
 from spmd_aot.errors import CorruptArtifactError
 from spmd_aot.store import LocalStore
 from spmd_aot.store.bundle import BundleError, import_bundle
-from spmd_aot.store.gc import touch_used
+from spmd_aot.store.leases import touch_used
 from spmd_aot.store.trust import ENV_TRUST_CACHE, UntrustedCacheError
 
 DEADLINE = 30

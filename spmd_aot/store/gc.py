@@ -1,4 +1,4 @@
-"""Garbage collection of a local cache, and the reader leases that keep it safe.
+"""Garbage collection of a local cache, made safe by the reader leases of ``leases.py``.
 
 ``collect_garbage(store, max_size=..., max_age=...)`` evicts whole artifacts, least recently
 used first, then removes blobs nothing references any more. Three files under the cache
@@ -8,19 +8,12 @@ root make that safe while jobs are loading and builds are writing::
     leases/gc.lock                  one gc at a time
     used/<key>                      empty file; its mtime is when the artifact was last loaded
 
-**Reader leases.** A reader wraps the load in ``with reading(store, digest):``, which holds a
-shared ``flock`` on ``leases/<digest>.lock``. gc deletes a manifest only while holding an
-exclusive ``flock`` on the same file, taken without waiting: if any reader holds a lease,
-gc skips that artifact. Part blobs are deleted only when no manifest left on disk names them.
-Together: *inside a lease, if the manifest exists, every part it names exists*. A reader that
-arrives while gc is deleting waits for gc's exclusive lock, then finds the manifest gone and
-gets ``ArtifactGoneError`` (a ``CorruptArtifactError``: the runtime treats it as a miss),
-never a half-deleted artifact. The OS drops a dead reader's lease, so leases never go stale.
-Both sides re-check after locking that the lease file is still the one on disk (gc unlinks
-lease files of deleted artifacts).
-
-**Last use.** ``touch_used(store, key)`` (called after each load) sets ``used/<key>``'s mtime;
-without one the ref file's mtime counts (when it was built or pulled).
+**Reader leases and last use** (``leases.py``): gc deletes a manifest only while holding an
+exclusive ``flock`` on its lease file, taken without waiting, so an artifact a job is loading
+stays. Part blobs are deleted only when no manifest left on disk names them. Together: *inside
+a lease, if the manifest exists, every part it names exists*. Both sides re-check after locking
+that the lease file is still the one on disk (gc unlinks lease files of deleted artifacts).
+Eviction follows ``used/<key>``'s mtime, least recently used first.
 
 **Writers.** Builds write parts, then the manifest, then the ref, under
 ``locks/<key>.lock``. gc holds every build lock it can take for its whole run (a build of
@@ -32,7 +25,7 @@ manifest named are also kept while younger than ``grace`` (for writers that take
 a blob whose mtime changed since gc listed it (``LocalStore.put`` refreshes the mtime of a
 blob it re-uses) is kept. ``tools/stress_cache.py gc`` runs gc, builders and loaders together.
 
-Nothing here imports torch; leases need ``fcntl`` (POSIX). Without it ``reading`` is a no-op.
+Nothing here imports torch.
 All of it works on the host's cache directory: the store's ``LocalStore`` (``protocol.local_files``;
 for an s3:// cache, the local cache in front of the bucket). A store without one (object storage
 alone, memory) takes no leases and records no use, and ``collect_garbage`` refuses it.
@@ -47,138 +40,22 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import os
-import pathlib
 import re
-import stat
 import time
-from typing import Iterator
 
 from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError
 from ..limits import load_limits
-from .fsafe import LinkError
 from .local import LocalStore
 from .locks import FileLock, locks_supported
-from .names import check_digest, check_key, is_digest
-from .protocol import Store, local_files
+from .names import is_digest
 from .transfer import looks_like_manifest, manifest_parts
+from .leases import LEASES, USED, forget_used, last_used, lease_lock, require_local, try_exclusive
 
-__all__ = ["reading", "touch_used", "forget_used", "last_used", "collect_garbage", "GcReport", "Artifact",
-           "ArtifactGoneError", "parse_size", "parse_age", "format_size", "cache_size"]
+__all__ = ["collect_garbage", "GcReport", "Artifact", "parse_size", "parse_age", "format_size", "cache_size"]
 
 log = logging.getLogger(__name__)
 
-LEASES, USED = "leases", "used"
 _MANIFEST_MAX = 16 << 20  # blobs larger than this are never read to look for a manifest
-
-
-class ArtifactGoneError(CorruptArtifactError):
-    """The artifact was deleted (by gc or ``spmd-aot rm``) before the lease was taken."""
-
-
-# ---------------------------------------------------------------------------- helpers
-def _require_local(store: Store) -> LocalStore:
-    local = local_files(store)
-    if local is None:
-        raise SpmdAotError(f"gc works on a local cache directory, not on {store!r}; run it on the "
-                           "hosts' caches (objects in a bucket are best expired by a lifecycle rule)")
-    return local
-
-
-def _lease_path(local: LocalStore, digest: str) -> pathlib.Path:
-    return local.root / LEASES / f"{digest}.lock"
-
-
-def _lease(local: LocalStore, digest: str) -> FileLock:
-    return FileLock(local.tree, (LEASES,), f"{digest}.lock")
-
-
-def _try_exclusive(lock: FileLock) -> bool:
-    """Take ``lock`` exclusively without waiting; a lock that cannot be examined (a planted
-    link, an unwritable directory) counts as held by someone, so what it guards stays."""
-    try:
-        return lock.acquire(0)
-    except (OSError, SpmdAotError) as exc:
-        log.warning("treating %s as held: %s", lock.path, exc)
-        return False
-
-
-# ---------------------------------------------------------------------------- readers
-@contextlib.contextmanager
-def reading(store, digest: str, *, timeout: float = 120.0) -> Iterator[None]:
-    """Hold a reader lease on the artifact whose manifest is ``digest`` while loading it::
-
-        with reading(store, digest):
-            artifact = read_artifact(store, digest)
-
-    gc does not delete an artifact while any process holds a lease on it. Raises
-    ``ArtifactGoneError`` if the artifact was deleted before the lease was taken, and
-    ``LockTimeoutError`` if gc kept it locked for ``timeout`` seconds (it holds it only while
-    deleting it). On a read-only cache, or without a local cache, no lease is taken.
-    """
-    check_digest(digest)
-    local = local_files(store)
-    lease = None
-    if local is not None and locks_supported():
-        lease = _lease(local, digest)
-        try:
-            taken = lease.acquire(timeout, shared=True)
-        except OSError as exc:  # read-only cache: nobody can gc it either
-            log.debug("no reader lease on %s: %s", lease.path, exc)
-            lease = None
-        except LinkError as exc:  # a planted link: gc treats that lease as held, so this is safe
-            log.warning("no reader lease: %s", exc)
-            lease = None
-        else:
-            if not taken:
-                raise LockTimeoutError(f"could not take reader lease {lease.path} within {timeout:g} s: "
-                                       "a gc has held it that long; is a gc process stuck?")
-    try:
-        if not store.has(digest):
-            raise ArtifactGoneError(
-                f"artifact {digest[:12]} is no longer in {store.root} (removed "
-                "by gc or `spmd-aot rm`); look its key up again, or rebuild it")
-        yield
-    finally:
-        if lease is not None:
-            lease.release()
-
-
-def touch_used(store, key: str) -> None:
-    """Record that the artifact ``key`` was just loaded (gc evicts least recently used first)."""
-    local = local_files(store)
-    if local is None:
-        return
-    check_key(key)
-    try:
-        fd = local.tree.open((USED,), key, os.O_WRONLY | os.O_CREAT, create_dirs=True)
-        try:
-            os.utime(fd)
-        finally:
-            os.close(fd)
-    except (OSError, SpmdAotError) as exc:  # a read-only cache is never collected
-        log.debug("cannot record use of %s: %s", key, exc)
-
-
-def forget_used(store, key: str) -> None:
-    """Drop ``used/<key>`` (after its ref was removed); a regular file only."""
-    local = local_files(store)
-    if local is not None:
-        with contextlib.suppress(OSError, SpmdAotError):
-            local.tree.unlink((USED,), check_key(key))
-
-
-def last_used(store, key: str) -> float:
-    """When ``key`` was last loaded (``used/<key>``), else built or pulled (its ref); 0 if unknown."""
-    local = _require_local(store)
-    for parts in ((USED,), ("refs",)):
-        try:
-            st = local.tree.lstat(parts, key)
-        except (OSError, SpmdAotError):
-            continue
-        if st is not None and stat.S_ISREG(st.st_mode):
-            return st.st_mtime
-    return 0.0
 
 
 # ---------------------------------------------------------------------------- sizes and ages
@@ -219,7 +96,7 @@ def _blob_sizes(local: LocalStore) -> dict[str, tuple[int, float]]:
 
 def cache_size(store) -> int:
     """Bytes held by the blobs of a local cache (what ``--max-size`` bounds)."""
-    return sum(size for size, _ in _blob_sizes(_require_local(store)).values())
+    return sum(size for size, _ in _blob_sizes(require_local(store)).values())
 
 
 # ---------------------------------------------------------------------------- inventory
@@ -275,7 +152,7 @@ class _BuildLocks:
             if not name.endswith(".lock") or name in self.held:
                 continue
             lock = FileLock(self.local.tree, ("locks",), name)
-            if _try_exclusive(lock):
+            if try_exclusive(lock):
                 self.held[name] = lock
             else:
                 busy.add(name)  # held by a build (or unexaminable: a link): keep what builds need
@@ -316,7 +193,7 @@ def collect_garbage(store, *, max_size: int | None = None, max_age: float | None
     Evicting deletes the ref and (under an exclusive lease lock, skipped if a reader holds a
     lease) the manifest. With ``dry_run`` nothing is deleted and the report says what would be.
     """
-    local = _require_local(store)
+    local = require_local(store)
     if not locks_supported():  # pragma: no cover
         raise SpmdAotError("gc needs POSIX file locks (fcntl), which this platform lacks")
     now = time.time() if now is None else now
@@ -351,8 +228,8 @@ def _collect(local, builds, max_size, max_age, grace, dry_run, now) -> GcReport:
         shared = any(o.digest == a.digest for o in alive.values() if o.key != a.key)
         lease = None
         if not shared:  # another ref naming the same manifest keeps it: only this ref goes
-            lease = _lease(local, a.digest)
-            if not _try_exclusive(lease):
+            lease = lease_lock(local, a.digest)
+            if not try_exclusive(lease):
                 skipped.append(a.key)
                 return
         try:
@@ -432,8 +309,8 @@ def _sweep(local, builds, evicted_keys, gone, grace, dry_run, now) -> tuple[int,
         if building or now - mtime < grace or _touched(local, digest, mtime):
             kept += 1
             continue
-        lease = _lease(local, digest)
-        if not _try_exclusive(lease):  # a reader holds it: the manifest and its parts stay
+        lease = lease_lock(local, digest)
+        if not try_exclusive(lease):  # a reader holds it: the manifest and its parts stay
             kept += 1
             continue
         try:
@@ -499,8 +376,8 @@ def _tidy(local: LocalStore, dry_run: bool) -> None:
             digest = name[:-5]
             if not name.endswith(".lock") or not is_digest(digest) or local.has(digest):
                 continue
-            lease = _lease(local, digest)
-            if _try_exclusive(lease):
+            lease = lease_lock(local, digest)
+            if try_exclusive(lease):
                 try:
                     if not local.has(digest):
                         _unlink_quietly(local, (LEASES,), name)
