@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
-from . import fused_meta
+from . import data_dependent, fused_meta
 from .accumulation import Accumulation
 from .errors import UnsupportedError
 from .expand import Expander
@@ -160,6 +160,9 @@ def _trace_step(step, state, plan, mesh, inputs, transform_model, accumulation: 
     except UnsupportedError:
         raise
     except Exception as exc:
+        refusal = data_dependent.describe(exc, where.describe())
+        if refusal is not None:
+            raise UnsupportedError(refusal) from exc
         hint = ("; a step without an optimizer is forward-only: it is called step(model, batch) and "
                 "runs under torch.no_grad(), so it cannot call backward()") if forward_only else ""
         raise UnsupportedError(

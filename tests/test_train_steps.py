@@ -67,3 +67,25 @@ def test_accumulation_under_shard_regathers_resharded_groups_per_micro_batch(tmp
     # blocks.2 re-gathers for backward in each micro-batch; blocks.0's backward (the first layer)
     # needs no weight, so its one gather serves both forwards; the root stays gathered
     assert gathers == {"blocks.0": 1, "blocks.2": 2 * train_steps.MICRO, "root": 1}
+
+
+# ---------------------------------------------------------------------------- data-dependent code
+REFUSED = {  # step, model, what the message quotes, advice it gives
+    "grad_scaler": (train_steps.scaler_step, train_steps.mlp, "scaler.step(optim)", "GradScaler"),
+    "item": (train_steps.item_step, train_steps.mlp, "if loss.item() > 100.0:", "torch.where"),
+    "bool_tensor": (train_steps.bool_step, train_steps.mlp, "if torch.isfinite(loss):", "torch.where"),
+    "nonzero_in_module": (train_steps.plain_step, train_steps.Routed, ".nonzero()", "in module <root> (Routed)"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+@pytest.mark.parametrize("placement", ["replicate", "shard"])
+def test_data_dependent_code_is_refused_naming_the_users_line(tmp_path, case, placement):
+    """Not torch's `aten._local_scalar_dense`: the user's file, line and code, and what to do."""
+    step, model, quoted, advice = REFUSED[case]
+    job = spmd_aot.Job(step=step, model=model, optimizer=train_steps.sgd, batch=lambda: train_steps.class_batch(0, 0))
+    with pytest.raises(spmd_aot.UnsupportedError) as info:
+        spmd_aot.build(job, world_size=2, placement=placement, cache_dir=tmp_path)
+    message = str(info.value)
+    assert "train_steps.py:" in message and quoted in message and advice in message, message
+    assert "without host synchronisation" in message

@@ -149,3 +149,49 @@ def compiled_again(name, placement, rank, cache_dir):
     fn = spmd_aot.compile(step, placement=placement, cache_dir=cache_dir)
     fn(model, make_optim(model), class_batch(rank, 0))
     return fn.cache_info.hit
+
+
+# ---------------------------------------------------------------------------- data-dependent code
+def scaler_step(model, optim, batch):
+    """torch.amp.GradScaler: its skip decision reads found_inf on the host (``.item()``)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optim)
+    scaler.update()
+    optim.zero_grad()
+    return loss
+
+
+def item_step(model, optim, batch):
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    if loss.item() > 100.0:  # a host-side check
+        loss = loss * 0
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+class Routed(torch.nn.Module):
+    """Data-dependent code inside a module's forward (``nonzero``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        keep = (x[:, 0] > 0).nonzero().squeeze(-1)
+        return self.fc(x.index_select(0, keep))
+
+
+def bool_step(model, optim, batch):
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    if torch.isfinite(loss):  # bool(tensor)
+        loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
