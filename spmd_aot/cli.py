@@ -604,6 +604,10 @@ def _print_manifest(store, key: str, digest: str, m: dict) -> None:
         _say(f"peak memory:  {_human_bytes(stats['peak_bytes'])} of live tensors per rank, estimated from the "
               "graph (inputs, state and intermediates until their last use; tools/bench_memory.py "
               "measures eager FSDP2 the same way)")
+    if stats.get("micro_batches", 1) > 1:
+        _say(f"micro-batches: {stats['micro_batches']} backward() per optimizer step; gradients accumulate "
+             "locally (shard: unsharded, per group) and are reduced once, after the last; their memory is "
+             "in the peak above")
     _print_communication(stats.get("comm"))
     _say("blobs:")
     for name, d in blob_list(m, digest):

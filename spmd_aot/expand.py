@@ -42,6 +42,7 @@ class Expander:
         self.dtensor_leaves = plan.dtensor_leaves
         # made before tracing (meshes cannot be traced); the mesh itself when it is 1-D
         self.world_mesh = flat_mesh(plan) if mesh is not None else None
+        self.deferred = False  # gradient accumulation: no average in backward (accumulation.py)
 
     def wrap(self, local: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
         """A graph input (local storage) as the tensor the optimizer sees."""
@@ -71,6 +72,15 @@ class Expander:
         if not leaf.requires_grad:
             return local()
         dp_dims = len(layout.dp_mesh_dims)
+        if self.deferred and dp_dims == self.mesh.ndim:  # averaged once, at the sync point
+            return local()
+        if self.deferred and dp_dims:
+            from .errors import UnsupportedError
+
+            raise UnsupportedError(
+                "gradient accumulation (several backward() before one optimizer step) is not "
+                "supported with tensor parallel yet; call optim.step() after each backward()"
+            )
         if dp_dims == self.mesh.ndim:  # data parallel alone: one all_reduce over the world
             dt = DTensor.from_local(local(), self.world_mesh, [Replicate()], run_check=False)
             return dt.to_local(grad_placements=[Partial("avg")])

@@ -118,6 +118,8 @@ class GroupGather:
         self.registry: dict = {}  # storage id -> (group, parameter index), shared by a step's groups
         self._backward: list[torch.Tensor] | None = None
         self._storages: list = []
+        self.accumulation = None  # gradient accumulation (accumulation.py): reduce at sync points only
+        self._pending: list[torch.Tensor | None] | None = None  # unsharded gradients accumulated
 
     def comm(self, phase: str) -> dict:
         return {"label": self.group.label, "params": list(self.group.fqns), "phase": phase}
@@ -155,8 +157,15 @@ class GroupGather:
     def reduce(self, grads, needed) -> list[torch.Tensor | None]:
         """One reduce_scatter (avg) of every gradient present; None where there is none."""
         c10d = torch.ops._c10d_functional
-        present = [i for i, (g, need) in enumerate(zip(grads, needed)) if g is not None and need]
         out: list[torch.Tensor | None] = [None] * len(grads)
+        if self.accumulation is not None and self.accumulation.deferred:
+            pending = self._pending or [None] * len(grads)
+            grads = [p if g is None else g if p is None else p + g for p, g in zip(pending, grads)]
+            if not self.accumulation.syncing:  # kept unsharded until the sync point's backward
+                self._pending = grads
+                return out
+            self._pending = None
+        present = [i for i, (g, need) in enumerate(zip(grads, needed)) if g is not None and need]
         if not present:
             return out
         pieces = []

@@ -80,6 +80,8 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     traced.gm = gm
     stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm, traced.gradient_collectives),
              "peak_bytes": graph_peak_bytes(gm)}
+    if traced.micro_batches > 1:  # only then: entries without accumulation keep the stats they had
+        stats["micro_batches"] = traced.micro_batches
     _check_collectives(stats, slots, plan, traced.groups, traced.axis_budget, state.forward_only)
     opted = extra_ops(_op_names(gm))
     if opted:  # only when there are: entries without an opt-in keep the stats they always had

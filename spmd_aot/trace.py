@@ -24,7 +24,8 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
-from . import fused_meta
+from . import data_dependent, fused_meta
+from .accumulation import Accumulation
 from .errors import UnsupportedError
 from .expand import Expander
 from .groups import GroupGather, ParamGroup, assign_groups, resharding
@@ -45,6 +46,7 @@ class TracedStep:
     gradient_collectives: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> param FQN
     groups: list[ParamGroup] = dataclasses.field(default_factory=list)  # shard communication groups
     axis_budget: dict[str, int] = dataclasses.field(default_factory=dict)  # collectives the axes' calls may add
+    micro_batches: int = 1  # backward() calls accumulated before one optimizer step
 
 
 def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list[torch.Tensor],
@@ -53,10 +55,31 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
     (``state.optim is None``); ``inputs`` (real or fake) follow ``state.slots()``.
 
     ``transform_model`` is a context manager factory applied around the step while tracing
-    (module overrides swap submodules there).
+    (module overrides swap submodules there). A step that accumulates gradients (several
+    ``backward()`` before a step) is traced a second time with its reductions deferred to the
+    last backward before each step (``accumulation.py``).
     """
+    recorded = Accumulation()
+    traced = _trace_step(step, state, plan, mesh, inputs, transform_model, recorded)
+    points = recorded.sync_points() if plan.world_size > 1 and mesh is not None else None
+    if points is None:
+        return traced
+    deferred = Accumulation(points)
+    traced = _trace_step(step, state, plan, mesh, inputs, transform_model, deferred)
+    traced.micro_batches = recorded.micro_batches
+    # a resharded group is gathered in each micro-batch's forward and backward (as FSDP2)
+    extra = 2 * (traced.micro_batches - 1) * sum(1 for g in traced.groups if g.reshard)
+    if extra:
+        traced.axis_budget = dict(traced.axis_budget)
+        kind = "all_gather_into_tensor"
+        traced.axis_budget[kind] = traced.axis_budget.get(kind, 0) + extra
+    return traced
+
+
+def _trace_step(step, state, plan, mesh, inputs, transform_model, accumulation: Accumulation) -> TracedStep:
     slots = state.slots()
     expander = Expander(plan, mesh)
+    expander.deferred = accumulation.deferred
     opt_slots = state.optimizer_slots()
     hyper_groups = state.hyper_groups()
     by_kind: dict[str, list[int]] = {}
@@ -75,9 +98,13 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
         take = lambda kind: [flat[i] for i in by_kind.get(kind, [])]  # noqa: E731
         leaves = [expander.leaf(x, s.layout, s.requires_grad and not forward_only)
                   for x, s in zip(take("param"), param_slots)]
+        layout_of = {id(leaf): s.layout for leaf, s in zip(leaves, param_slots)}
         for (names, _), leaf in zip(state.params, leaves):
             if leaf.requires_grad:
-                leaf.register_hook(functools.partial(_note_gradient_collectives, names[0], gradient_collectives))
+                note = functools.partial(_note_gradient_collectives, names[0], gradient_collectives)
+                leaf.register_hook(note)
+                if accumulation.deferred and not layout_of[id(leaf)].sharded:
+                    accumulation.reduce_at_sync(leaf, expander.world_mesh.get_group().group_name, note)
         buffers = take("buffer")
         if plan.world_size > 1 and mesh is not None:
             buffers = axes.traced_buffers(plan, buffers, mesh)
@@ -100,12 +127,14 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
         gathers = [GroupGather(g, [leaves[slot_of[f]] for f in g.fqns], [param_slots[slot_of[f]].layout
                                                                            for f in g.fqns], mesh)
                    for g in groups]
+        for gather in gathers:
+            gather.accumulation = accumulation
         computes = _ComputeOnAccess(leaves, [s.layout for s in param_slots], expander, gathers)
         optimizer = contextlib.nullcontext() if forward_only else \
-            _optimizer_swapped(state.optim, by_real, traced_state, lrs)
+            _optimizer_swapped(state.optim, by_real, traced_state, lrs, accumulation)
         with (transform_model() if transform_model else contextlib.nullcontext()), \
                 stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
-                optimizer, where.tracking(state.model), axis_contexts:
+                optimizer, where.tracking(state.model), axis_contexts, accumulation.recording():
             result = step(state.model, batch) if forward_only else step(state.model, state.optim, batch)
         stale = [names[0] for (names, _), leaf in zip(state.params, leaves) if leaf.grad is not None]
         if stale:
@@ -132,6 +161,9 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
     except UnsupportedError:
         raise
     except Exception as exc:
+        refusal = data_dependent.describe(exc, where.describe())
+        if refusal is not None:
+            raise UnsupportedError(refusal) from exc
         hint = ("; a step without an optimizer is forward-only: it is called step(model, batch) and "
                 "runs under torch.no_grad(), so it cannot call backward()") if forward_only else ""
         raise UnsupportedError(
@@ -149,6 +181,8 @@ def _note_gradient_collectives(fqn: str, found: dict[str, str], grad) -> None:
 
     mode = get_proxy_mode()
     local = getattr(grad, "_local_tensor", grad)
+    if not isinstance(local, torch.Tensor):  # no local gradient (an accumulating micro-batch)
+        return
     slot = get_proxy_slot(local, mode.tracer, None) if mode is not None else None
     node = getattr(getattr(slot, "proxy", None), "node", None)
     while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args:
@@ -309,7 +343,7 @@ def _default_implementation(optim, group: dict) -> str | None:
 
 
 @contextlib.contextmanager
-def _optimizer_swapped(optim, by_real: dict, traced_state, lrs: dict):
+def _optimizer_swapped(optim, by_real: dict, traced_state, lrs: dict, accumulation=None):
     """Point the optimizer at the traced leaves and take its compile-friendly path.
 
     With ``torch.compiler.is_compiling()`` true and ``capturable=True`` the built-in optimizers
@@ -322,6 +356,8 @@ def _optimizer_swapped(optim, by_real: dict, traced_state, lrs: dict):
     original_step = optim.step
 
     def compile_path_step(*args, **kwargs):
+        if accumulation is not None:
+            accumulation.note_step()
         # Where the user left the implementation to torch (foreach=None, fused=None), take the
         # fastest one torch has for the group, judged on the traced leaves and their state.
         default_impl = [_default_implementation(optim, g) for g in optim.param_groups]

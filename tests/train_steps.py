@@ -1,0 +1,197 @@
+"""Train steps as users write them (issue 21), run eagerly (DDP / FSDP2) and compiled on real
+gloo ranks: gradient accumulation, several optimizers, module copies, loss scaling."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+import spmd_aot
+from spmd_aot.examples.models import MLP
+
+MICRO = 2  # micro-batches per optimizer step
+
+
+def gradient_sync(model, enabled: bool):
+    """What an eager user writes around a micro-batch's backward: DDP's ``no_sync``, FSDP2's
+    ``set_requires_gradient_sync``; nothing on a plain module (the compiled step)."""
+    if hasattr(model, "no_sync"):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
+
+
+def accumulation_step(model, optim, batch):
+    """HF Trainer's gradient_accumulation_steps: loss / n, backward per micro-batch, one step."""
+    x, y = batch
+    total = 0.0
+    for i, (xs, ys) in enumerate(zip(x.chunk(MICRO), y.chunk(MICRO))):
+        with gradient_sync(model, i == MICRO - 1):
+            loss = F.cross_entropy(model(xs), ys) / MICRO
+            loss.backward()
+        total = total + loss.detach()
+    optim.step()
+    optim.zero_grad()
+    return total
+
+
+def plain_step(model, optim, batch):
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def class_batch(rank, step, n=8, d=12, classes=5):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(n, d, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def mlp():
+    return MLP(12, 24, 5)
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+# name -> (model factory, optimizer factory, step)
+JOBS = {
+    "accumulation_sgd": (mlp, sgd, accumulation_step),
+    "accumulation_adamw": (mlp, adamw, accumulation_step),
+}
+PLACEMENTS = {"replicate": "ddp", "shard": "fsdp2"}
+
+
+def _eager_model(model, placement, world):
+    if PLACEMENTS[placement] == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    return model
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _leaves(x):
+    if isinstance(x, torch.optim.Optimizer):
+        return [x]
+    if isinstance(x, dict):
+        return [o for v in x.values() for o in _leaves(v)]
+    if isinstance(x, (list, tuple)):
+        return [o for v in x for o in _leaves(v)]
+    return []
+
+
+def run(name, placement, rank, world, steps, cache_dir):
+    """Eager and compiled, same seeds and batches: the largest differences and the step."""
+    make_model, make_optim, step = JOBS[name]
+    torch.manual_seed(0)
+    ref_model = make_model()
+    wrapped = _eager_model(ref_model, placement, world)
+    ref_optim = make_optim(ref_model)
+    ref_losses = [step(wrapped, ref_optim, class_batch(rank, s)) for s in range(steps)]
+    torch.manual_seed(0)
+    model = make_model()
+    optim = make_optim(model)
+    fn = spmd_aot.compile(step, placement=placement, cache_dir=cache_dir)
+    losses = [fn(model, optim, class_batch(rank, s)) for s in range(steps)]
+    diffs = {"param": max((full(a).float() - full(b).float()).abs().max().item()
+                          for a, b in zip(ref_model.state_dict().values(), model.state_dict().values())),
+             "loss": max(float((full(a) - full(b)).abs().max()) for a, b in zip(ref_losses, losses))}
+    state = []
+    for o1, o2 in zip(_leaves(ref_optim), _leaves(optim)):
+        s1, s2 = o1.state_dict()["state"], o2.state_dict()["state"]
+        state += [(full(s1[i][k]).float() - full(s2[i][k]).float()).abs().max().item()
+                  for i in s1 for k in s1[i] if isinstance(s1[i][k], torch.Tensor)]
+    diffs["state"] = max(state or [0.0])
+    return diffs, fn
+
+
+class Blocks(torch.nn.Module):
+    """Two blocks (two resharded shard groups) and a root head."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24))
+        self.head = torch.nn.Linear(24, 5)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def job(name, model=None):
+    make_model, make_optim, step = JOBS[name]
+    return spmd_aot.Job(step=step, model=model or make_model, optimizer=make_optim,
+                        batch=lambda: class_batch(0, 0))
+
+
+def compiled_again(name, placement, rank, cache_dir):
+    """A fresh process's view: new objects, the same cache; returns whether it hit."""
+    make_model, make_optim, step = JOBS[name]
+    torch.manual_seed(0)
+    model = make_model()
+    fn = spmd_aot.compile(step, placement=placement, cache_dir=cache_dir)
+    fn(model, make_optim(model), class_batch(rank, 0))
+    return fn.cache_info.hit
+
+
+# ---------------------------------------------------------------------------- data-dependent code
+def scaler_step(model, optim, batch):
+    """torch.amp.GradScaler: its skip decision reads found_inf on the host (``.item()``)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optim)
+    scaler.update()
+    optim.zero_grad()
+    return loss
+
+
+def item_step(model, optim, batch):
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    if loss.item() > 100.0:  # a host-side check
+        loss = loss * 0
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+class Routed(torch.nn.Module):
+    """Data-dependent code inside a module's forward (``nonzero``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        keep = (x[:, 0] > 0).nonzero().squeeze(-1)
+        return self.fc(x.index_select(0, keep))
+
+
+def bool_step(model, optim, batch):
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    if torch.isfinite(loss):  # bool(tensor)
+        loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
