@@ -141,7 +141,8 @@ def _version() -> str:
     return f"spmd-aot {mine} (torch {torch.__version__})"
 
 
-def _parser() -> argparse.ArgumentParser:
+def _common() -> argparse.ArgumentParser:
+    """The options every command takes: where the cache is, how much to log, what to trust."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--cache-dir", metavar="DIR", default=None,
                         help="cache directory (default: $SPMD_AOT_CACHE_DIR, else "
@@ -155,6 +156,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="also allow operator overload OP ('namespace::op.overload') beyond the op "
                              "allowlist, in builds and loads (repeatable; as $SPMD_AOT_ALLOW_OPS); every job "
                              "loading such an entry must opt in too")
+    return common
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = _common()
     parser = argparse.ArgumentParser(
         prog="spmd-aot",
         description="Ahead-of-time compile-and-cache for distributed PyTorch train steps.",
@@ -163,8 +169,15 @@ def _parser() -> argparse.ArgumentParser:
                "130 interrupted; 141 stdout closed early.")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # in the order `spmd-aot --help` lists them
+    for add in (_build_command, _inspect_commands, _explain_command, _copy_commands, _maintenance_commands,
+                _bundle_commands):
+        add(sub, common)
+    return parser
 
 
+def _build_command(sub, common) -> None:
+    """``build``: trace configurations into the cache."""
     p = sub.add_parser("build", parents=[common], help="trace a job for some configurations into the cache",
                        description="Build TARGET for every WORLD_SIZE x PLACEMENT; already cached "
                                    "configurations are skipped.")
@@ -179,6 +192,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_shard_options(p)
     p.set_defaults(func=cmd_build)
 
+
+def _inspect_commands(sub, common) -> None:
+    """``ls``, ``show``, ``verify``, ``ops``: read the cache, change nothing."""
     p = sub.add_parser("ls", parents=[common], help="list the cached artifacts")
     p.set_defaults(func=cmd_ls)
 
@@ -194,6 +210,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ops", parents=[common], help="list the operator overloads a stored graph may call (the op allowlist)")
     p.set_defaults(func=cmd_ops)
 
+
+def _explain_command(sub, common) -> None:
+    """``explain``: a job's key looked up without tracing."""
     p = sub.add_parser("explain", parents=[common],
                        help="say whether a job's configuration is cached, and if not, why not",
                        description="Compute TARGET's cache key for one configuration WITHOUT tracing "
@@ -210,6 +229,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_shard_options(p)
     p.set_defaults(func=cmd_explain)
 
+
+def _copy_commands(sub, common) -> None:
+    """``push``, ``pull``: artifacts to and from object storage or another cache."""
     remote_help = ("s3://bucket/prefix (endpoint from $SPMD_AOT_S3_ENDPOINT, else $AWS_ENDPOINT_URL, "
                    "else AWS; credentials as boto3 finds them), or another cache directory")
     p = sub.add_parser("push", parents=[common], help="copy artifacts from the cache to object storage",
@@ -231,6 +253,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--from", required=True, metavar="URL", dest="remote", help=remote_help)
     p.set_defaults(func=cmd_pull)
 
+
+def _maintenance_commands(sub, common) -> None:
+    """``rm``, ``gc``: remove refs, free blobs."""
     p = sub.add_parser("rm", parents=[common], help="remove artifacts' refs (gc then frees their blobs)",
                        description="Remove each REF from the cache. Its blobs become unreferenced and "
                                    "`spmd-aot gc` deletes them (unless a job is loading them right now).")
@@ -254,6 +279,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--dry-run", action="store_true", help="only report what would be deleted")
     p.set_defaults(func=cmd_gc)
 
+
+def _bundle_commands(sub, common) -> None:
+    """``export``, ``import``: artifacts as one tar file."""
     p = sub.add_parser("export", parents=[common], help="write artifacts to a bundle (tar) file",
                        description="Write each REF with its manifest and part blobs, plus an index, to "
                                    "the tar file -o (.tar.gz/.tgz/.tar.xz are compressed). `spmd-aot "
@@ -270,7 +298,6 @@ def _parser() -> argparse.ArgumentParser:
                                    "bundle failing any check is refused as a whole.")
     p.add_argument("bundle", metavar="FILE", help="bundle file to read")
     p.set_defaults(func=cmd_import)
-    return parser
 
 
 def _size(text: str) -> int:

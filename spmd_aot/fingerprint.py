@@ -281,16 +281,30 @@ class Fingerprinter:
         return {"tensor": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
                 "device": t.device.type, "requires_grad": bool(t.requires_grad)}
 
+    def _module(self, v: torch.nn.Module, path: str, depth: int) -> dict:
+        """A module outside the model (one the step or a config holds) is described whole."""
+        if id(v) in self.model_modules:
+            return {"module": self.model_modules[id(v)]}
+        return {"nn.Module": self.of(type(v), f"{path}.<class>", depth),
+                "training": v.training, "attrs": self.module_attributes(v, path),
+                "parameters": {k: self.of(p, f"{path}.{k}", depth) for k, p in v._parameters.items()},
+                "buffers": {k: self.of(b, f"{path}.{k}", depth) for k, b in v._buffers.items()},
+                "children": {k: self.of(c, f"{path}.{k}", depth) for k, c in v._modules.items()},
+                "hooks": self.hooks(v, path)}
+
+    def _mapping(self, v: dict, path: str, depth: int) -> dict:
+        """A dict, in insertion order (order can change a trace); a subclass names its type."""
+        out = {"dict": [[self.of(k, f"{path}.<key>", depth), self.of(x, f"{path}[{k!r}]", depth)]
+                        for k, x in v.items()]}
+        if type(v) is not dict:
+            out["type"] = type(v).__qualname__
+            if getattr(v, "default_factory", None) is not None:
+                out["default_factory"] = self.of(v.default_factory, f"{path}.default_factory", depth)
+        return out
+
     def _compound(self, v, path: str, depth: int):
         if isinstance(v, torch.nn.Module):
-            if id(v) in self.model_modules:
-                return {"module": self.model_modules[id(v)]}
-            return {"nn.Module": self.of(type(v), f"{path}.<class>", depth),
-                    "training": v.training, "attrs": self.module_attributes(v, path),
-                    "parameters": {k: self.of(p, f"{path}.{k}", depth) for k, p in v._parameters.items()},
-                    "buffers": {k: self.of(b, f"{path}.{k}", depth) for k, b in v._buffers.items()},
-                    "children": {k: self.of(c, f"{path}.{k}", depth) for k, c in v._modules.items()},
-                    "hooks": self.hooks(v, path)}
+            return self._module(v, path, depth)
         if isinstance(v, (list, tuple)):
             items = [self.of(x, f"{path}[{i}]", depth) for i, x in enumerate(v)]
             if type(v) in (list, tuple):
@@ -298,14 +312,7 @@ class Fingerprinter:
             return {"sequence": type(v).__qualname__, "items": items,
                     "attrs": self._instance_state(v, path, depth)}
         if isinstance(v, dict):
-            items = [[self.of(k, f"{path}.<key>", depth), self.of(x, f"{path}[{k!r}]", depth)]
-                     for k, x in v.items()]
-            out = {"dict": items}
-            if type(v) is not dict:
-                out["type"] = type(v).__qualname__
-                if getattr(v, "default_factory", None) is not None:
-                    out["default_factory"] = self.of(v.default_factory, f"{path}.default_factory", depth)
-            return out
+            return self._mapping(v, path, depth)
         if isinstance(v, (set, frozenset)):
             import json
 
