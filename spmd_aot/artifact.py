@@ -66,13 +66,17 @@ class Artifact:
         to live groups and device."""
         from .program import Program
 
-        return Program(self.check(groups, device), self._constants_on(device))
+        return Program(self.check(groups, device, remember=True), self._constants_on(device))
 
-    def check(self, groups: list[str] | None = None, device: torch.device | None = None) -> list:
+    def check(self, groups: list[str] | None = None, device: torch.device | None = None,
+              remember: bool = False) -> list:
         """Every check a load runs, without running anything: decode the graph against the op
         allowlist and the load limits, then run it on meta tensors shaped by the layout
         (``validate.check_graph``). Returns the decoded nodes. ``groups`` defaults to
-        placeholders (one per mesh dimension), for checking without live process groups."""
+        placeholders (one per mesh dimension), for checking without live process groups.
+        ``remember`` (loads, not ``verify``): skip the meta run for an artifact this checker
+        passed before, and record a pass (``verified.py``: a per-user record outside the cache)."""
+        from . import verified
         from .validate import check_graph
 
         if groups is None:
@@ -81,7 +85,10 @@ class Artifact:
         # cyclic GC on, its generation-2 sweeps over a job's large heap doubled the load time.
         with _gc_paused(), numpy_lookups_skipped():
             nodes = decode_graph(self.graph, groups=groups, device=device or torch.device("cpu"))
-            check_graph(nodes, self.constants, self.slots)
+            if not (remember and verified.known(self.digest)):
+                check_graph(nodes, self.constants, self.slots)
+                if remember:
+                    verified.remember(self.digest)
         return nodes
 
     def graph_module(self, groups: list[str], device: torch.device) -> torch.fx.GraphModule:
