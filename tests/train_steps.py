@@ -64,10 +64,41 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+# ---------------------------------------------------------------------------- several optimizers
+def matrices_and_vectors(model):
+    """As Muon + AdamW recipes split them: matrices with one optimizer, vectors with another,
+    each with its own hyperparameters and learning rate."""
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    return [torch.optim.SGD(matrices, lr=0.05, momentum=0.9, nesterov=True),
+            torch.optim.AdamW(vectors, lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)]
+
+
+def optimizer_dict(model):
+    """A dict of optimizers; the AdamW has two param groups with different learning rates."""
+    named = dict(model.named_parameters())
+    first = [p for n, p in named.items() if n.startswith("fc1")]
+    rest = [p for n, p in named.items() if not n.startswith("fc1")]
+    return {"adamw": torch.optim.AdamW([{"params": first[:1]}, {"params": first[1:], "lr": 3e-3}], lr=1e-2),
+            "sgd": torch.optim.SGD(rest, lr=0.1)}
+
+
+def several_optimizers_step(model, optims, batch):
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    for o in (optims.values() if isinstance(optims, dict) else optims):
+        o.step()
+        o.zero_grad()
+    return loss
+
+
 # name -> (model factory, optimizer factory, step)
 JOBS = {
     "accumulation_sgd": (mlp, sgd, accumulation_step),
     "accumulation_adamw": (mlp, adamw, accumulation_step),
+    "optimizer_list": (mlp, matrices_and_vectors, several_optimizers_step),
+    "optimizer_dict": (mlp, optimizer_dict, several_optimizers_step),
 }
 PLACEMENTS = {"replicate": "ddp", "shard": "fsdp2"}
 
