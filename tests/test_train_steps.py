@@ -135,3 +135,26 @@ def test_several_optimizers_key_holds_the_container(tmp_path):
     with pytest.raises(spmd_aot.UnsupportedError, match="must hold torch.optim.Optimizer"):
         spmd_aot.build(job(lambda m: [torch.optim.SGD(m.parameters(), lr=0.1), "adamw"]),
                        world_size=2, cache_dir=tmp_path)
+
+
+# ---------------------------------------------------------------------------- module copies
+@pytest.mark.parametrize("placement", ["replicate", "shard"])
+def test_ema_copy_made_by_deepcopy_in_the_factory_builds(tmp_path, placement):
+    """The deep-copied fake parameters share the factory's FakeTensorMode (they used to get a
+    second one: "fake mode ... doesn't match mode"); under shard the copy is sharded and
+    updated shard by shard: no collective beyond the plain step's."""
+    built = spmd_aot.build(train_steps.job("ema_copy"), world_size=2, placement=placement, cache_dir=tmp_path)
+    plain = spmd_aot.build(spmd_aot.Job(step=train_steps.plain_step, model=train_steps.mlp,
+                                        optimizer=train_steps.adamw, batch=lambda: train_steps.class_batch(0, 0)),
+                           world_size=2, placement=placement, cache_dir=tmp_path)
+    assert built.stats["by_kind"] == plain.stats["by_kind"]
+
+
+def test_reading_a_sharded_parameter_after_its_in_place_update_is_refused(tmp_path):
+    """Under shard the group was gathered before the update: the forward would read old
+    values silently, so it is refused saying what to do; replicate reads the leaf and builds."""
+    job = spmd_aot.Job(step=train_steps.ema_read_after_update_step, model=train_steps.WithEMA,
+                       optimizer=train_steps.ema_adamw, batch=lambda: train_steps.class_batch(0, 0))
+    spmd_aot.build(job, world_size=2, placement="replicate", cache_dir=tmp_path)
+    with pytest.raises(spmd_aot.UnsupportedError, match="updated in place in the same step"):
+        spmd_aot.build(job, world_size=2, placement="shard", cache_dir=tmp_path)

@@ -7,6 +7,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 import spmd_aot
 from spmd_aot.examples.models import MLP
@@ -111,7 +112,10 @@ def _eager_model(model, placement, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    mesh = init_device_mesh("cpu", (world,))
+    if hasattr(model, "ema"):  # FSDP2 users shard the EMA copy as its own unit, like the model
+        fully_shard(model.ema, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -144,7 +148,8 @@ def run(name, placement, rank, world, steps, cache_dir):
     losses = [fn(model, optim, class_batch(rank, s)) for s in range(steps)]
     diffs = {"param": max((full(a).float() - full(b).float()).abs().max().item()
                           for a, b in zip(ref_model.state_dict().values(), model.state_dict().values())),
-             "loss": max(float((full(a) - full(b)).abs().max()) for a, b in zip(ref_losses, losses))}
+             "loss": max(float((full(a) - full(b)).abs().max()) for a, b in
+                         zip(pytree.tree_leaves(ref_losses), pytree.tree_leaves(losses)))}
     state = []
     for o1, o2 in zip(_leaves(ref_optim), _leaves(optim)):
         s1, s2 = o1.state_dict()["state"], o2.state_dict()["state"]
@@ -226,3 +231,57 @@ def bool_step(model, optim, batch):
     optim.step()
     optim.zero_grad()
     return loss
+
+
+# ---------------------------------------------------------------------------- module copies
+class WithEMA(torch.nn.Module):
+    """A model and its EMA copy, made with ``copy.deepcopy`` in the factory (frozen)."""
+
+    def __init__(self):
+        super().__init__()
+        import copy
+
+        self.net = mlp()
+        self.ema = copy.deepcopy(self.net).requires_grad_(False)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def ema_step(model, optim, batch):
+    """The EMA's loss as a metric (before its update), then its update under no_grad after
+    the optimizer step."""
+    inner = getattr(model, "module", model)  # eager DDP wraps the module
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    with torch.no_grad():
+        ema_loss = F.cross_entropy(inner.ema(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    with torch.no_grad():
+        for e, p in zip(inner.ema.parameters(), inner.net.parameters()):
+            e.mul_(0.99).add_(p, alpha=0.01)
+    return {"loss": loss, "ema_loss": ema_loss}
+
+
+def ema_read_after_update_step(model, optim, batch):
+    """The EMA's forward after its update in the same step."""
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    with torch.no_grad():
+        for e, p in zip(model.ema.parameters(), model.net.parameters()):
+            e.mul_(0.99).add_(p, alpha=0.01)
+        return {"loss": loss, "ema_loss": F.cross_entropy(model.ema(x), y)}
+
+
+
+
+def ema_adamw(model):
+    return torch.optim.AdamW(getattr(model, "net", model).parameters(), lr=1e-2)
+
+
+JOBS["ema_copy"] = (WithEMA, ema_adamw, ema_step)
