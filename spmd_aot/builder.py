@@ -25,6 +25,7 @@ from .key import CacheKey, compute_key
 from .pipeline import Transforms, trace_and_store
 from .plan import Plan
 from .schema import Schema
+from .optimizers import as_optimizer
 from .state import TrainState, initialize_optimizer_state
 from .store import open_store
 from .mesh import device_mesh, fake_world
@@ -138,7 +139,7 @@ def _fake_state(job: Job, plan: Plan, fake_mode: FakeTensorMode) -> TrainState:
         if device != "cpu":
             model = model.to(device)
             batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
-        optim = job.optimizer(model) if job.optimizer is not None else None
+        optim = as_optimizer(job.optimizer(model)) if job.optimizer is not None else None
         if job.global_batch or job.batch_placements is not None:
             batch = local_batch(batch, plan.dp_size, job.batch_placements)  # TP ranks of one share see the same batch
         if optim is not None:

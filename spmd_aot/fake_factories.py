@@ -19,6 +19,13 @@ with zero (``False``, ``0``, ``0.0``: a rejection loop then ends). This is safe 
 parameter values are never part of the graph, and whatever structure a factory builds is in the
 key, which the job computes again from its real model, so a factory that branched differently
 on real values misses; it never loads a wrong graph. Tracing the step keeps the strict rule.
+
+**Copying a module** (``copy.deepcopy(model)`` for an EMA, teacher or frozen reference). A
+fake tensor's deepcopy clones it (in the active mode) and then deep-copies its ``__dict__``,
+which holds its ``fake_mode``: the copy's parameters belonged to a *second* ``FakeTensorMode``,
+and tracing failed with "fake mode ... from fake tensor input 0 doesn't match mode". While
+``shared_fake_mode()`` is active a ``FakeTensorMode`` deep-copies to itself (a mode is the
+context tensors live in, not data), so the copy's parameters are fakes of the factory's mode.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import weakref
 import torch
 import torch.utils._python_dispatch
 
-__all__ = ["fake_factories", "convertible_fakes", "valueless_scalars"]
+__all__ = ["fake_factories", "convertible_fakes", "valueless_scalars", "shared_fake_mode"]
 
 
 def _forget_weak_entries(t: torch.Tensor) -> None:
@@ -80,7 +87,24 @@ class valueless_scalars(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @contextlib.contextmanager
+def shared_fake_mode():
+    """Within it, deep-copying a fake tensor keeps its ``FakeTensorMode`` (module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    had = "__deepcopy__" in FakeTensorMode.__dict__
+    saved = FakeTensorMode.__dict__.get("__deepcopy__")
+    FakeTensorMode.__deepcopy__ = lambda self, memo: self
+    try:
+        yield
+    finally:
+        if had:
+            FakeTensorMode.__deepcopy__ = saved
+        else:
+            del FakeTensorMode.__deepcopy__
+
+
+@contextlib.contextmanager
 def fake_factories(fake_mode):
-    """Run factories under ``fake_mode`` with both allowances above."""
-    with fake_mode, convertible_fakes(), valueless_scalars():
+    """Run factories under ``fake_mode`` with the allowances above."""
+    with fake_mode, convertible_fakes(), valueless_scalars(), shared_fake_mode():
         yield

@@ -126,7 +126,18 @@ class GroupGather:
 
     def compute(self, leaf: torch.Tensor) -> torch.Tensor:
         """The compute tensor of ``leaf``; the first access gathers the whole group."""
+        if self._forward is not None and [lf._version for lf in self.leaves] != self._versions:
+            from .errors import UnsupportedError
+
+            raise UnsupportedError(
+                f"a parameter of shard group {self.group.label!r} is read by a module's forward after it "
+                "was updated in place in the same step (an EMA copy's forward after its no_grad update, or "
+                "the model's after optim.step()); under shard the group was gathered before the update, so "
+                "the forward would read the old values. Run that forward before the update (the next step "
+                "sees the updated values), or use placement='replicate'"
+            )
         if self._forward is None:
+            self._versions = [lf._version for lf in self.leaves]
             if self._shards is None:
                 # the local shard of each leaf; its gradient returns to the leaf as Shard(0)
                 self._shards = [lf.to_local(grad_placements=lf.placements) for lf in self.leaves]

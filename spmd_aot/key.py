@@ -218,11 +218,16 @@ def optimizer(*, state, tensors, inputs, **_) -> dict | None:
         hyper["params"] = [state.param_fqn[id(p)] for p in g["params"]]
         groups.append(hyper)
     fp = Fingerprinter(tensors, inputs=inputs)
-    hooks = [[fp.of(h, f"optimizer.<{kind} hook {i}>") for i, h in enumerate(table.values())]
-             for kind, table in (("step_pre", optim._optimizer_step_pre_hooks),
-                                 ("step_post", optim._optimizer_step_post_hooks))]
-    out = {"class": fp.of(type(optim), "<optimizer class>"), "groups": groups,
+    each = getattr(optim, "members", [optim])  # several optimizers: each one's class and hooks
+    hooks = [[fp.of(h, f"optimizer.<{kind} hook {i}>") for m in each for i, h in enumerate(table(m).values())]
+             for kind, table in (("step_pre", lambda m: m._optimizer_step_pre_hooks),
+                                 ("step_post", lambda m: m._optimizer_step_post_hooks))]
+    classes = [fp.of(type(m), "<optimizer class>") for m in each]
+    out = {"class": classes[0] if len(classes) == 1 and each[0] is optim else classes, "groups": groups,
            "state": state.optimizer_state_structure()}
+    if each[0] is not optim:
+        out["container"] = optim.structure
+        out["group_counts"] = [len(m.param_groups) for m in each]
     if any(hooks):
         out["hooks"] = hooks
     return out

@@ -36,6 +36,7 @@ from .lookup import find_entry
 from .parallel import axes
 from .pipeline import Transforms, UnstoredTrace, trace_and_store, trace_to_blobs
 from .schema import Schema
+from .optimizers import as_optimizer
 from .state import TrainState, initialize_optimizer_state
 from .store import open_store
 from .store.fsafe import LinkError
@@ -123,6 +124,9 @@ class CompiledStep:
             raise TypeError(f"{_name(self.fn)}: call a compiled step as step(model, optim, batch), or "
                             f"step(model, batch) when it is forward-only; got {1 + len(args)} arguments")
         bound = self._bound
+        if isinstance(optim, (list, tuple, dict)):  # several optimizers: one OptimizerSet per container
+            optim = bound.state.optim if bound is not None and getattr(bound.state.optim, "holds", bool)(optim) \
+                else as_optimizer(optim)
         leaves, spec = pytree.tree_flatten(batch)
         if bound is None or not bound.fits(model, optim, leaves, spec):
             with opted_in(self.allow_ops):

@@ -84,12 +84,13 @@ def shard_model_and_optimizer(model: torch.nn.Module, optim: torch.optim.Optimiz
         _REPLACED_BY[p] = new
     if optim is None:
         return
-    for group in optim.param_groups:
-        news = [_REPLACED_BY.get(p, p) for p in group["params"]]
-        for old, new in zip(group["params"], news):
-            if new is not old and old in optim.state:
-                optim.state[new] = optim.state.pop(old)
-        group["params"] = news
+    for owner in getattr(optim, "members", [optim]):  # several optimizers: each keeps its own state
+        for group in owner.param_groups:
+            news = [_REPLACED_BY.get(p, p) for p in group["params"]]
+            for old, new in zip(group["params"], news):
+                if new is not old and old in owner.state:
+                    owner.state[new] = owner.state.pop(old)
+            group["params"] = news
     ensure_sharded_state(optim)
 
 

@@ -218,6 +218,10 @@ def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) ->
     optimizers in ``_ZERO_INIT_OPTIMIZERS``. Parameters that already have state keep it.
     ``make_zeros(param, shape, dtype, device)`` lets sharded parameters get sharded state.
     """
+    if hasattr(optim, "members"):  # several optimizers (optimizers.OptimizerSet): each its own
+        for member in optim.members:
+            initialize_optimizer_state(member, make_zeros)
+        return
     make_zeros = make_zeros or (lambda p, shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
     missing = [p for g in optim.param_groups for p in g["params"] if not optim.state.get(p)]
     if not missing:

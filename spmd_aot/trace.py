@@ -32,6 +32,7 @@ from .groups import GroupGather, ParamGroup, assign_groups, resharding
 from .parallel import axes
 from .passes.ops import GRADIENT_PATH_VIEWS, is_wait
 from .plan import Plan
+from .optimizers import members, user_object
 from .state import TrainState
 
 __all__ = ["TracedStep", "trace_step"]
@@ -131,11 +132,11 @@ def _trace_step(step, state, plan, mesh, inputs, transform_model, accumulation: 
             gather.accumulation = accumulation
         computes = _ComputeOnAccess(leaves, [s.layout for s in param_slots], expander, gathers)
         optimizer = contextlib.nullcontext() if forward_only else \
-            _optimizer_swapped(state.optim, by_real, traced_state, lrs, accumulation)
+            _each_optimizer_swapped(state.optim, by_real, traced_state, lrs, accumulation)
         with (transform_model() if transform_model else contextlib.nullcontext()), \
                 stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
                 optimizer, where.tracking(state.model), axis_contexts, accumulation.recording():
-            result = step(state.model, batch) if forward_only else step(state.model, state.optim, batch)
+            result = step(state.model, batch) if forward_only else step(state.model, user_object(state.optim), batch)
         stale = [names[0] for (names, _), leaf in zip(state.params, leaves) if leaf.grad is not None]
         if stale:
             raise UnsupportedError(
@@ -391,3 +392,17 @@ def _optimizer_swapped(optim, by_real: dict, traced_state, lrs: dict, accumulati
             g["params"] = params
         for i, lr in saved_lrs.items():
             optim.param_groups[i]["lr"] = lr
+
+
+@contextlib.contextmanager
+def _each_optimizer_swapped(optim, by_real: dict, traced_state, lrs: dict, accumulation=None):
+    """``_optimizer_swapped`` for each optimizer of a set (``optimizers.OptimizerSet``), each with
+    its own groups' learning rates (``lrs`` is indexed over the set's concatenated groups)."""
+    with contextlib.ExitStack() as stack:
+        first = 0
+        for member in members(optim):
+            n = len(member.param_groups)
+            own = {i - first: lr for i, lr in lrs.items() if first <= i < first + n}
+            stack.enter_context(_optimizer_swapped(member, by_real, traced_state, own, accumulation))
+            first += n
+        yield

@@ -89,3 +89,72 @@ def test_data_dependent_code_is_refused_naming_the_users_line(tmp_path, case, pl
     message = str(info.value)
     assert "train_steps.py:" in message and quoted in message and advice in message, message
     assert "without host synchronisation" in message
+
+
+# ---------------------------------------------------------------------------- several optimizers
+def test_several_optimizers_follow_their_schedulers_without_a_rebuild(tmp_path):
+    """Each group's learning rate is a graph input: schedulers on each optimizer of a list
+    change the compiled step's update as eager's, with one trace."""
+    import torch
+
+    def make():
+        torch.manual_seed(0)
+        model = train_steps.mlp()
+        optims = train_steps.matrices_and_vectors(model)
+        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=g) for o, g in zip(optims, (0.5, 3.0))]
+        return model, optims, scheds
+
+    ref, ref_optims, ref_scheds = make()
+    model, optims, scheds = make()
+    fn = spmd_aot.compile(train_steps.several_optimizers_step, cache_dir=tmp_path)
+    for s in range(3):
+        batch = train_steps.class_batch(0, s)
+        train_steps.several_optimizers_step(ref, ref_optims, batch)
+        fn(model, optims, batch)
+        for sched in ref_scheds + scheds:
+            sched.step()
+    assert optims[1].param_groups[0]["lr"] == pytest.approx(1e-2 * 27)
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), model.parameters()))
+    assert diff <= TOLERANCE
+    assert fn.cache_info.traces == 1, fn.cache_info
+
+
+def test_several_optimizers_key_holds_the_container(tmp_path):
+    """The step is called with the user's container: a list and a dict of the same optimizers
+    are different steps; a container holding something else is refused saying what to pass."""
+    import torch
+
+    def job(optimizer):
+        return spmd_aot.Job(step=train_steps.several_optimizers_step, model=train_steps.mlp,
+                            optimizer=optimizer, batch=lambda: train_steps.class_batch(0, 0))
+
+    as_list = spmd_aot.build(job(train_steps.matrices_and_vectors), world_size=2, cache_dir=tmp_path)
+    as_dict = spmd_aot.build(job(lambda m: dict(enumerate(train_steps.matrices_and_vectors(m)))),
+                             world_size=2, cache_dir=tmp_path)
+    assert as_list.key != as_dict.key
+    with pytest.raises(spmd_aot.UnsupportedError, match="must hold torch.optim.Optimizer"):
+        spmd_aot.build(job(lambda m: [torch.optim.SGD(m.parameters(), lr=0.1), "adamw"]),
+                       world_size=2, cache_dir=tmp_path)
+
+
+# ---------------------------------------------------------------------------- module copies
+@pytest.mark.parametrize("placement", ["replicate", "shard"])
+def test_ema_copy_made_by_deepcopy_in_the_factory_builds(tmp_path, placement):
+    """The deep-copied fake parameters share the factory's FakeTensorMode (they used to get a
+    second one: "fake mode ... doesn't match mode"); under shard the copy is sharded and
+    updated shard by shard: no collective beyond the plain step's."""
+    built = spmd_aot.build(train_steps.job("ema_copy"), world_size=2, placement=placement, cache_dir=tmp_path)
+    plain = spmd_aot.build(spmd_aot.Job(step=train_steps.plain_step, model=train_steps.mlp,
+                                        optimizer=train_steps.adamw, batch=lambda: train_steps.class_batch(0, 0)),
+                           world_size=2, placement=placement, cache_dir=tmp_path)
+    assert built.stats["by_kind"] == plain.stats["by_kind"]
+
+
+def test_reading_a_sharded_parameter_after_its_in_place_update_is_refused(tmp_path):
+    """Under shard the group was gathered before the update: the forward would read old
+    values silently, so it is refused saying what to do; replicate reads the leaf and builds."""
+    job = spmd_aot.Job(step=train_steps.ema_read_after_update_step, model=train_steps.WithEMA,
+                       optimizer=train_steps.ema_adamw, batch=lambda: train_steps.class_batch(0, 0))
+    spmd_aot.build(job, world_size=2, placement="replicate", cache_dir=tmp_path)
+    with pytest.raises(spmd_aot.UnsupportedError, match="updated in place in the same step"):
+        spmd_aot.build(job, world_size=2, placement="shard", cache_dir=tmp_path)

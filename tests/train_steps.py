@@ -7,6 +7,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 import spmd_aot
 from spmd_aot.examples.models import MLP
@@ -64,10 +65,41 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+# ---------------------------------------------------------------------------- several optimizers
+def matrices_and_vectors(model):
+    """As Muon + AdamW recipes split them: matrices with one optimizer, vectors with another,
+    each with its own hyperparameters and learning rate."""
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    return [torch.optim.SGD(matrices, lr=0.05, momentum=0.9, nesterov=True),
+            torch.optim.AdamW(vectors, lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)]
+
+
+def optimizer_dict(model):
+    """A dict of optimizers; the AdamW has two param groups with different learning rates."""
+    named = dict(model.named_parameters())
+    first = [p for n, p in named.items() if n.startswith("fc1")]
+    rest = [p for n, p in named.items() if not n.startswith("fc1")]
+    return {"adamw": torch.optim.AdamW([{"params": first[:1]}, {"params": first[1:], "lr": 3e-3}], lr=1e-2),
+            "sgd": torch.optim.SGD(rest, lr=0.1)}
+
+
+def several_optimizers_step(model, optims, batch):
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    for o in (optims.values() if isinstance(optims, dict) else optims):
+        o.step()
+        o.zero_grad()
+    return loss
+
+
 # name -> (model factory, optimizer factory, step)
 JOBS = {
     "accumulation_sgd": (mlp, sgd, accumulation_step),
     "accumulation_adamw": (mlp, adamw, accumulation_step),
+    "optimizer_list": (mlp, matrices_and_vectors, several_optimizers_step),
+    "optimizer_dict": (mlp, optimizer_dict, several_optimizers_step),
 }
 PLACEMENTS = {"replicate": "ddp", "shard": "fsdp2"}
 
@@ -80,7 +112,10 @@ def _eager_model(model, placement, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    mesh = init_device_mesh("cpu", (world,))
+    if hasattr(model, "ema"):  # FSDP2 users shard the EMA copy as its own unit, like the model
+        fully_shard(model.ema, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -113,7 +148,8 @@ def run(name, placement, rank, world, steps, cache_dir):
     losses = [fn(model, optim, class_batch(rank, s)) for s in range(steps)]
     diffs = {"param": max((full(a).float() - full(b).float()).abs().max().item()
                           for a, b in zip(ref_model.state_dict().values(), model.state_dict().values())),
-             "loss": max(float((full(a) - full(b)).abs().max()) for a, b in zip(ref_losses, losses))}
+             "loss": max(float((full(a) - full(b)).abs().max()) for a, b in
+                         zip(pytree.tree_leaves(ref_losses), pytree.tree_leaves(losses)))}
     state = []
     for o1, o2 in zip(_leaves(ref_optim), _leaves(optim)):
         s1, s2 = o1.state_dict()["state"], o2.state_dict()["state"]
@@ -195,3 +231,57 @@ def bool_step(model, optim, batch):
     optim.step()
     optim.zero_grad()
     return loss
+
+
+# ---------------------------------------------------------------------------- module copies
+class WithEMA(torch.nn.Module):
+    """A model and its EMA copy, made with ``copy.deepcopy`` in the factory (frozen)."""
+
+    def __init__(self):
+        super().__init__()
+        import copy
+
+        self.net = mlp()
+        self.ema = copy.deepcopy(self.net).requires_grad_(False)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def ema_step(model, optim, batch):
+    """The EMA's loss as a metric (before its update), then its update under no_grad after
+    the optimizer step."""
+    inner = getattr(model, "module", model)  # eager DDP wraps the module
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    with torch.no_grad():
+        ema_loss = F.cross_entropy(inner.ema(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    with torch.no_grad():
+        for e, p in zip(inner.ema.parameters(), inner.net.parameters()):
+            e.mul_(0.99).add_(p, alpha=0.01)
+    return {"loss": loss, "ema_loss": ema_loss}
+
+
+def ema_read_after_update_step(model, optim, batch):
+    """The EMA's forward after its update in the same step."""
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    with torch.no_grad():
+        for e, p in zip(model.ema.parameters(), model.net.parameters()):
+            e.mul_(0.99).add_(p, alpha=0.01)
+        return {"loss": loss, "ema_loss": F.cross_entropy(model.ema(x), y)}
+
+
+
+
+def ema_adamw(model):
+    return torch.optim.AdamW(getattr(model, "net", model).parameters(), lr=1e-2)
+
+
+JOBS["ema_copy"] = (WithEMA, ema_adamw, ema_step)
