@@ -285,3 +285,39 @@ def ema_adamw(model):
 
 
 JOBS["ema_copy"] = (WithEMA, ema_adamw, ema_step)
+
+
+# ---------------------------------------------------------------------------- activation checkpointing
+CKPT_ROWS, CKPT_D, CKPT_HIDDEN, CKPT_BLOCKS = 512, 32, 128, 4  # activations >> parameters + AdamW state
+
+
+class CheckpointedMLP(torch.nn.Module):
+    """Residual MLP blocks, each optionally run under non-reentrant ``torch.utils.checkpoint``
+    (what HF ``gradient_checkpointing_enable`` does): a model whose activations dominate
+    (512 rows x hidden 128 per block against ~34K parameters)."""
+
+    def __init__(self, checkpoint: bool):
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(CKPT_D, CKPT_HIDDEN), torch.nn.GELU(),
+                                torch.nn.Linear(CKPT_HIDDEN, CKPT_D))
+            for _ in range(CKPT_BLOCKS))
+        self.head = torch.nn.Linear(CKPT_D, 5)
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.checkpoint:
+                x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = x + block(x)
+        return self.head(x)
+
+
+def ckpt_batch(rank=0, step=0):
+    return class_batch(rank, step, n=CKPT_ROWS, d=CKPT_D)
+
+
+def ckpt_job(checkpoint: bool):
+    return spmd_aot.Job(step=plain_step, model=lambda: CheckpointedMLP(checkpoint), optimizer=adamw,
+                        batch=ckpt_batch)
