@@ -139,6 +139,8 @@ def _takes_device(node: DecodedNode) -> bool:
 def _unsafe(nodes: list[DecodedNode], folded: set[int], output: Any) -> set[int]:
     """Folded nodes that must run every step after all: the step returns them or writes them
     in place (through any view), with everything folded that shares their component."""
+    if not folded:  # the common case: nothing to undo, and no need to walk every node's arguments
+        return set()
     parent = {i: i for i in folded}
 
     def root(i):

@@ -157,7 +157,7 @@ def _gatherer(args: tuple) -> Callable[[list], tuple]:
                 a[pos] = env[idx]
             return a
         return flat
-    if all(isinstance(a, Ref) or not _has_ref(a) or _is_ref_list(a) for a in args):
+    if all(isinstance(a, Ref) or _is_ref_list(a) or not _has_ref(a) for a in args):
         # foreach ops: lists of refs, one level deep
         parts = []
         for a in args:
@@ -190,7 +190,19 @@ def _is_ref_list(v) -> bool:
 
 
 def _has_ref(v) -> bool:
-    return bool(refs_in(v))
+    """Any ``Ref`` inside ``v`` (stops at the first: binding checks every argument of every node)."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Ref):
+            return True
+        if isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, slice):
+            stack.extend((x.start, x.stop, x.step))
+    return False
 
 
 def _materialize(v, env):
