@@ -27,7 +27,7 @@ import torch
 from .constant_fold import fold_constants
 from .contracts import VALUE_CHECKS, op_name
 from .errors import CorruptArtifactError
-from .serialize import DecodedNode, Ref, refs_in
+from .serialize import DecodedNode, Ref, has_ref, refs_in
 
 __all__ = ["Program"]
 
@@ -117,9 +117,9 @@ def _unpacked_items(nodes: list[DecodedNode], folded: set[int]) -> dict[int, tup
 def _compile_call(index: int, node: DecodedNode, unpack: Sequence[tuple[int, int]], frees: Sequence[int]):
     """(callable, index, gather(env) -> positional args, kwargs, unpack, frees) for one node."""
     fn = getattr(node.target, "_op", node.target)  # the C++ handle behind an OpOverload
-    if not _has_ref(node.kwargs):
+    if not has_ref(node.kwargs):
         return (fn, index, _gatherer(node.args), node.kwargs, tuple(unpack), tuple(frees))
-    if all(isinstance(v, Ref) or not _has_ref(v) for v in node.kwargs.values()):
+    if all(isinstance(v, Ref) or not has_ref(v) for v in node.kwargs.values()):
         # a kwarg that is a value (``mm.out(a, b, out=bucket_slice)``): gathered like the args
         gather, constant = _gatherer(node.args), {k: v for k, v in node.kwargs.items() if not isinstance(v, Ref)}
         refs = [(k, v.index) for k, v in node.kwargs.items() if isinstance(v, Ref)]
@@ -138,7 +138,7 @@ def _compile_call(index: int, node: DecodedNode, unpack: Sequence[tuple[int, int
 
 def _gatherer(args: tuple) -> Callable[[list], tuple]:
     """The fastest way to build one node's positional arguments from the value table."""
-    if not _has_ref(args):
+    if not has_ref(args):
         return lambda env, _a=tuple(args): _a  # noqa: E731
     if all(isinstance(a, Ref) for a in args):
         indices = [a.index for a in args]
@@ -146,7 +146,7 @@ def _gatherer(args: tuple) -> Callable[[list], tuple]:
             only = indices[0]
             return lambda env: (env[only],)  # noqa: E731
         return operator.itemgetter(*indices)
-    if all(isinstance(a, Ref) or not _has_ref(a) for a in args):  # refs and constants, flat
+    if all(isinstance(a, Ref) or not has_ref(a) for a in args):  # refs and constants, flat
         positions = [i for i, a in enumerate(args) if isinstance(a, Ref)]
         indices = [args[i].index for i in positions]
         template = list(args)
@@ -157,7 +157,7 @@ def _gatherer(args: tuple) -> Callable[[list], tuple]:
                 a[pos] = env[idx]
             return a
         return flat
-    if all(isinstance(a, Ref) or _is_ref_list(a) or not _has_ref(a) for a in args):
+    if all(isinstance(a, Ref) or _is_ref_list(a) or not has_ref(a) for a in args):
         # foreach ops: lists of refs, one level deep
         parts = []
         for a in args:
@@ -187,22 +187,6 @@ def _gatherer(args: tuple) -> Callable[[list], tuple]:
 
 def _is_ref_list(v) -> bool:
     return isinstance(v, list) and len(v) > 0 and all(isinstance(x, Ref) for x in v)
-
-
-def _has_ref(v) -> bool:
-    """Any ``Ref`` inside ``v`` (stops at the first: binding checks every argument of every node)."""
-    stack = [v]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, Ref):
-            return True
-        if isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, slice):
-            stack.extend((x.start, x.stop, x.step))
-    return False
 
 
 def _materialize(v, env):

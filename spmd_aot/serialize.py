@@ -32,7 +32,7 @@ from .allowlist import ENV_ALLOW_OPS, is_allowed, refusal
 from .errors import CorruptArtifactError, OpNotAllowedError, UnsafeArtifactError
 from .limits import LoadLimits, load_limits
 
-__all__ = ["encode_graph", "decode_graph", "to_fx_graph", "Ref", "refs_in", "DecodedNode", "GRAPH_FORMAT",
+__all__ = ["encode_graph", "decode_graph", "to_fx_graph", "Ref", "refs_in", "has_ref", "DecodedNode", "GRAPH_FORMAT",
            "resolve_target"]
 
 GRAPH_FORMAT = 1
@@ -138,21 +138,29 @@ class Ref:
         return f"Ref({self.index})"
 
 
-def refs_in(value) -> set[int]:
-    """Indices of every ``Ref`` inside a decoded value (lists, tuples, maps, slices)."""
-    out: set[int] = set()
+def _refs(value):
+    """Every ``Ref`` inside a decoded value (lists, tuples, maps, slices), lazily."""
     stack = [value]
     while stack:
         x = stack.pop()
         if isinstance(x, Ref):
-            out.add(x.index)
+            yield x
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
         elif isinstance(x, dict):
             stack.extend(x.values())
         elif isinstance(x, slice):
             stack.extend((x.start, x.stop, x.step))
-    return out
+
+
+def refs_in(value) -> set[int]:
+    """Indices of every ``Ref`` inside a decoded value."""
+    return {r.index for r in _refs(value)}
+
+
+def has_ref(value) -> bool:
+    """Any ``Ref`` inside a decoded value (stops at the first)."""
+    return next(_refs(value), None) is not None
 
 
 @dataclasses.dataclass
