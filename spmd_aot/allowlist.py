@@ -35,7 +35,7 @@ import re
 import torch
 
 __all__ = ["ALLOWED_OPS", "PYTHON_CALLABLES", "REFUSED", "TORCH_RELEASE", "ENV_ALLOW_OPS", "refusal",
-           "allowed_ops", "is_allowed", "is_opted_in", "opted_in", "opt_in_names", "extra_ops"]
+           "allowed_ops", "is_allowed", "is_opted_in", "opted_in", "opted_in_ops", "opt_in_names", "extra_ops"]
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,11 @@ def opted_in(names):
 def is_allowed(name: str) -> bool:
     """On the list, or opted in by the build or load in progress."""
     return name in allowed_ops() or name in _OPTED_IN.get()
+
+
+def opted_in_ops() -> frozenset:
+    """The overloads the build or load in progress opted in to."""
+    return _OPTED_IN.get()
 
 
 def is_opted_in(name: str) -> bool:

@@ -49,10 +49,10 @@ def _checker_code() -> str:
 
 
 def _entry(digest: str) -> str:
-    from .allowlist import _OPTED_IN
+    from .allowlist import opted_in_ops
     from .limits import load_limits
 
-    ident = f"{digest}\0{_checker_code()}\0{load_limits()!r}\0{sorted(_OPTED_IN.get())!r}"
+    ident = f"{digest}\0{_checker_code()}\0{load_limits()!r}\0{sorted(opted_in_ops())!r}"
     return hashlib.sha256(ident.encode()).hexdigest()
 
 
