@@ -91,13 +91,12 @@ def shared_fake_mode():
     """Within it, deep-copying a fake tensor keeps its ``FakeTensorMode`` (module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    had = "__deepcopy__" in FakeTensorMode.__dict__
-    saved = FakeTensorMode.__dict__.get("__deepcopy__")
+    saved = FakeTensorMode.__dict__.get("__deepcopy__")  # None: the class defines none
     FakeTensorMode.__deepcopy__ = lambda self, memo: self
     try:
         yield
     finally:
-        if had:
+        if saved is not None:
             FakeTensorMode.__deepcopy__ = saved
         else:
             del FakeTensorMode.__deepcopy__
