@@ -18,15 +18,15 @@ with warnings.catch_warnings():
     import torch
     import torch._subclasses.functional_tensor  # noqa: F401
 
-from .builder import BuildResult, build  # noqa: E402
+from .building.builder import BuildResult, build  # noqa: E402
 from .errors import (ArtifactMismatchError, CacheMissError, CorruptArtifactError, LockTimeoutError,
                      SpmdAotError, TargetError, UnsafeArtifactError, UnsupportedError, OpNotAllowedError)
-from .fingerprint import register_fingerprint
+from .keying.fingerprint import register_fingerprint
 from .job import Job, load_target
-from .override import Override
-from .plan import Plan
-from .runtime import CacheInfo, CompiledStep, compile
-from . import teardown  # noqa: E402  (registers what a job's end must do; see the module)
+from .tracing.override import Override
+from .parallel.plan import Plan
+from .runtime.step import CacheInfo, CompiledStep, compile
+from .runtime import teardown  # noqa: E402  (registers what a job's end must do; see the module)
 from .schema import Comm, Schema
 from .spmd import SPMD
 

@@ -12,7 +12,7 @@ import os
 import shlex
 
 from .parallel.dims import cli_fields
-from .plan import Plan
+from .parallel.plan import Plan
 from .schema import Comm
 
 __all__ = ["build_command", "TARGET_PLACEHOLDER"]

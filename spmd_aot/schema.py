@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Mapping, Sequence
 
-from .plan import Plan
+from .parallel.plan import Plan
 
 __all__ = ["Schema", "Comm", "COMM_FIELDS"]
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from .errors import UnsupportedError
 from .job import Job, input_placements as _input_placements
-from .runtime import CompiledStep
+from .runtime.step import CompiledStep
 from .schema import COMM_FIELDS, Schema
 
 __all__ = ["SPMD", "Schema", "module_forward"]

@@ -16,8 +16,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import UnsupportedError
-from .layout import TensorLayout
-from .plan import Plan
+from .parallel.layout import TensorLayout
+from .parallel.plan import Plan
 
 __all__ = ["TrainState", "Slot", "initialize_optimizer_state", "dtype_name", "lr_is_input"]
 

@@ -371,7 +371,7 @@ class Built:
 def cli_build(name: str, cache: str, world: int = 2, placements=("replicate", "shard"),
               target_module: str = "corpus") -> Built:
     """``spmd-aot build corpus:NAME -w WORLD -p ...`` in this process, output captured."""
-    from spmd_aot.cli import main
+    from spmd_aot.cli.app import main
 
     argv = ["build", f"{target_module}:{name}", "-w", str(world), *[a for p in placements for a in ("-p", p)],
             "--cache-dir", cache]

@@ -68,7 +68,7 @@ def build_unsigned(cache_dir, model_name: str = "mlp", optim_name: str = "sgd", 
     (the trust-boundary tests tamper with unsigned artifacts)."""
     import os
 
-    from spmd_aot import signing
+    from spmd_aot.format import signing
 
     saved = os.environ.pop(signing.ENV_SIGNING_KEY, None)
     try:

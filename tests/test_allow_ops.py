@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 
 import spmd_aot
-from spmd_aot.allowlist import ENV_ALLOW_OPS, allowed_ops
-from spmd_aot.artifact import read_manifest
-from spmd_aot.cli import main as cli
+from spmd_aot.format.allowlist import ENV_ALLOW_OPS, allowed_ops
+from spmd_aot.format.artifact import read_manifest
+from spmd_aot.cli.app import main as cli
 from spmd_aot.errors import OpNotAllowedError, SpmdAotError, UnsafeArtifactError
 from spmd_aot.store import LocalStore
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from spmd_aot import allowlist
-from spmd_aot.cli import main as cli
+from spmd_aot.format import allowlist
+from spmd_aot.cli.app import main as cli
 from spmd_aot.errors import UnsafeArtifactError
-from spmd_aot.serialize import encode_graph, resolve_target
+from spmd_aot.format.serialize import encode_graph, resolve_target
 
 import pytest
 

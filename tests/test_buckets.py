@@ -22,7 +22,7 @@ def small_buckets(tmp_path_factory):
 
 
 def _artifact(cache, built):
-    from spmd_aot.artifact import read_artifact
+    from spmd_aot.format.artifact import read_artifact
 
     return read_artifact(open_store(cache), built.digest)
 
@@ -83,8 +83,8 @@ def test_small_buckets_match_eager_ddp_with_the_same_caps(small_buckets):
 
 def test_bucket_caps_are_part_of_the_key(tmp_path):
     job = make_job("mlp", "sgd")
-    from spmd_aot.builder import job_key
-    from spmd_aot.plan import Plan
+    from spmd_aot.building.builder import job_key
+    from spmd_aot.parallel.plan import Plan
 
     base = job_key(job, Plan(2)).key
     assert job_key(job, Plan(2)).key == base
@@ -93,7 +93,7 @@ def test_bucket_caps_are_part_of_the_key(tmp_path):
 
 
 def test_show_lists_buckets_with_bytes_and_parameters(small_buckets, capsys):
-    from spmd_aot.cli import main
+    from spmd_aot.cli.app import main
 
     cache, built = small_buckets
     assert main(["show", built.key[:12], "--cache-dir", str(cache)]) == 0
@@ -106,7 +106,7 @@ def test_show_lists_buckets_with_bytes_and_parameters(small_buckets, capsys):
 
 def test_invalid_bucket_caps_are_refused():
     from spmd_aot.errors import SpmdAotError
-    from spmd_aot.plan import Plan
+    from spmd_aot.parallel.plan import Plan
 
     for bad in (0, -1, "25", True):
         with pytest.raises(SpmdAotError, match="bucket_cap_mb"):

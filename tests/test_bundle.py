@@ -11,8 +11,8 @@ import tarfile
 import pytest
 
 import spmd_aot
-from spmd_aot.artifact import read_artifact
-from spmd_aot.cli import main
+from spmd_aot.format.artifact import read_artifact
+from spmd_aot.cli.app import main
 from spmd_aot.store import LocalStore
 
 from jobs import make_job

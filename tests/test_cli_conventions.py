@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from jobs import MLP_JOB_FILE as JOB_FILE
-from spmd_aot import cli
-from spmd_aot.cli import main
+from spmd_aot.cli import app as cli
+from spmd_aot.cli.app import main
 from spmd_aot.hints import build_command
-from spmd_aot.plan import Plan
+from spmd_aot.parallel.plan import Plan
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from spmd_aot.cli import main
+from spmd_aot.cli.app import main
 
 pytestmark = pytest.mark.corpus
 import corpus  # noqa: E402  (needs transformers: a test dependency, `pip install -e ".[test]"`)
@@ -76,7 +76,7 @@ _KEYS = """
 import json, sys
 import corpus
 from spmd_aot import Plan
-from spmd_aot.builder import job_key
+from spmd_aot.building.builder import job_key
 keys = {f"{n}/{p}": job_key(corpus.job(n), Plan(2, p)) for n in corpus.MODELS for p in ("replicate", "shard")}
 print("KEYS " + json.dumps({name: {"key": k.key, **k.ingredients} for name, k in keys.items()}))
 """

@@ -3,7 +3,7 @@
 Each case runs a real builder process (``spmd_aot.build`` of a small MLP job at world size
 2, forked from the tests' torch-preloaded server: ``multiproc.run_processes``) with
 ``SPMD_AOT_CRASH_AT`` set, so it kills itself with SIGKILL at that stage (see
-``spmd_aot.faults``). ``tools/stress_cache.py crash`` kills builders at random stages, many
+``spmd_aot.store.faults``). ``tools/stress_cache.py crash`` kills builders at random stages, many
 times over. After each kill: every ref names an artifact that reads fully (or the
 key has no ref), the next build takes the lock at once and succeeds with the same parts as a
 clean build, the dead writer's temp files are gone and ``LocalStore.verify()`` is clean.
@@ -24,8 +24,8 @@ import torch
 import spmd_aot
 from jobs import make_job
 from multiproc import run_processes
-from spmd_aot import faults
-from spmd_aot.artifact import read_artifact, read_manifest
+from spmd_aot.store import faults
+from spmd_aot.format.artifact import read_artifact, read_manifest
 from spmd_aot.errors import LockTimeoutError
 from spmd_aot.store import LocalStore
 

@@ -1,4 +1,4 @@
-"""spmd_aot.device_check: a loaded artifact's device against the live process (issue 19, part 4).
+"""spmd_aot.runtime.device_check: a loaded artifact's device against the live process (issue 19, part 4).
 
 Each case crafts the process (CUDA devices, backend, torchrun's LOCAL_RANK/LOCAL_WORLD_SIZE) and a
 model whose parameters report the device, so the CUDA rules are tested on a CPU-only machine.
@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from spmd_aot.device_check import DeviceMismatchError, Process, check_device, live_process
+from spmd_aot.runtime.device_check import DeviceMismatchError, Process, check_device, live_process
 from spmd_aot.errors import ArtifactMismatchError
-from spmd_aot.plan import Plan
+from spmd_aot.parallel.plan import Plan
 
 
 class _OnDevice(torch.nn.Module):

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import spmd_aot
-from spmd_aot import pipeline
+from spmd_aot.building import pipeline
 from jobs import make_batch, make_job
-from spmd_aot.cli import main as cli
+from spmd_aot.cli.app import main as cli
 from spmd_aot.errors import CacheIOError, CacheMissError, SpmdAotError
 from spmd_aot.examples.models import MLP, train_step
 from spmd_aot.store import LocalStore
@@ -59,7 +59,7 @@ def test_real_file_size_limit_is_reported(tmp_path):
     """RLIMIT_FSIZE for real, in a child process: EFBIG from the kernel, a clear message."""
     (tmp_path / "target.py").write_text(TARGET)
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000)); "
-            "from spmd_aot.cli import main; sys.exit(main(sys.argv[1:]))")
+            "from spmd_aot.cli.app import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", code, "build", f"{tmp_path / 'target.py'}:job", "-w", "1",
                            "--cache-dir", str(tmp_path / "c")], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": os.getcwd()})

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from spmd_aot.cli import main
+from spmd_aot.cli.app import main
 from spmd_aot.store import LocalStore
 
 JOB_FILE = '''\

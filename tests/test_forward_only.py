@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import spmd_aot
-from spmd_aot.builder import job_key
-from spmd_aot.cli import main
+from spmd_aot.building.builder import job_key
+from spmd_aot.cli.app import main
 from spmd_aot.examples.models import train_step
 from multiproc import run_ranks
 

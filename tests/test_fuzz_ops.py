@@ -41,7 +41,7 @@ def test_the_review_crash_cases_are_refused_by_the_check():
 
 def test_every_allowed_op_gets_a_valid_sample():
     """A sample the check refuses would leave its op unfuzzed (and mean the contract refuses real graphs)."""
-    from spmd_aot.serialize import resolve_target
+    from spmd_aot.format.serialize import resolve_target
 
     refused = {}
     for name in fuzz_ops.allowed_ops():

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import spmd_aot
-from spmd_aot.artifact import read_artifact
+from spmd_aot.format.artifact import read_artifact
 from spmd_aot.examples.models import Transformer, train_step
-from spmd_aot.groups import assign_groups, block_prefixes
-from spmd_aot.plan import Plan
+from spmd_aot.parallel.groups import assign_groups, block_prefixes
+from spmd_aot.parallel.plan import Plan
 from spmd_aot.store import LocalStore
 from multiproc import run_launches
 

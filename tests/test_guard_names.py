@@ -8,7 +8,7 @@ import importlib.util
 import sys
 import types
 
-from spmd_aot import guards
+from spmd_aot.keying import guards
 
 
 def _load(name: str, path) -> types.ModuleType:

@@ -16,14 +16,14 @@ import torch
 
 import spmd_aot
 from jobs import build_unsigned, make_job
-from spmd_aot import signing
-from spmd_aot.artifact import pack_manifest, read_artifact, read_manifest
-from spmd_aot.cli import main as cli
+from spmd_aot.format import signing
+from spmd_aot.format.artifact import pack_manifest, read_artifact, read_manifest
+from spmd_aot.cli.app import main as cli
 from spmd_aot.errors import CorruptArtifactError, UnsafeArtifactError
-from spmd_aot.limits import ENV_LOAD_LIMITS
-from spmd_aot.serialize import DecodedNode, Ref
+from spmd_aot.format.limits import ENV_LOAD_LIMITS
+from spmd_aot.format.serialize import DecodedNode, Ref
 from spmd_aot.store import LocalStore
-from spmd_aot.validate import check_graph
+from spmd_aot.format.validate import check_graph
 
 CPU = torch.device("cpu")
 
@@ -162,7 +162,7 @@ def test_control_the_crafter_round_trip_loads(hostile):
 def test_every_hostile_entry_is_refused_before_any_op_runs(hostile, monkeypatch):
     store, _, table, digests = hostile
     ran = []
-    monkeypatch.setattr("spmd_aot.program.Program.__init__", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr("spmd_aot.runtime.program.Program.__init__", lambda *a, **k: ran.append(a))
     refused = 0
     for name, (_, expected, text) in table.items():
         artifact = read_artifact(store, digests[name])  # the manifest and every blob are sound
@@ -273,8 +273,8 @@ ODD_VALUES = {
 
 
 def test_explain_never_fails_on_manifest_content(hostile):
-    from spmd_aot.explain import explain_miss
-    from spmd_aot.key import CacheKey
+    from spmd_aot.keying.explain import explain_miss
+    from spmd_aot.keying.key import CacheKey
 
     store, crafter, _, _ = hostile
     deeper = 1

@@ -1,4 +1,4 @@
-"""Tests for spmd_aot.key: the cache key holds everything that changes the graph, and nothing
+"""Tests for spmd_aot.keying.key: the cache key holds everything that changes the graph, and nothing
 that differs between ranks, machines, processes or the build and run paths of one job."""
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import spmd_aot.key as key_mod
+import spmd_aot.keying.key as key_mod
 from spmd_aot.errors import SpmdAotError
 from spmd_aot.examples import models as example_models
 from spmd_aot.examples.models import MLP, Transformer, train_step
-from spmd_aot.key import INGREDIENTS, CacheKey, compute_key
-from spmd_aot.plan import Plan
+from spmd_aot.keying.key import INGREDIENTS, CacheKey, compute_key
+from spmd_aot.parallel.plan import Plan
 from spmd_aot.state import TrainState, initialize_optimizer_state
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -193,8 +193,8 @@ import json, os, sys
 import torch
 from torch import nn
 from torch.nn import functional as F
-from spmd_aot.key import compute_key
-from spmd_aot.plan import Plan
+from spmd_aot.keying.key import compute_key
+from spmd_aot.parallel.plan import Plan
 from spmd_aot.state import TrainState, initialize_optimizer_state
 
 
@@ -908,15 +908,15 @@ def test_too_deep_or_opaque_values_stop_the_key_naming_their_path():
 
 def test_spmd_aot_code_walks_the_package(tmp_path, monkeypatch):
     copy = tmp_path / "spmd_aot"
-    shutil.copytree(pathlib.Path(key_mod.__file__).parent, copy,
+    shutil.copytree(pathlib.Path(key_mod.__file__).parent.parent, copy,
                     ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(key_mod, "_PACKAGE_DIR", copy)
     base = key_mod.spmd_aot_code()
     assert base == key_mod.spmd_aot_code()
-    for message_only in ("cli.py", "hints.py", "explain.py", "device_check.py"):
+    for message_only in ("cli/app.py", "hints.py", "keying/explain.py", "runtime/device_check.py"):
         (copy / message_only).write_text((copy / message_only).read_text() + "\n# a comment\n")
         assert key_mod.spmd_aot_code() == base, message_only  # talks to people only
-    for graph_producing in ("plan.py", "passes/cleanup.py", "new_module.py"):
+    for graph_producing in ("parallel/plan.py", "passes/cleanup.py", "new_module.py", "tracing/new_module.py"):
         path = copy / graph_producing
         path.write_text((path.read_text() if path.exists() else "") + "\n# edited\n")
         assert key_mod.spmd_aot_code() != base, graph_producing
@@ -927,7 +927,7 @@ def test_every_environment_variable_the_package_reads_is_classified():
     import re
 
     names = set()
-    for f in pathlib.Path(key_mod.__file__).parent.rglob("*.py"):
+    for f in pathlib.Path(key_mod.__file__).parent.parent.rglob("*.py"):
         text = f.read_text()
         names.update(re.findall(r'"((?:SPMD_AOT|AWS|XDG)_[A-Z0-9_]+)"', text))
         names.update(re.findall(r'environ(?:\.get)?\(\s*"([A-Z0-9_]+)"', text))

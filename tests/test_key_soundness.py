@@ -20,13 +20,13 @@ import pytest
 import torch
 
 import spmd_aot
-import spmd_aot.runtime as runtime_mod
+import spmd_aot.runtime.step as runtime_mod
 from multiproc import run_ranks
-from spmd_aot import guards
-from spmd_aot.artifact import read_manifest
+from spmd_aot.keying import guards
+from spmd_aot.format.artifact import read_manifest
 from spmd_aot.errors import CacheMissError, UnsupportedError
-from spmd_aot.fingerprint import register_fingerprint
-from spmd_aot.lookup import Lookup
+from spmd_aot.keying.fingerprint import register_fingerprint
+from spmd_aot.keying.lookup import Lookup
 from spmd_aot.store import open_store
 
 MODEL_SRC = '''
@@ -322,8 +322,8 @@ def test_tensor_attribute_shape_is_keyed_and_a_fake_one_hits_a_real_one(project,
 
 def test_real_tensor_values_met_by_the_key_are_guarded(project):
     """A real tensor the trace could bake in as a constant: its value is recorded and checked."""
-    from spmd_aot.key import compute_key
-    from spmd_aot.plan import Plan
+    from spmd_aot.keying.key import compute_key
+    from spmd_aot.parallel.plan import Plan
     from spmd_aot.state import TrainState
 
     mod = project.model_module()
@@ -367,7 +367,7 @@ def test_unfingerprintable_attribute_names_its_path_and_the_escape_hatch(project
         with pytest.raises(CacheMissError):
             load(tmp_path / "cache", mod.step, model)  # keyed now: a plain miss
     finally:
-        from spmd_aot import fingerprint
+        from spmd_aot.keying import fingerprint
 
         fingerprint._CUSTOM.pop(type(threading.Lock()))
 

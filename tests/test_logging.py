@@ -10,7 +10,7 @@ import pytest
 
 import spmd_aot
 from jobs import compiled_run
-from spmd_aot import cli
+from spmd_aot.cli import app as cli
 
 
 def _records(caplog, level):

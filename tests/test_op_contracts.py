@@ -1,4 +1,4 @@
-"""Op argument contracts (spmd_aot/contracts.py): every admitted overload has one, and the
+"""Op argument contracts (spmd_aot/format/contracts.py): every admitted overload has one, and the
 crafted entries of the op review (heap corruption and SIGSEGV from arguments torch's meta
 kernels accept) are refused by the load-time check, or by the run-time index check."""
 
@@ -7,18 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spmd_aot import allowlist, contracts
+from spmd_aot.format import allowlist
+from spmd_aot.format import contracts
 from spmd_aot.errors import UnsafeArtifactError
-from spmd_aot.program import Program
-from spmd_aot.serialize import DecodedNode, Ref, resolve_target
-from spmd_aot.validate import check_graph
+from spmd_aot.runtime.program import Program
+from spmd_aot.format.serialize import DecodedNode, Ref, resolve_target
+from spmd_aot.format.validate import check_graph
 
 aten = torch.ops.aten
 
 
 def test_every_allowed_overload_has_a_contract():
     missing = sorted(n for n in allowlist.allowed_ops() if n not in contracts.CONTRACTS)
-    assert missing == [], f"add these to spmd_aot/contracts.py before admitting them: {missing}"
+    assert missing == [], f"add these to spmd_aot/format/contracts.py before admitting them: {missing}"
 
 
 def test_every_contract_names_an_overload_of_this_torch():
@@ -247,8 +248,8 @@ def test_verify_reports_the_review_cases(tmp_path, capsys):
     from jobs import build_unsigned
     from test_hostile import Crafter, ints, node, ref
 
-    from spmd_aot.artifact import read_artifact
-    from spmd_aot.cli import main as cli
+    from spmd_aot.format.artifact import read_artifact
+    from spmd_aot.cli.app import main as cli
     from spmd_aot.store import LocalStore
 
     pristine = tmp_path / "pristine"

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import spmd_aot
-from spmd_aot.artifact import read_artifact
+from spmd_aot.format.artifact import read_artifact
 from spmd_aot.store import LocalStore
 from features import FEATURES
 from multiproc import run_ranks
@@ -99,12 +99,12 @@ def test_after_the_first_call_parameters_are_sharded_dtensors_like_fsdp2(tmp_pat
 
 # ---------------------------------------------------------------- learning-rate schedules
 def _scheduler_worker(rank, world, cache_dir, placement):
-    import spmd_aot.pipeline
+    import spmd_aot.building.pipeline
     from features import FEATURES
 
     traces = []
-    original = spmd_aot.pipeline.trace_to_blobs
-    spmd_aot.pipeline.trace_to_blobs = lambda *a, **k: traces.append(1) or original(*a, **k)
+    original = spmd_aot.building.pipeline.trace_to_blobs
+    spmd_aot.building.pipeline.trace_to_blobs = lambda *a, **k: traces.append(1) or original(*a, **k)
     make_model, make_optim, step, batch, _ = FEATURES["adam"]
 
     def run(compiled):

@@ -4,8 +4,8 @@ them change, unpacked multi-output items are freed, and results equal the traced
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_aot.program import Program
-from spmd_aot.serialize import decode_graph, encode_graph
+from spmd_aot.runtime.program import Program
+from spmd_aot.format.serialize import decode_graph, encode_graph
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""spmd_aot.python_autograd: the Python backward used for GPU-less CUDA builds gives what torch's
+"""spmd_aot.tracing.python_autograd: the Python backward used for GPU-less CUDA builds gives what torch's
 C++ engine gives (run here on real CPU tensors, and as traced graphs)."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd_aot.errors import UnsupportedError
-from spmd_aot.python_autograd import python_backward
+from spmd_aot.tracing.python_autograd import python_backward
 
 
 class _Scale(torch.autograd.Function):  # a non-tensor argument between two tensors

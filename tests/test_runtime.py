@@ -13,10 +13,10 @@ from spmd_aot.examples.models import train_step
 
 # ---------------------------------------------------------------- loaded == fresh trace, bit for bit
 def _fresh_vs_loaded_worker(rank, world, cache_dir):
-    from spmd_aot.plan import Plan
+    from spmd_aot.parallel.plan import Plan
     from spmd_aot.state import TrainState, initialize_optimizer_state
-    from spmd_aot.mesh import device_mesh
-    from spmd_aot.trace import trace_step
+    from spmd_aot.parallel.mesh import device_mesh
+    from spmd_aot.tracing.trace import trace_step
 
     # fresh: the traced GraphModule itself, never serialized
     model, optim = fresh_objects("transformer", "adamw")
@@ -62,14 +62,14 @@ def test_step_returns_the_rank_local_loss_like_ddp(tmp_path):
 # ---------------------------------------------------------------- second start hits, never traces
 def _start_job_worker(rank, world, cache_dir, forbid_trace):
     if forbid_trace:
-        import spmd_aot.pipeline
-        import spmd_aot.trace
+        import spmd_aot.building.pipeline
+        import spmd_aot.tracing.trace
 
         def refuse(*args, **kwargs):
             raise AssertionError("the tracer was called on a cache hit")
 
-        spmd_aot.pipeline.trace_step = refuse
-        spmd_aot.trace.make_fx = refuse
+        spmd_aot.building.pipeline.trace_step = refuse
+        spmd_aot.tracing.trace.make_fx = refuse
     _, _, losses, info = compiled_run("transformer", "sgd", rank, world, 2, cache_dir)
     return info.hit, info.source, info.digest, [l.item() for l in losses]
 
@@ -131,7 +131,7 @@ def _corrupt_worker(rank, world, cache_dir, require_hit):
 
 
 def _flip_graph_blob(cache: pathlib.Path, digest: str) -> pathlib.Path:
-    from spmd_aot.artifact import read_manifest
+    from spmd_aot.format.artifact import read_manifest
     from spmd_aot.store import LocalStore
 
     store = LocalStore(cache)

@@ -18,7 +18,7 @@ boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
 
 import spmd_aot  # noqa: E402
-from spmd_aot.cli import main  # noqa: E402
+from spmd_aot.cli.app import main  # noqa: E402
 from spmd_aot.errors import CorruptArtifactError, LockTimeoutError, SpmdAotError  # noqa: E402
 from spmd_aot.store import LayeredStore, LocalStore, S3Store, open_location, open_store  # noqa: E402
 from spmd_aot.store.transfer import artifact_blobs  # noqa: E402
@@ -139,15 +139,15 @@ def test_open_store(s3_endpoint, tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------- round trip
 def _job_worker(rank, world, url, local_cache):
-    import spmd_aot.pipeline
-    import spmd_aot.trace
+    import spmd_aot.building.pipeline
+    import spmd_aot.tracing.trace
     from spmd_aot.examples.models import train_step
 
     def refuse(*args, **kwargs):
         raise AssertionError("the tracer was called: the artifact should come from S3")
 
-    spmd_aot.pipeline.trace_step = refuse
-    spmd_aot.trace.make_fx = refuse
+    spmd_aot.building.pipeline.trace_step = refuse
+    spmd_aot.tracing.trace.make_fx = refuse
     model, optim = fresh_objects("mlp", "sgd")
     step = spmd_aot.compile(train_step, store=open_store(url, local_cache=local_cache), require_hit=True)
     losses = [step(model, optim, make_batch("mlp", rank, s)).item() for s in range(3)]

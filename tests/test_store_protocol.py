@@ -11,7 +11,7 @@ import pytest
 
 import spmd_aot
 from jobs import MLP_JOB_FILE, eager_ddp, fresh_objects, make_batch, max_diffs
-from spmd_aot.cli import main
+from spmd_aot.cli.app import main
 from spmd_aot.errors import CorruptArtifactError, SpmdAotError
 from spmd_aot.examples.models import train_step
 from spmd_aot.store import LayeredStore, LocalStore, MemoryStore, open_location, open_store

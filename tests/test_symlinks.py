@@ -18,8 +18,8 @@ import time
 import pytest
 
 from jobs import build_unsigned
-from spmd_aot.artifact import read_artifact, read_manifest
-from spmd_aot.cli import main as cli
+from spmd_aot.format.artifact import read_artifact, read_manifest
+from spmd_aot.cli.app import main as cli
 from spmd_aot.errors import SpmdAotError
 from spmd_aot.store import LocalStore
 from spmd_aot.store.gc import collect_garbage

@@ -2,7 +2,7 @@
 
 A group that outlives ``destroy_process_group()`` is destroyed during interpreter teardown,
 where gloo's worker threads now and then abort the process ("terminate called without an
-active exception"; see spmd_aot/teardown.py). Each rank here counts gloo's threads in the
+active exception"; see spmd_aot/runtime/teardown.py). Each rank here counts gloo's threads in the
 last exit handler, after spmd-aot's own: none may be left.
 """
 

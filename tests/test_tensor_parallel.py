@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import spmd_aot
-from spmd_aot.artifact import read_artifact
+from spmd_aot.format.artifact import read_artifact
 from spmd_aot.examples.models import train_step as step  # the canonical step: token cross-entropy
 from spmd_aot.store import LocalStore
-from spmd_aot.tensor_parallel import TP_STYLES
+from spmd_aot.parallel.tensor_parallel import TP_STYLES
 from multiproc import run_ranks
 
 STEPS = 5
@@ -325,7 +325,7 @@ def test_stored_graph_has_exactly_the_collectives_tp_and_fsdp_need(built, world,
 
 
 def test_show_prints_the_tp_plan_and_the_tp_collectives(built, capsys):
-    from spmd_aot.cli import main
+    from spmd_aot.cli.app import main
 
     cache, result = built[4]["fsdp_tp", "adamw"]
     assert main(["show", result.digest, "--cache-dir", cache]) == 0
@@ -339,7 +339,7 @@ def test_show_prints_the_tp_plan_and_the_tp_collectives(built, capsys):
 def test_plans_tp_cannot_serve_are_refused():
     """What a build refuses before tracing: patterns naming no module, a style on a module it
     cannot split, a split dimension that does not divide by the TP size."""
-    from spmd_aot.tensor_parallel import planned_modules
+    from spmd_aot.parallel.tensor_parallel import planned_modules
 
     with pytest.raises(spmd_aot.UnsupportedError, match="match no module"):
         planned_modules(TPNet(), (("blocks.*.attn.query", "colwise"),))

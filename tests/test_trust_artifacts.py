@@ -21,13 +21,14 @@ import torch
 import torch.utils._pytree as pytree
 
 from jobs import build_unsigned
-from spmd_aot import bounded, signing
-from spmd_aot.artifact import decode_spec, encode_spec, pack_manifest, read_artifact, read_manifest
-from spmd_aot.cli import main as cli
-from spmd_aot.constant_fold import fold_constants
+from spmd_aot.format import bounded
+from spmd_aot.format import signing
+from spmd_aot.format.artifact import decode_spec, encode_spec, pack_manifest, read_artifact, read_manifest
+from spmd_aot.cli.app import main as cli
+from spmd_aot.runtime.constant_fold import fold_constants
 from spmd_aot.errors import CorruptArtifactError, UnsupportedError
-from spmd_aot.limits import LoadLimits
-from spmd_aot.serialize import DecodedNode, Ref, decode_graph
+from spmd_aot.format.limits import LoadLimits
+from spmd_aot.format.serialize import DecodedNode, Ref, decode_graph
 from spmd_aot.store import LocalStore
 
 
@@ -156,7 +157,7 @@ def test_inflated_global_shape_is_refused(store, built):
 
 
 def test_live_global_shape_must_match_the_layout(store, built):
-    from spmd_aot.artifact import layout_mismatch
+    from spmd_aot.format.artifact import layout_mismatch
 
     art = read_artifact(store, built[1])
 

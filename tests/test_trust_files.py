@@ -18,9 +18,10 @@ import tracemalloc
 import pytest
 
 from jobs import build_unsigned, make_job
-from spmd_aot import guards, signing
-from spmd_aot.artifact import pack_manifest, read_artifact, read_manifest
-from spmd_aot.cli import main as cli
+from spmd_aot.keying import guards
+from spmd_aot.format import signing
+from spmd_aot.format.artifact import pack_manifest, read_artifact, read_manifest
+from spmd_aot.cli.app import main as cli
 from spmd_aot.errors import CorruptArtifactError
 from spmd_aot.store import LocalStore
 from spmd_aot.store.bundle import BundleError, import_bundle

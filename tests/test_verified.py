@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from jobs import build_unsigned
-from spmd_aot import validate, verified
-from spmd_aot.artifact import read_artifact
-from spmd_aot.cli import main as cli
-from spmd_aot.limits import ENV_LOAD_LIMITS
+from spmd_aot.format import validate
+from spmd_aot.format import verified
+from spmd_aot.format.artifact import read_artifact
+from spmd_aot.cli.app import main as cli
+from spmd_aot.format.limits import ENV_LOAD_LIMITS
 from spmd_aot.store import LocalStore
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import spmd_aot
-from spmd_aot.artifact import read_manifest
+from spmd_aot.format.artifact import read_manifest
 from spmd_aot.store import LocalStore
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
@@ -96,6 +96,6 @@ def test_sdpa_on_a_gpu_less_box_traces_the_math_backend(cache):
 
 
 def test_verify_passes_on_every_artifact(cache):
-    from spmd_aot.cli import main
+    from spmd_aot.cli.app import main
 
     assert main(["verify", "--cache-dir", cache]) == 0

@@ -20,11 +20,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import spmd_aot
-from spmd_aot import fingerprint, guards, pipeline
+from spmd_aot.keying import fingerprint
+from spmd_aot.keying import guards
+from spmd_aot.building import pipeline
 from spmd_aot.examples.models import Transformer, train_step
-from spmd_aot.key import compute_key
-from spmd_aot.lookup import find_entry
-from spmd_aot.plan import Plan
+from spmd_aot.keying.key import compute_key
+from spmd_aot.keying.lookup import find_entry
+from spmd_aot.parallel.plan import Plan
 from spmd_aot.state import TrainState, initialize_optimizer_state
 from spmd_aot.store import open_store
 
@@ -77,7 +79,7 @@ def main() -> None:
     store = open_store(cache)
     key = compute_key(train_step, real, plan)
     assert key.key == built.key, "build and job start computed different keys"
-    manifest = spmd_aot.artifact.read_manifest(store, built.digest)
+    manifest = spmd_aot.format.artifact.read_manifest(store, built.digest)
     recorded = manifest["guards"]
     fingerprint._DIGESTS.clear()
     start = time.perf_counter()

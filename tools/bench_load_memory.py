@@ -46,9 +46,9 @@ def _current_rss() -> int:
 def child(path: str) -> dict:
     import torch
 
-    from spmd_aot.artifact import _gc_paused
-    from spmd_aot.serialize import decode_graph
-    from spmd_aot.validate import check_graph
+    from spmd_aot.format.artifact import _gc_paused
+    from spmd_aot.format.serialize import decode_graph
+    from spmd_aot.format.validate import check_graph
 
     with open(path, "rb") as f:
         blob = f.read()

@@ -20,14 +20,14 @@ import time
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from spmd_aot.artifact import read_artifact, store_artifact
+from spmd_aot.format.artifact import read_artifact, store_artifact
 from spmd_aot.examples.models import Transformer, train_step
-from spmd_aot.key import compute_key
-from spmd_aot.pipeline import trace_to_blobs
-from spmd_aot.plan import Plan
+from spmd_aot.keying.key import compute_key
+from spmd_aot.building.pipeline import trace_to_blobs
+from spmd_aot.parallel.plan import Plan
 from spmd_aot.state import TrainState, initialize_optimizer_state
 from spmd_aot.store import LocalStore
-from spmd_aot.mesh import device_mesh, fake_world
+from spmd_aot.parallel.mesh import device_mesh, fake_world
 
 
 fake_mode = FakeTensorMode()

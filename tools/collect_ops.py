@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import spmd_aot  # noqa: E402
-from spmd_aot.artifact import read_manifest  # noqa: E402
+from spmd_aot.format.artifact import read_manifest  # noqa: E402
 from spmd_aot.store import LocalStore  # noqa: E402
 
 
@@ -97,7 +97,7 @@ def main() -> int:
         ops |= graph_ops(store, result.digest)
         print(f"# {name}: {result.stats.get('nodes')} nodes", file=sys.stderr)
     if args.missing:
-        from spmd_aot.allowlist import ALLOWED_OPS
+        from spmd_aot.format.allowlist import ALLOWED_OPS
 
         ops -= set(ALLOWED_OPS)
     for op in sorted(ops):

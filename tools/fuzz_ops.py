@@ -399,8 +399,8 @@ def mutations(base) -> list:
 # ------------------------------------------------------------------ the check (parent, meta)
 def check(name: str, args, kwargs, limit: int) -> str | None:
     """None if the load-time check accepts the call, else why it refused it."""
-    from spmd_aot.serialize import DecodedNode, resolve_target
-    from spmd_aot.validate import check_node
+    from spmd_aot.format.serialize import DecodedNode, resolve_target
+    from spmd_aot.format.validate import check_node
 
     op = resolve_target(name)
     margs, mkwargs = materialize(args, kwargs, "meta")
@@ -419,8 +419,8 @@ def child(case_file: str, start: int, progress: str) -> None:
     faulthandler.enable()
     import torch.distributed as dist
 
-    from spmd_aot.contracts import VALUE_CHECKS
-    from spmd_aot.serialize import resolve_target
+    from spmd_aot.format.contracts import VALUE_CHECKS
+    from spmd_aot.format.serialize import resolve_target
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     group = dist.group.WORLD.group_name
@@ -501,8 +501,8 @@ def run_children(cases: list, timeout: float, verbose: bool) -> dict:
 
 
 def allowed_ops() -> list[str]:
-    from spmd_aot.allowlist import _parse
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "spmd_aot", "allowed_ops.txt")
+    from spmd_aot.format.allowlist import _parse
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "spmd_aot", "format", "allowed_ops.txt")
     with open(path) as f:
         return sorted(_parse(f.read())[1])  # read now: the list may have grown since import
 
@@ -514,7 +514,7 @@ REVIEW_OPS = ("aten::_fused_adam_.default", "aten::_fused_adamw_.tensor_lr", "at
 
 def fuzz(ops: list[str], *, timeout: float = 20.0, verbose: bool = False, limit: int = 16 << 20) -> dict:
     """Generate, check and run; returns the figures (and the cases behind any failure)."""
-    from spmd_aot.serialize import resolve_target
+    from spmd_aot.format.serialize import resolve_target
 
     tried = refused = 0
     accepted: list = []

@@ -21,8 +21,8 @@ import msgpack
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import spmd_aot  # noqa: E402
-from spmd_aot.allowlist import allowed_ops  # noqa: E402
-from spmd_aot.artifact import read_manifest  # noqa: E402
+from spmd_aot.format.allowlist import allowed_ops  # noqa: E402
+from spmd_aot.format.artifact import read_manifest  # noqa: E402
 from spmd_aot.job import load_target  # noqa: E402
 from spmd_aot.store import LocalStore  # noqa: E402
 
@@ -47,8 +47,8 @@ def inventory(job, cache_dir: str, **options) -> tuple[dict, dict]:
 
 
 def status(op: str) -> str:
-    from spmd_aot.contracts import CONTRACTS
-    UNPROVEN_ON_CUDA = getattr(__import__("spmd_aot.contracts").contracts, "UNPROVEN_ON_CUDA", {})
+    from spmd_aot.format.contracts import CONTRACTS
+    UNPROVEN_ON_CUDA = getattr(__import__("spmd_aot.format.contracts").contracts, "UNPROVEN_ON_CUDA", {})
 
     if op in UNPROVEN_ON_CUDA:
         return "CUDA-only, unproven (opt-in)"

@@ -8,7 +8,7 @@ race:  a pool of N worker processes (started once: one torch import each) builds
        small MLP job (world size 2) into a fresh cache dir per round, all released by one
        barrier. Every round must trace exactly once, give every worker the same manifest
        digest, and raise nothing.
-crash: builder processes are SIGKILLed at random write stages (``spmd_aot.faults``; the
+crash: builder processes are SIGKILLed at random write stages (``spmd_aot.store.faults``; the
        blob stages at a random occurrence, so the manifest's or a later part's write can be
        the one cut). Half the caches already hold another entry. After each kill every ref
        must serve an artifact that reads fully; then a normal build must succeed and load,
@@ -154,14 +154,14 @@ def cmd_race(args) -> int:
 # ---------------------------------------------------------------------------- crash
 def _pick_stage(rng: random.Random, blob_writes: int) -> str:
     """A stage, uniformly; for blob stages, one of the ``blob_writes`` blob writes, uniformly."""
-    from spmd_aot.faults import STAGES
+    from spmd_aot.store.faults import STAGES
 
     stage = rng.choice(STAGES)
     return f"{stage}:{rng.randint(1, blob_writes)}" if stage.startswith("blob.") else stage
 
 
 def run_builder(cache: pathlib.Path, world_size: int, crash_at: str | None, timeout: float = 300.0):
-    from spmd_aot.faults import ENV_CRASH_AT
+    from spmd_aot.store.faults import ENV_CRASH_AT
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop(ENV_CRASH_AT, None)
@@ -175,7 +175,7 @@ def check_refs(store) -> tuple[int, list[str]]:
     """(refs, problems): every ref must name an artifact that reads fully and decodes."""
     import torch
 
-    from spmd_aot.artifact import read_artifact
+    from spmd_aot.format.artifact import read_artifact
     from spmd_aot.errors import SpmdAotError
 
     problems = []
@@ -199,7 +199,7 @@ def cmd_crash(args) -> int:
     rng = random.Random(seed)
     print(f"crash: {args.builds} builds killed at random stages, seed {seed} "
           f"(rerun: --seed {seed})", flush=True)
-    from spmd_aot.artifact import read_manifest
+    from spmd_aot.format.artifact import read_manifest
 
     start = time.perf_counter()
     job = make_job()
@@ -291,7 +291,7 @@ def _gc_worker(role: str, index: int, cache: str, deadline: float, out) -> None:
 
     torch.set_num_threads(1)
     import spmd_aot
-    from spmd_aot.artifact import read_manifest
+    from spmd_aot.format.artifact import read_manifest
     from spmd_aot.store import LocalStore
     from spmd_aot.store.gc import collect_garbage
     from spmd_aot.store.leases import ArtifactGoneError, reading

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 
-from .. import placements, tensor_parallel
+from . import placements
+from . import tensor_parallel
 
 __all__ = ["AXES", "active_axes", "Tracing", "traced_buffers", "graph_passes", "collective_limits",
            "prepare_live_state", "state_zeros", "rehome_state"]
@@ -82,7 +83,7 @@ def collective_limits(plan, slots, groups, traced_budget: dict[str, int], forwar
 def prepare_live_state(model, optim, plan, mesh) -> None:
     """Turn the live parameters and optimizer state into the leaves' form, in place, once per
     model (after rank 0's values were broadcast), as ``fully_shard`` / ``parallelize_module`` do."""
-    from ..sharding import shard_model_and_optimizer
+    from .sharding import shard_model_and_optimizer
 
     if plan.dtensor_leaves:
         shard_model_and_optimizer(model, optim, plan, mesh)
@@ -90,7 +91,7 @@ def prepare_live_state(model, optim, plan, mesh) -> None:
 
 def state_zeros(param, shape, dtype, device):
     """Missing optimizer state for ``param``, created in the parameter's form."""
-    from ..sharding import sharded_zeros
+    from .sharding import sharded_zeros
 
     return sharded_zeros(param, shape, dtype, device)
 
@@ -98,6 +99,6 @@ def state_zeros(param, shape, dtype, device):
 def rehome_state(optim) -> None:
     """Bring optimizer state replaced since the last step (``load_state_dict``) back into the
     leaves' form (nothing to do for plain parameters)."""
-    from ..sharding import ensure_sharded_state
+    from .sharding import ensure_sharded_state
 
     ensure_sharded_state(optim)

@@ -31,9 +31,9 @@ import re
 import secrets
 import tarfile
 
-from .. import bounded
+from ..format import bounded
 from ..errors import CorruptArtifactError, SpmdAotError
-from ..limits import load_limits
+from ..format.limits import load_limits
 from .names import DIGEST_PATTERN, check_key, is_digest
 from .protocol import local_files
 from .transfer import artifact_blobs, largest_blob, manifest_key, manifest_parts

@@ -44,7 +44,7 @@ import re
 import time
 
 from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError
-from ..limits import load_limits
+from ..format.limits import load_limits
 from .local import LocalStore
 from .locks import FileLock, locks_supported
 from .names import is_digest

@@ -38,8 +38,8 @@ import time
 from typing import Iterator
 
 from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError, describe_os_error, os_error
-from ..faults import crash_point
-from ..limits import load_limits
+from .faults import crash_point
+from ..format.limits import load_limits
 from . import trust
 from .fsafe import LinkError, TooLargeError, Tree
 from .locks import FileLock
@@ -172,7 +172,7 @@ class LocalStore:
     def _write_atomic(self, parts: tuple[str, ...], name: str, data: bytes, stage: str = "blob") -> None:
         """Write ``data`` to ``root/parts/name`` so no reader ever sees a partial file.
 
-        ``stage`` names the crash points (``<stage>.partial`` etc., see ``spmd_aot.faults``).
+        ``stage`` names the crash points (``<stage>.partial`` etc., see ``spmd_aot.store.faults``).
         If the temp file vanishes before the rename (``clean_tmp`` on another host mistook our
         pid for a dead one), the write is simply redone under a new temp name. OS errors (a
         full disk, a read-only cache) become ``SpmdAotError``s naming the path and the fix.

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import bounded, signing
+from ..format import bounded
+from ..format import signing
 from ..errors import CorruptArtifactError, SpmdAotError
-from ..limits import load_limits
+from ..format.limits import load_limits
 from .names import digest_of, is_digest
 from .protocol import Store, holds, local_files
 

@@ -29,7 +29,7 @@ import pathlib
 import stat
 
 from ..errors import SpmdAotError
-from ..signing import ENV_SIGNING_KEY, signing_key
+from ..format.signing import ENV_SIGNING_KEY, signing_key
 
 __all__ = ["ENV_TRUST_CACHE", "UntrustedCacheError", "Policy", "policy_for", "opted_in"]
 

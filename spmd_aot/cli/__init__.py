@@ -1,0 +1,1 @@
+"""The ``spmd-aot`` command line (``app.main``), one module per command family."""

@@ -1,0 +1,154 @@
+"""Which operator overloads a stored graph may call: a list of overloads, kept as data.
+
+``allowed_ops.txt`` (next to this module) names every overload the tracer emits for the
+supported features, plus the communication passes' and common model ops; loading refuses any
+other target. A list of namespaces is not enough: ``aten`` also holds ops that apply raw sizes
+and strides without bounds checks, build sparse tensors without checking their invariants,
+seed the RNG or open files. ``REFUSED`` names those families with the reason; an op matching
+one is refused even if someone adds it to the data file (a test checks the file stays clear).
+
+**Opting in to more.** A job that needs an overload the list lacks names it: ``allow_ops=`` on
+``spmd_aot.build`` and ``spmd_aot.compile``, ``--allow-op`` on the CLI, or
+``SPMD_AOT_ALLOW_OPS`` (comma-separated) in the environment. The opt-in holds for the build or
+load it is given to (``opted_in``), never for the refused families, and each name must be an
+existing ``namespace::op.overload``. A build records the opted-in overloads its graph calls in the
+manifest's stats (``opted_in_ops``); a job that did not opt in to them refuses the entry, so a
+writer of the cache cannot widen the list: only the loading job's own opt-in counts. An
+opted-in op has no contract of its own (``contracts.py``): the generic checks of every loaded
+graph still run, and the user vouches for the rest.
+
+The list is tied to a torch release (``# torch-release:`` in the file): overload names can
+change between releases, so a process running another release logs a warning once and a
+test checks that every listed overload exists in the running torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib.resources
+import logging
+import os
+import re
+
+import torch
+
+__all__ = ["ALLOWED_OPS", "PYTHON_CALLABLES", "REFUSED", "TORCH_RELEASE", "ENV_ALLOW_OPS", "refusal",
+           "allowed_ops", "is_allowed", "is_opted_in", "opted_in", "opted_in_ops", "opt_in_names", "extra_ops"]
+
+log = logging.getLogger(__name__)
+
+#: Python callables a graph may name (FX uses getitem to unpack multi-output ops).
+PYTHON_CALLABLES = ("operator.getitem",)
+
+#: (pattern on the op name, why it is refused). Checked before the list, so the reason is precise.
+REFUSED: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p), why) for p, why in (
+    (r"^(_reshape_alias|as_strided.*|set_|_set_.*|_make_per_.*|_mkldnn.*|_copy_from.*)$",
+     "builds a view from raw sizes, strides or storage that torch does not bounds-check on every path"),
+    (r"sparse|_coo|_csr|_csc|_bsr|_bsc|to_dense", "builds or reads sparse tensors (invariants unchecked)"),
+    (r"nested|_nt_", "builds nested tensors"),
+    (r"^(resize_.*|_resize_.*|t_|transpose_|swapdims_|swapaxes_|squeeze_|unsqueeze_|detach_|as_strided_)$",
+     "changes a tensor's shape or strides in place (validate.py assumes in-place ops keep metadata)"),
+    (r"^_unsafe(?!_view$)|^_index_put_impl_$|^unsafe_",
+     "skips argument checks (_unsafe_view is allowed: it checks the element count)"),
+    (r"seed|rng_state|_philox|_fused_rng", "seeds or replaces the random number generator's state"),
+    (r"^(from_file|save|load|_print|_assert_async|_functional_assert_async|_assert_scalar)$|file",
+     "opens files, prints or asserts on data"),
+))
+
+
+def refusal(opname: str) -> str | None:
+    """Why op ``opname`` (no namespace, no overload) may never be allowed, or None."""
+    for pattern, why in REFUSED:
+        if pattern.search(opname):
+            return why
+    return None
+
+
+def _parse(text: str) -> tuple[str, frozenset]:
+    release, ops = "", set()
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("# torch-release:"):
+            release = line.split(":", 1)[1].strip()
+        line = line.split("#", 1)[0].strip()
+        if line:
+            ops.add(line)
+    return release, frozenset(ops)
+
+
+@functools.lru_cache(maxsize=None)
+def allowed_ops() -> frozenset:
+    """Every allowed overload name, ``"aten::add.Tensor"`` style (read once from the data file)."""
+    text = importlib.resources.files(__package__).joinpath("allowed_ops.txt").read_text()
+    release, ops = _parse(text)
+    running = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    if release != running:
+        log.warning("the op allowlist was made for torch %s, this is torch %s: graphs that call "
+                    "renamed overloads will be refused", release, running)
+    return ops
+
+
+TORCH_RELEASE = _parse(importlib.resources.files(__package__).joinpath("allowed_ops.txt").read_text())[0]
+ALLOWED_OPS = allowed_ops()
+
+
+#: Comma-separated overloads every build and load of this process also admits.
+ENV_ALLOW_OPS = "SPMD_AOT_ALLOW_OPS"
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$")
+_OPTED_IN: contextvars.ContextVar[frozenset] = contextvars.ContextVar("spmd_aot_opted_in", default=frozenset())
+
+
+def opt_in_names(names) -> frozenset:
+    """``names`` (an iterable of ``"namespace::op.overload"``, or one comma-separated string) plus
+    ``$SPMD_AOT_ALLOW_OPS``, each checked: well formed, an existing overload, not refused."""
+    from ..errors import SpmdAotError
+
+    if isinstance(names, str):
+        names = names.split(",")
+    wanted = [n.strip() for n in [*names, *os.environ.get(ENV_ALLOW_OPS, "").split(",")] if n and n.strip()]
+    for name in wanted:
+        if not _NAME.match(name):
+            raise SpmdAotError(f"allow_ops: {name[:80]!r} is not an operator overload name; expected "
+                               "'namespace::op.overload', e.g. 'aten::cumsum.default'")
+        namespace, rest = name.split("::")
+        op, overload = rest.split(".")
+        why = refusal(op)
+        if why:
+            raise SpmdAotError(f"allow_ops: {name} can never be allowed: it {why}")
+        try:
+            getattr(getattr(getattr(torch.ops, namespace), op), overload)
+        except (AttributeError, RuntimeError):
+            raise SpmdAotError(f"allow_ops: {name} does not exist in torch {torch.__version__}") from None
+    return frozenset(wanted) - allowed_ops()
+
+
+@contextlib.contextmanager
+def opted_in(names):
+    """While active, the overloads ``names`` (checked by ``opt_in_names``) are allowed too."""
+    token = _OPTED_IN.set(_OPTED_IN.get() | opt_in_names(names))
+    try:
+        yield
+    finally:
+        _OPTED_IN.reset(token)
+
+
+def is_allowed(name: str) -> bool:
+    """On the list, or opted in by the build or load in progress."""
+    return name in allowed_ops() or name in _OPTED_IN.get()
+
+
+def opted_in_ops() -> frozenset:
+    """The overloads the build or load in progress opted in to."""
+    return _OPTED_IN.get()
+
+
+def is_opted_in(name: str) -> bool:
+    """Off the list, but opted in by the build or load in progress (it has no contract of its own)."""
+    return name not in allowed_ops() and name in _OPTED_IN.get()
+
+
+def extra_ops(names) -> list[str]:
+    """The overloads among ``names`` that only an opt-in allows (what a manifest records)."""
+    return sorted(n for n in set(names) if n not in allowed_ops())

@@ -1,0 +1,438 @@
+"""An FX graph as plain data (msgpack), and back, without ever running stored code.
+
+Encoding keeps only what execution needs: each node's opcode, its target as an operator name,
+and its arguments as tagged values. Node metadata and stack traces are dropped (they hold
+paths and object reprs). Decoding reads one node at a time within ``limits.LoadLimits``,
+resolves every target against the overload allowlist (``allowlist.py``; encoding refuses the
+same ops, so a graph the loader would refuse is never stored), checks every argument against
+the op's schema (names, count, and the typed kinds below), validates every name and value,
+and raises ``UnsafeArtifactError`` / ``CorruptArtifactError`` otherwise.
+
+Typed kinds: process-group names are stored only as ``{"~group": mesh_dim}`` (or ``"world"``
+for a group of every rank), only in a collective's ``group_name`` argument, which accepts
+nothing else; devices are stored as their type only (``{"~device": "cuda"}``), only in
+``Device`` arguments. So one artifact serves every rank; ``decode_graph`` binds both to the
+live job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import keyword
+import operator
+import re
+from typing import Any, Callable
+
+import msgpack
+import torch
+
+from . import bounded
+from .allowlist import ENV_ALLOW_OPS, is_allowed, refusal
+from ..errors import CorruptArtifactError, OpNotAllowedError, UnsafeArtifactError
+from .limits import LoadLimits, load_limits
+
+__all__ = ["encode_graph", "decode_graph", "to_fx_graph", "Ref", "refs_in", "has_ref", "DecodedNode", "GRAPH_FORMAT",
+           "resolve_target"]
+
+GRAPH_FORMAT = 1
+_PYTHON_CALLABLES: dict[str, Callable] = {"operator.getitem": operator.getitem}
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,200}$")
+_OPCODES = ("placeholder", "call_function", "get_attr", "output")
+_NODE_FIELDS = frozenset({"op", "name", "target", "args", "kwargs"})
+_ENUMS = {
+    "~dtype": (torch.dtype, lambda v: str(v).removeprefix("torch.")),
+    "~layout": (torch.layout, lambda v: str(v).removeprefix("torch.")),
+    "~memory_format": (torch.memory_format, lambda v: str(v).removeprefix("torch.")),
+}
+
+
+# ---------------------------------------------------------------------------- encode
+def encode_graph(graph: torch.fx.Graph, group_names: dict[str, int]) -> bytes:
+    """Graph -> msgpack bytes. ``group_names`` maps traced process-group names to mesh dims."""
+    nodes = []
+    for node in graph.nodes:
+        if node.op not in _OPCODES:
+            raise UnsafeArtifactError(f"cannot store node {node.name} with opcode {node.op}")
+        groups = _group_argument_names(node)
+        schema_names = _argument_names(node)
+        args = [
+            _encode_group(v, group_names) if i < len(schema_names) and schema_names[i] in groups
+            else _encode(v)
+            for i, v in enumerate(node.args)
+        ]
+        kwargs = {k: _encode_group(v, group_names) if k in groups else _encode(v)
+                  for k, v in node.kwargs.items()}
+        target = _target_name(node) if node.op == "call_function" else node.target
+        nodes.append({"op": node.op, "name": node.name, "target": target, "args": args, "kwargs": kwargs})
+    return msgpack.packb({"format": GRAPH_FORMAT, "nodes": nodes}, use_bin_type=True)
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        name = f"{t.namespace}::{t._opname}.{t._overloadname}"
+        why = refusal(t._opname) or (None if is_allowed(name) else "it is not on the op allowlist")
+        if why:
+            raise UnsafeArtifactError(
+                f"node {node.name} calls {name}, which loading refuses: {why}. Write the step without "
+                f"it, or opt in to it on the build and on every job that loads it (allow_ops=[{name!r}], "
+                f"CLI --allow-op {name}, or ${ENV_ALLOW_OPS}); `spmd-aot ops` lists the allowlist"
+            )
+        return name
+    for name, fn in _PYTHON_CALLABLES.items():
+        if t is fn:
+            return name
+    raise UnsafeArtifactError(f"node {node.name} calls {t!r}, which is not an allowed op")
+
+
+def _argument_names(node) -> list[str]:
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return [a.name for a in node.target._schema.arguments]
+    return []
+
+
+def _group_argument_names(node) -> set[str]:
+    if getattr(node.target, "namespace", None) == "_c10d_functional":
+        return {"group_name"}
+    return set()
+
+
+def _encode(value) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return {"~node": value.name}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return {"~tuple": [_encode(v) for v in value]}
+    if isinstance(value, list):
+        return {"~list": [_encode(v) for v in value]}
+    if isinstance(value, torch.device):
+        return {"~device": value.type}
+    for tag, (cls, name) in _ENUMS.items():
+        if isinstance(value, cls):
+            return {tag: name(value)}
+    if isinstance(value, slice):
+        return {"~slice": [_encode(v) for v in (value.start, value.stop, value.step)]}
+    raise UnsafeArtifactError(f"cannot store a graph argument of type {type(value).__name__}: {value!r}")
+
+
+def _encode_group(value, group_names):
+    if not isinstance(value, str) or value not in group_names:
+        raise UnsafeArtifactError(
+            f"collective uses process group {value!r}, which is not a dimension of the device mesh"
+        )
+    return {"~group": group_names[value]}
+
+
+# ---------------------------------------------------------------------------- decode
+class Ref:
+    """A decoded reference to the value of node number ``index`` (graph order)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __repr__(self):
+        return f"Ref({self.index})"
+
+
+def _refs(value):
+    """Every ``Ref`` inside a decoded value (lists, tuples, maps, slices), lazily."""
+    stack = [value]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Ref):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, slice):
+            stack.extend((x.start, x.stop, x.step))
+
+
+def refs_in(value) -> set[int]:
+    """Indices of every ``Ref`` inside a decoded value."""
+    return {r.index for r in _refs(value)}
+
+
+def has_ref(value) -> bool:
+    """Any ``Ref`` inside a decoded value (stops at the first)."""
+    return next(_refs(value), None) is not None
+
+
+@dataclasses.dataclass
+class DecodedNode:
+    op: str  # placeholder | call_function | get_attr | output
+    name: str
+    target: Any  # resolved OpOverload / operator.getitem, attribute name, or the node name
+    args: tuple
+    kwargs: dict
+
+
+def decode_graph(data: bytes, *, groups: list[str], device: torch.device,
+                 limits: LoadLimits | None = None) -> list[DecodedNode]:
+    """msgpack bytes -> validated nodes, bound to live process groups and the local device.
+
+    ``groups[d]`` is the live group name of mesh dimension ``d``; a world group is taken as
+    the default process group.
+
+    Values that refer to other nodes are ``Ref``s. Raises ``UnsafeArtifactError`` for a target
+    outside the allowlist and ``CorruptArtifactError`` for anything else malformed; nothing
+    stored is executed. ``to_fx_graph`` and ``program.Program`` consume the result.
+    """
+    limits = limits or load_limits()
+    if len(data) > limits.graph_bytes:
+        raise CorruptArtifactError(
+            f"graph blob is {len(data)} bytes, more than the load limit graph_bytes={limits.graph_bytes}; "
+            "if the artifact is yours, raise it with SPMD_AOT_LOAD_LIMITS=graph_bytes=...")
+    try:
+        count, start = _header(data, limits)
+        nodes = _unpacker(memoryview(data)[start:], count, limits)
+        return _Decoder(groups, device, limits).document(nodes, count)
+    except CorruptArtifactError:
+        raise
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise CorruptArtifactError(f"graph blob is malformed: {type(exc).__name__}: {exc}") from None
+
+
+def _header(data: bytes, limits: LoadLimits) -> tuple[int, int]:
+    """(node count, offset of the first node) of ``{"format": 1, "nodes": [...]}``, in that order."""
+    reader = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(len(data), 1),
+                              max_str_len=16, max_bin_len=0, max_array_len=0, max_map_len=2, max_ext_len=0)
+    reader.feed(data)
+    if reader.read_map_header() != 2 or reader.unpack() != "format":
+        raise CorruptArtifactError("graph blob is not a map of format and nodes")
+    found = reader.unpack()
+    if found != GRAPH_FORMAT or isinstance(found, bool):
+        raise CorruptArtifactError(f"graph format is {str(found)[:40]!r}, expected {GRAPH_FORMAT}")
+    if reader.unpack() != "nodes":
+        raise CorruptArtifactError("graph blob has no node list after its format")
+    count = reader.read_array_header()
+    if count > limits.nodes:
+        raise CorruptArtifactError(
+            f"graph has {count} nodes, more than the load limit nodes={limits.nodes}; if the "
+            "artifact is yours, raise it with SPMD_AOT_LOAD_LIMITS=nodes=...")
+    return count, reader.tell()
+
+
+def _unpacker(data, count: int, limits: LoadLimits) -> msgpack.Unpacker:
+    """A streaming reader of the node list: nodes are decoded one at a time, so memory follows
+    the nodes kept, and all of them together may build at most ``objects_per_node`` objects
+    per declared node (``bounded``)."""
+    return bounded.unpacker(data, "graph blob", objects=limits.objects_per_node * count + 64,
+                            max_array=limits.items, max_map=_MAX_MAP, max_str=_MAX_STR)
+
+
+# A node map has 5 entries, a tagged value 1, kwargs at most one per schema argument.
+_MAX_MAP, _MAX_STR = 256, 1 << 16
+
+
+def to_fx_graph(nodes: list[DecodedNode]) -> torch.fx.Graph:
+    """Decoded nodes -> an ``fx.Graph`` (for inspection and tests; jobs run a ``Program``)."""
+    graph = torch.fx.Graph()
+    env: list[torch.fx.Node] = []
+
+    def fx(v):
+        if isinstance(v, Ref):
+            return env[v.index]
+        if isinstance(v, (list, tuple)):
+            return type(v)(fx(x) for x in v)
+        if isinstance(v, slice):
+            return slice(fx(v.start), fx(v.stop), fx(v.step))
+        return v
+
+    for n in nodes:
+        env.append(graph.create_node(n.op, n.target, fx(n.args), {k: fx(v) for k, v in n.kwargs.items()},
+                                     name=n.name))
+    graph.lint()
+    return graph
+
+
+_ANY, _GROUP, _DEVICE = "any", "group", "device"
+
+
+@functools.lru_cache(maxsize=None)
+def _argument_kinds(op) -> tuple[tuple[str, ...], dict[str, str]]:
+    """(kind of each positional argument, kind of each keyword argument) from the op's schema."""
+    positional, keyword_only = [], {}
+    collective = op.namespace == "_c10d_functional"
+    for arg in op._schema.arguments:
+        kind = (_GROUP if collective and arg.name == "group_name"
+                else _DEVICE if str(arg.type) in ("Device", "Optional[Device]") else _ANY)
+        keyword_only[arg.name] = kind
+        if not arg.kwarg_only:
+            positional.append(kind)
+    return tuple(positional), keyword_only
+
+
+class _Decoder:
+    def __init__(self, groups: list[str], device: torch.device, limits: LoadLimits):
+        self.limits = limits
+        self.groups: dict = dict(enumerate(groups))
+        if groups:
+            import torch.distributed as dist
+
+            self.groups["world"] = dist.group.WORLD.group_name if dist.is_initialized() else groups[0]
+        self.device = device
+        self.index: dict[str, int] = {}
+        self.targets: dict[str, Callable] = {}
+
+    def document(self, unpacker: msgpack.Unpacker, count: int) -> list[DecodedNode]:
+        """The ``count`` nodes after the header, and nothing after them."""
+        out = self.nodes(unpacker.unpack() for _ in range(count))
+        try:
+            unpacker.unpack()
+        except msgpack.OutOfData:
+            return out
+        raise CorruptArtifactError("graph blob has bytes after its node list")
+
+    def nodes(self, entries) -> list[DecodedNode]:
+        out = []
+        for entry in entries:
+            if not isinstance(entry, dict) or len(entry) != 5 or not _NODE_FIELDS.issuperset(entry):
+                raise CorruptArtifactError(f"malformed node entry {str(entry)[:80]}")
+            op, name = entry["op"], entry["name"]
+            if op not in _OPCODES:
+                raise UnsafeArtifactError(f"node opcode {str(op)[:40]!r} is not allowed")
+            if not isinstance(name, str) or not _NAME.match(name) or keyword.iskeyword(name) or name in self.index:
+                raise CorruptArtifactError(f"invalid or duplicate node name {str(name)[:80]!r}")
+            if out and out[-1].op == "output":
+                raise CorruptArtifactError("nodes after the output node")
+            if not isinstance(entry["args"], list) or not isinstance(entry["kwargs"], dict):
+                raise CorruptArtifactError(f"node {name}: args must be a list and kwargs a map")
+            target = self.target(entry["target"]) if op == "call_function" else None
+            positional, by_name = (_argument_kinds(target) if isinstance(target, torch._ops.OpOverload)
+                                   else ((), None))
+            if by_name is not None and len(entry["args"]) > len(positional):
+                raise CorruptArtifactError(f"node {name}: {len(entry['args'])} arguments for "
+                                           f"{target}, which takes {len(positional)} positionally")
+            args = tuple(self.value(a, kind=positional[i] if i < len(positional) else _ANY)
+                         for i, a in enumerate(entry["args"]))
+            kwargs = {}
+            for k, v in entry["kwargs"].items():
+                k = self.kwarg_name(k)
+                if by_name is not None and k not in by_name:
+                    raise CorruptArtifactError(f"node {name}: {target} has no argument {k!r}")
+                kwargs[k] = self.value(v, kind=by_name[k] if by_name is not None else _ANY)
+            if by_name is not None:
+                self.check_groups(name, target, entry["args"], entry["kwargs"], positional)
+            if op == "placeholder":
+                if out and out[-1].op != "placeholder":
+                    raise CorruptArtifactError(f"placeholder {name} after non-placeholder nodes")
+                target = name
+            elif op == "get_attr":
+                target = self.attr_name(entry["target"])
+            elif op == "output":
+                if len(args) != 1 or kwargs:
+                    raise CorruptArtifactError("output node must have exactly one argument")
+                target = "output"
+            self.index[name] = len(out)
+            out.append(DecodedNode(op, name, target, args, kwargs))
+        if not out or out[-1].op != "output":
+            raise CorruptArtifactError("graph has no output node")
+        return out
+
+    def check_groups(self, name, target, args, kwargs, positional) -> None:
+        """A collective's group must be given, and only as a bound mesh dimension."""
+        if _GROUP in positional:
+            i = positional.index(_GROUP)
+            if i >= len(args) and "group_name" not in kwargs:
+                raise UnsafeArtifactError(f"node {name}: {target} has no process group argument")
+
+    def target(self, name):
+        if not isinstance(name, str):
+            raise UnsafeArtifactError(f"op target must be a string, got {type(name).__name__}")
+        if name not in self.targets:
+            self.targets[name] = resolve_target(name)
+        return self.targets[name]
+
+    def kwarg_name(self, k):
+        if not isinstance(k, str) or not _NAME.match(k):
+            raise CorruptArtifactError(f"invalid keyword argument name {str(k)[:80]!r}")
+        return k
+
+    def attr_name(self, target):
+        if not isinstance(target, str) or not _NAME.match(target) or target.startswith("__"):
+            raise UnsafeArtifactError(f"invalid attribute target {str(target)[:80]!r}")
+        return target
+
+    def value(self, v, depth: int = 0, kind: str = _ANY):
+        if kind == _GROUP and not (isinstance(v, dict) and list(v) == ["~group"]):
+            raise UnsafeArtifactError(
+                f"a collective's process group is given as {str(v)[:60]!r}; stored graphs name groups "
+                "only as a mesh dimension ({'~group': dim}), which is bound to the live job's group")
+        if kind == _DEVICE and v is not None and not (isinstance(v, dict) and list(v) == ["~device"]):
+            raise UnsafeArtifactError(f"device argument {str(v)[:60]!r} is not a device type")
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if depth > self.limits.depth:
+            raise CorruptArtifactError(f"graph value nested deeper than {self.limits.depth} levels")
+        if not isinstance(v, dict) or len(v) != 1:
+            raise CorruptArtifactError(f"invalid graph value {str(v)[:80]!r}")
+        (tag, payload), = v.items()
+        if tag == "~node":
+            if not isinstance(payload, str) or payload not in self.index:
+                raise CorruptArtifactError(f"reference to unknown node {str(payload)[:80]!r}")
+            return Ref(self.index[payload])
+        if tag in ("~tuple", "~list") and isinstance(payload, list):
+            items = [self.value(x, depth + 1) for x in payload]
+            return tuple(items) if tag == "~tuple" else items
+        if tag == "~slice" and isinstance(payload, list) and len(payload) == 3:
+            return slice(*(self.value(x, depth + 1) for x in payload))
+        if tag == "~group":
+            if kind != _GROUP:
+                raise UnsafeArtifactError("a process group appears outside a collective's group argument")
+            if payload == "world":
+                return self.groups["world"]
+            if not isinstance(payload, int) or isinstance(payload, bool) or payload not in self.groups:
+                raise CorruptArtifactError(
+                    f"collective names mesh dimension {payload!r}; the live mesh has "
+                    f"{sum(1 for k in self.groups if isinstance(k, int))}"
+                )
+            return self.groups[payload]
+        if tag == "~device":
+            if kind != _DEVICE:
+                raise UnsafeArtifactError("a device appears outside a device argument")
+            if payload not in ("cpu", "cuda", "meta", "xpu", "mps", "hpu"):
+                raise CorruptArtifactError(f"unknown device type {str(payload)[:40]!r}")
+            return self.device if payload == self.device.type else torch.device(payload)
+        if tag in _ENUMS and isinstance(payload, str) and _NAME.match(payload):
+            obj = getattr(torch, payload, None)
+            if isinstance(obj, _ENUMS[tag][0]):
+                return obj
+        raise CorruptArtifactError(f"invalid graph value {str(v)[:80]!r}")
+
+
+def resolve_target(name) -> Callable:
+    """``'aten::add_.Tensor'`` -> ``torch.ops.aten.add_.Tensor``, for allowlisted overloads only."""
+    if not isinstance(name, str):
+        raise UnsafeArtifactError(f"op target must be a string, got {type(name).__name__}")
+    if name in _PYTHON_CALLABLES:
+        return _PYTHON_CALLABLES[name]
+    namespace, sep, rest = name.partition("::")
+    opname, dot, overload = rest.partition(".")
+    if not sep or not dot:
+        raise UnsafeArtifactError(f"graph calls {name[:80]!r}, which is not an operator name "
+                                  "(namespace::op.overload) or operator.getitem")
+    for part in (namespace, opname, overload):
+        if not _NAME.match(part) or part.startswith("__"):
+            raise UnsafeArtifactError(f"graph calls {name[:80]!r}, which is not an operator name")
+    why = refusal(opname)
+    if why:
+        raise UnsafeArtifactError(f"graph calls {name!r}, which is refused: it {why}")
+    if not is_allowed(name):
+        raise OpNotAllowedError(
+            f"graph calls {name[:80]!r}, which is not on the op allowlist of this spmd-aot "
+            f"(`spmd-aot ops` lists it) and this job did not opt in to it (allow_ops=, --allow-op, "
+            f"${ENV_ALLOW_OPS}); refusing the artifact", op=name)
+    try:
+        packet = getattr(getattr(torch.ops, namespace), opname)
+        op = getattr(packet, overload)
+    except (AttributeError, RuntimeError):
+        raise CorruptArtifactError(f"operator {name!r} does not exist in torch {torch.__version__}") from None
+    if not isinstance(op, torch._ops.OpOverload):
+        raise UnsafeArtifactError(f"graph target {name!r} is not an operator overload")
+    return op

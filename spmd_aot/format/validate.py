@@ -1,0 +1,266 @@
+"""Check a decoded graph against its state layout on meta tensors, before anything runs.
+
+Some allowed ops describe memory with numbers the graph supplies (views from sizes, strides
+and offsets; factory ops with a size), and a few of torch's own kernels do not bounds-check
+them. So before a loaded graph runs, every node's arguments are checked against its op's
+contract (``contracts.py``: the size, dtype, stride and overlap relations its CPU and CUDA
+kernels assume; torch's meta kernels are no bounds checks), then the node is executed on
+``meta`` tensors shaped by the layout (no data, no allocation, no random numbers drawn), and
+every tensor it produces must
+
+* be a plain strided tensor (no sparse or other layouts),
+* lie inside its storage (offset and strides within the storage's bytes), and
+* not be larger than ``limits.LoadLimits`` allows relative to the layout's tensors.
+
+A graph that fails any of these, or that cannot run on its own layout at all (wrong argument
+types, shapes that do not fit), is refused with ``UnsafeArtifactError`` /
+``CorruptArtifactError`` naming the node. This costs about as much as one eager step's Python
+overhead, once per load.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives  # noqa: F401  (meta kernels of the collectives)
+
+from .contracts import Broken, check_call
+from ..errors import CorruptArtifactError, UnsafeArtifactError
+from ..tracing.fused_meta import FUSED_STEPS, standin
+from .limits import LoadLimits, load_limits
+from .serialize import DecodedNode, Ref
+
+__all__ = ["check_graph", "check_node", "tensor_limit"]
+
+_META = torch.device("meta")
+
+
+def _dtype(name: Any) -> torch.dtype:
+    value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(value, torch.dtype):
+        raise CorruptArtifactError(f"layout names unknown dtype {str(name)[:40]!r}")
+    return value
+
+
+def _shape(value: Any, what: str) -> list[int]:
+    if (not isinstance(value, list) or len(value) > 64
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48 for d in value)):
+        raise CorruptArtifactError(f"layout {what} {str(value)[:80]!r} is not a list of sizes")
+    return value
+
+
+def _bytes(shape: list[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def tensor_limit(inputs: list[dict], limits: LoadLimits) -> int:
+    """The most bytes one tensor of this graph may hold (see ``LoadLimits``)."""
+    sizes = []
+    for entry in inputs:
+        dtype = _dtype(entry.get("dtype"))
+        shape = entry.get("global_shape", entry.get("local_shape"))
+        sizes.append(_bytes(_shape(shape, "global shape"), dtype))
+    return max([limits.tensor_floor, limits.tensor_factor * max(sizes, default=0), sum(sizes)])
+
+
+def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], inputs: list[dict],
+                limits: LoadLimits | None = None) -> None:
+    """Run ``nodes`` on meta tensors shaped as ``inputs`` (the layout) and check every result."""
+    limits = limits or load_limits()
+    limit = tensor_limit(inputs, limits)
+    placeholders = sum(1 for n in nodes if n.op == "placeholder")
+    if placeholders != len(inputs):
+        raise CorruptArtifactError(f"graph has {placeholders} inputs, its layout {len(inputs)}")
+    env: list[Any] = [None] * len(nodes)
+    # Torch's meta kernels for most ops are Python and cost ~0.5 ms a call; layers repeat, so
+    # the result of an op on inputs of the same metadata is remembered and rebuilt (~20 us).
+    memo: dict = {}
+
+    def meta(v):
+        if isinstance(v, Ref):
+            return env[v.index]
+        if isinstance(v, torch.device):
+            return _META
+        if isinstance(v, (list, tuple)):
+            return type(v)(meta(x) for x in v)
+        if isinstance(v, dict):
+            return {k: meta(x) for k, x in v.items()}
+        if isinstance(v, slice):
+            return slice(meta(v.start), meta(v.stop), meta(v.step))
+        return v
+
+    for i, node in enumerate(nodes):
+        if node.op == "placeholder":
+            entry = inputs[i]
+            shape, dtype = _shape(entry.get("local_shape"), "local shape"), _dtype(entry.get("dtype"))
+            if _bytes(shape, dtype) > limit:
+                raise CorruptArtifactError(f"layout input {i} is {_bytes(shape, dtype)} bytes, over the limit")
+            env[i] = torch.empty(shape, dtype=dtype, device=_META)
+        elif node.op == "get_attr":
+            if node.target not in constants:
+                raise CorruptArtifactError(f"graph reads constant {node.target!r}, which is not stored")
+            env[i] = constants[node.target].to(_META)
+        elif node.op == "call_function":
+            args, kwargs = meta(node.args), meta(node.kwargs)
+            if kwargs.get("device") is None and _makes_tensors_on_a_device(node.target):
+                kwargs["device"] = _META  # no device: the default (CPU) would allocate for real
+            tensors: list[torch.Tensor] = []
+            storages: dict[int, int] = {}  # storage id -> index of the first tensor on it
+            if any(isinstance(a, (list, tuple)) and len(a) > 16 for a in args):
+                key = None  # a foreach op over every parameter: unique in its graph, never a memo hit
+            else:
+                try:
+                    key = (node.target, _signature(args, tensors, storages), _signature(kwargs, tensors, storages))
+                except TypeError:  # an unhashable argument: no memo, run it
+                    key = None
+            known = memo.get(key) if key is not None else None
+            if known is not None:  # same op on the same metadata: same (already checked) result
+                env[i] = _rebuild(known, tensors)
+                continue
+            env[i] = check_node(node, args, kwargs, limit)
+            if key is not None:
+                memo[key] = _describe(env[i], storages)
+
+
+def check_node(node: DecodedNode, args: tuple, kwargs: dict, limit: int) -> Any:
+    """One call on meta arguments: its op's contract, then its meta kernel, then every result
+    (plain strided, inside its storage, within ``limit`` bytes); returns the meta result."""
+    if node.target is not operator.getitem:
+        _check_contract(node, args, kwargs)
+    written = [(t, _geometry(t)) for t in _written_tensors(node.target, args, kwargs)]
+    try:
+        run = _STANDINS.get(node.target, node.target)
+        value = run(*args, **kwargs)
+    except Exception as exc:  # the graph does not fit its own layout
+        raise CorruptArtifactError(
+            f"node {node.name} ({_name(node.target)}) cannot run on the artifact's layout: "
+            f"{type(exc).__name__}: {str(exc)[:300]}") from None
+    for t, before in written:
+        if _geometry(t) != before:  # e.g. ``mm.out`` into a wrongly shaped ``out`` resizes it
+            raise UnsafeArtifactError(
+                f"node {node.name} ({_name(node.target)}) changes the shape or strides of a tensor "
+                f"it writes, from {before} to {_geometry(t)}")
+    _check_result(node, value, limit)
+    return value
+
+
+def _check_contract(node: DecodedNode, args: tuple, kwargs: dict) -> None:
+    """The node's arguments against its op's contract, before its meta kernel runs (memo hits
+    skip this: same op on the same metadata, already checked)."""
+    try:
+        check_call(node.target, args, kwargs)
+    except Broken as exc:
+        raise UnsafeArtifactError(f"node {node.name} ({_name(node.target)}) breaks its op's argument contract: "
+                                  f"{exc}") from None
+    except LookupError as exc:
+        raise UnsafeArtifactError(f"node {node.name}: {exc}; an allowed op runs only with a contract") from None
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.storage_offset()
+
+
+def _written_tensors(op, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op writes (schema ``(a!)``): it may change their values, never their
+    geometry, which is what the checks of later nodes rely on (ops that change geometry in
+    place are refused by name: allowlist.REFUSED)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for pos, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[pos] if pos < len(args) else kwargs.get(arg.name)
+        out += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor)]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _makes_tensors_on_a_device(op) -> bool:
+    """Factory ops (``full``, ``empty``, ``arange``, ...): their device is a keyword argument."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(a.name == "device" and a.kwarg_only for a in schema.arguments)
+
+
+# Fused steps: torch has no meta kernel for some and a lax one for others; their contract is the check.
+_STANDINS = {op: standin(op) for op in FUSED_STEPS}
+
+
+def _signature(v, tensors: list, storages: dict[int, int]) -> Any:
+    """A hashable description of an argument's metadata; tensors are collected in order, and
+    ``storages`` maps each storage to the first collected tensor on it (aliasing is part of
+    the key)."""
+    if isinstance(v, torch.Tensor):
+        tensors.append(v)
+        storage = v.untyped_storage()
+        first = storages.setdefault(storage._cdata, len(tensors) - 1)
+        return ("T", tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, storage.nbytes(), first)
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_signature(x, tensors, storages) for x in v))
+    if isinstance(v, dict):
+        return ("D", tuple((k, _signature(x, tensors, storages)) for k, x in v.items()))
+    if isinstance(v, slice):
+        return ("S", v.start, v.stop, v.step)
+    if isinstance(v, float):
+        return ("F", v.hex())  # -0.0, nan: exact
+    hash(v)
+    return (type(v).__name__, v)
+
+
+def _describe(value: Any, storages: dict[int, int]) -> Any:
+    """How to rebuild ``value`` from inputs: each tensor as a view of an input's storage, or new."""
+    if isinstance(value, (list, tuple)):
+        return (type(value), [_describe(v, storages) for v in value])
+    if not isinstance(value, torch.Tensor):
+        return ("value", value)
+    source = storages.get(value.untyped_storage()._cdata)
+    return ("tensor", source, value.untyped_storage().nbytes(), value.dtype, tuple(value.shape), value.stride(),
+            value.storage_offset())
+
+
+def _rebuild(desc: Any, tensors: list) -> Any:
+    if desc[0] == "value":
+        return desc[1]
+    if desc[0] != "tensor":
+        return desc[0](_rebuild(d, tensors) for d in desc[1])
+    _, source, nbytes, dtype, shape, stride, offset = desc
+    storage = (tensors[source].untyped_storage() if source is not None
+               else torch.UntypedStorage(nbytes, device=_META))
+    return torch.empty(0, dtype=dtype, device=_META).set_(storage, offset, shape, stride)
+
+
+def _name(target) -> str:
+    return getattr(target, "__name__", None) or str(target)
+
+
+def _check_result(node: DecodedNode, value: Any, limit: int) -> None:
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            _check_result(node, v, limit)
+        return
+    if not isinstance(value, torch.Tensor):
+        return
+    where = f"node {node.name} ({_name(node.target)})"
+    if value.layout != torch.strided:
+        raise UnsafeArtifactError(f"{where} makes a {value.layout} tensor; only strided tensors are allowed")
+    storage = value.untyped_storage().nbytes()
+    if storage > limit:
+        raise UnsafeArtifactError(
+            f"{where} would create a tensor of {storage} bytes, more than this artifact's limit of "
+            f"{limit} bytes (tensor_factor x its largest state tensor, its whole state, or tensor_floor); "
+            "if the artifact is yours, raise it with SPMD_AOT_LOAD_LIMITS")
+    if value.numel() == 0:
+        return
+    offset = value.storage_offset()
+    if offset < 0 or any(s < 0 for s in value.stride()):
+        raise UnsafeArtifactError(f"{where} makes a view with a negative offset or stride")
+    last = offset + sum((n - 1) * s for n, s in zip(value.shape, value.stride()))
+    if (last + 1) * value.element_size() > storage:
+        raise UnsafeArtifactError(
+            f"{where} makes a view of shape {list(value.shape)}, strides {list(value.stride())}, offset "
+            f"{offset} that reaches byte {(last + 1) * value.element_size()} of a {storage}-byte storage")

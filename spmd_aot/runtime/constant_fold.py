@@ -1,0 +1,215 @@
+"""Compute once, when a program is built, what a step computes from no input at all.
+
+A traced step recomputes every step what eager code recomputes: causal masks (``ones`` ->
+``tril`` -> ``bitwise_not``), ``arange`` positions, broadcast constants. Their values never
+change, so a ``Program`` evaluates them at load and keeps the results, which takes those ops
+off every step (a few percent of a small model's step). Results are bit-identical: the same
+ops run on the same arguments, once.
+
+What is folded, conservatively:
+- only functional ops (no mutable schema argument), never RNG-seeded or bitwise
+  nondeterministic ones, never collectives;
+- only values that no later op writes in place and that the step does not return (a caller
+  could modify a returned tensor); a folded value and everything folded from it are kept or
+  dropped together, since views share storage;
+- each op first runs on the meta device, so sizes are known before memory is touched; values
+  over ``_MAX_VALUE_BYTES`` (or over ``_MAX_TOTAL_BYTES`` together) are left to the step;
+- the graph is stored data, so folding is bounded work whatever it holds: one pass over the
+  nodes (linear), and each op's cost is estimated from its shapes before it runs (``_cost``:
+  elements read and written, or output elements x reduction length for contractions, plus a
+  fixed charge per op); an op over ``LoadLimits.fold_op_flops`` is left to the step, and once
+  ``fold_total_flops`` is spent nothing more is folded.
+Anything that fails to fold simply runs every step, as it would have; folding never raises.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from ..format.limits import LoadLimits, load_limits
+from ..format.serialize import DecodedNode, Ref, refs_in
+
+__all__ = ["fold_constants"]
+
+_MAX_VALUE_BYTES = 16 << 20
+_MAX_TOTAL_BYTES = 64 << 20
+_UNFOLDABLE_TAGS = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
+_PER_OP = 1 << 15  # charged for every op tried: its meta and real dispatch cost time too
+# Contractions: output elements x the length of the contracted dimension (of this argument).
+_CONTRACTIONS = {"mm": 0, "bmm": 0, "matmul": 0, "dot": 0, "vdot": 0, "mv": 0,
+                 "addmm": 1, "baddbmm": 1, "addbmm": 1, "addmv": 1}
+# Ops whose work can grow faster than what they read and write, with no simple formula here:
+# charged output elements x their largest input (an upper bound).
+_SUPERLINEAR = ("conv", "_conv", "cudnn", "mkldnn", "einsum", "cdist", "_cdist", "linalg", "_linalg",
+                "tensordot", "_scaled_dot", "scaled_dot", "_efficient", "_flash", "cholesky", "triangular",
+                "lu", "qr", "svd", "eig", "inverse", "det", "logdet", "slogdet", "pinverse", "matrix_power",
+                "kron", "histc", "bincount", "_fft", "fft", "stft", "istft", "grid_sampler", "upsample",
+                "_upsample", "embedding_bag", "_embedding_bag", "ctc", "_ctc", "pdist", "_pdist")
+
+
+def fold_constants(nodes: list[DecodedNode], template: list[Any], output: Any,
+                   limits: LoadLimits | None = None) -> set[int]:
+    """Evaluate input-independent call nodes; store the values later steps read in ``template``.
+
+    ``template[i]`` holds the value of every ``get_attr`` node already. Returns the indices of
+    the folded nodes (the program skips them)."""
+    limits = limits or load_limits()
+    available = {i for i, n in enumerate(nodes) if n.op == "get_attr"}  # constants, then folded values
+    values: dict[int, Any] = {i: template[i] for i in available}
+    folded: set[int] = set()
+    total = 0
+    budget = limits.fold_total_flops
+    with torch.no_grad():
+        for i, node in enumerate(nodes):
+            if node.op != "call_function" or not _pure(node.target):
+                continue
+            if not (refs_in(node.args) | refs_in(node.kwargs)) <= available:
+                continue
+            if budget < _PER_OP:
+                break  # the load's folding budget is spent: the rest runs every step
+            budget -= _PER_OP
+            try:
+                meta_args = _bind(node.args, values, meta=True)
+                meta_kwargs = _bind(node.kwargs, values, meta=True)
+                if _takes_device(node) and "device" not in meta_kwargs:
+                    meta_kwargs["device"] = torch.device("meta")  # a default device is a real one
+                meta = node.target(*meta_args, **meta_kwargs)
+                size = _bytes(meta)
+                if size is None or size > _MAX_VALUE_BYTES or total + size > _MAX_TOTAL_BYTES:
+                    continue
+                cost = _cost(node.target, meta_args, meta_kwargs, meta)
+                if cost > limits.fold_op_flops or cost > budget:
+                    continue
+                budget -= cost
+                value = node.target(*_bind(node.args, values), **_bind(node.kwargs, values))
+            except Exception:  # left to the step, which raises what it raises
+                continue
+            values[i] = value
+            folded.add(i)
+            available.add(i)
+            total += size
+    folded -= _unsafe(nodes, folded, output)
+    for i in folded:
+        template[i] = values[i]
+    return folded
+
+
+def _numels(value) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        return [value.numel()]
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in _numels(v)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _numels(v)]
+    return []
+
+
+def _cost(target, args, kwargs, result) -> int:
+    """Estimated multiply-adds of one op, from meta shapes (see the module doc)."""
+    inputs = _numels(args) + _numels(kwargs)
+    out = sum(_numels(result))
+    name = getattr(target, "_opname", "")
+    operand = _CONTRACTIONS.get(name)
+    if operand is not None:
+        t = args[operand] if len(args) > operand else None
+        k = t.shape[-1] if isinstance(t, torch.Tensor) and t.dim() else 1
+        return max(out, 1) * k + sum(inputs)
+    if name.startswith(_SUPERLINEAR):
+        return max(out, 1) * max(inputs, default=1) + sum(inputs)
+    return out + sum(inputs)
+
+
+def _pure(target) -> bool:
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+        return False
+    return not target._schema.is_mutable and not any(t in target.tags for t in _UNFOLDABLE_TAGS)
+
+
+def _takes_device(node: DecodedNode) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(
+        a.name == "device" and (a.kwarg_only or i >= len(node.args)) for i, a in enumerate(schema.arguments))
+
+
+def _unsafe(nodes: list[DecodedNode], folded: set[int], output: Any) -> set[int]:
+    """Folded nodes that must run every step after all: the step returns them or writes them
+    in place (through any view), with everything folded that shares their component."""
+    if not folded:  # the common case: nothing to undo, and no need to walk every node's arguments
+        return set()
+    parent = {i: i for i in folded}
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i in folded:
+        for r in refs_in(nodes[i].args) | refs_in(nodes[i].kwargs):
+            if r in parent:
+                parent[root(r)] = root(i)
+    bad_roots = {root(r) for r in refs_in(output) if r in parent}
+    for i, node in enumerate(nodes):
+        if node.op != "call_function" or i in folded:
+            continue
+        suspect = _written_refs(node)
+        if _returns_alias(node):  # a view of a folded value escapes into per-step values
+            suspect |= refs_in(node.args) | refs_in(node.kwargs)
+        for r in suspect:
+            if r in parent:
+                bad_roots.add(root(r))
+    return {i for i in folded if root(i) in bad_roots}
+
+
+def _returns_alias(node: DecodedNode) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _written_refs(node: DecodedNode) -> set[int]:
+    """Values an op may write: arguments its schema marks ``(a!)``; unknown ops write all."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return set() if node.target is operator.getitem else refs_in(node.args) | refs_in(node.kwargs)
+    written: set[int] = set()
+    for pos, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[pos] if pos < len(node.args) else node.kwargs.get(arg.name)
+        written |= refs_in(value)
+    return written
+
+
+def _bind(v, values: dict[int, Any], meta: bool = False):
+    if isinstance(v, Ref):
+        x = values[v.index]
+        return _to_meta(x) if meta else x
+    if isinstance(v, (list, tuple)):
+        return type(v)(_bind(x, values, meta) for x in v)
+    if isinstance(v, dict):
+        return {k: (torch.device("meta") if meta and k == "device" and x is not None else _bind(x, values, meta))
+                for k, x in v.items()}
+    return v
+
+
+def _to_meta(x):
+    if isinstance(x, torch.Tensor):
+        return x if x.device.type == "meta" else torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
+                                                                      device="meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_meta(y) for y in x)
+    return x
+
+
+def _bytes(value) -> int | None:
+    """Bytes a value's tensors occupy (None: not a tensor or a list of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)) and all(isinstance(x, torch.Tensor) for x in value):
+        return sum(x.numel() * x.element_size() for x in value)
+    return None

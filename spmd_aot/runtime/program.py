@@ -1,0 +1,215 @@
+"""Run a decoded graph directly: a flat list of op calls over a value table.
+
+Why not ``fx.GraphModule``: it generates and compiles Python source for the whole graph, which
+for a 12-layer transformer step (6k nodes) costs more at job start than everything else a
+cache hit does. A ``Program`` is built straight from the validated nodes, calls the very same
+op overloads in the same order (so results are bit-identical to the traced graph), and frees
+each intermediate after its last use, as FX's generated code does.
+
+Per step the interpreter does as little Python as it can, since on small models that is what a
+step pays on top of the kernels: each op is called through its C++ handle, its arguments are
+gathered with precomputed ``itemgetter``s, the items of multi-output ops are unpacked where
+they are produced (no ``getitem`` steps), and values that depend on no input (causal masks,
+``arange`` positions: see ``constant_fold.py``) are computed once when the program is built.
+
+Ops whose kernels write where index values say without bounds-checking them
+(``contracts.VALUE_CHECKS``: max-pool and embedding backward) have their index tensors' range
+checked right before every call; they are never folded, so no value escapes the check.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .constant_fold import fold_constants
+from ..format.contracts import VALUE_CHECKS, op_name
+from ..errors import CorruptArtifactError
+from ..format.serialize import DecodedNode, Ref, has_ref, refs_in
+
+__all__ = ["Program"]
+
+
+class Program:
+    def __init__(self, nodes: list[DecodedNode], constants: dict[str, torch.Tensor], *, fold: bool = True):
+        nodes = [_value_checked(n) for n in nodes]
+        self.n_inputs = sum(1 for n in nodes if n.op == "placeholder")
+        self.n_ops = sum(1 for n in nodes if n.op == "call_function")
+        self._template: list[Any] = [None] * len(nodes)
+        for i, n in enumerate(nodes):
+            if n.op == "get_attr":
+                if n.target not in constants:
+                    raise CorruptArtifactError(f"graph reads constant {n.target!r}, which is not stored")
+                self._template[i] = constants[n.target]
+        self._output = nodes[-1].args[0]
+        folded = fold_constants(nodes, self._template, self._output) if fold else set()
+        self.n_folded = len(folded)
+        unpacked = _unpacked_items(nodes, folded)
+        last_use = _last_uses(nodes, skip=folded | set(unpacked))
+        frees_after: dict[int, list[int]] = {}
+        for value, user in last_use.items():
+            if nodes[value].op == "call_function" and value not in folded:
+                frees_after.setdefault(user, []).append(value)
+        outputs = refs_in(self._output)
+        unpack_at: dict[int, list[tuple[int, int]]] = {}
+        for item, (source, k) in unpacked.items():
+            unpack_at.setdefault(source, []).append((item, k))
+            if item not in last_use and item not in outputs:  # an item nobody reads
+                frees_after.setdefault(source, []).append(item)
+        for source in unpack_at:  # the container itself, once its items are out
+            if source not in last_use and source not in outputs:
+                frees_after.setdefault(source, []).append(source)
+        self._steps = [_compile_call(i, n, unpack_at.get(i, ()), frees_after.get(i, ()))
+                       for i, n in enumerate(nodes)
+                       if n.op == "call_function" and i not in folded and i not in unpacked]
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        if len(inputs) != self.n_inputs:
+            raise TypeError(f"program takes {self.n_inputs} inputs, got {len(inputs)}")
+        env = self._template.copy()
+        env[: self.n_inputs] = inputs
+        for fn, index, gather, kwargs, unpack, frees in self._steps:
+            out = fn(*gather(env), **kwargs)
+            env[index] = out
+            if unpack:
+                for item, k in unpack:
+                    env[item] = out[k]
+            if frees:
+                for f in frees:
+                    env[f] = None
+        return _materialize(self._output, env)
+
+
+class _ValueChecked:
+    """An op whose index values are checked before each call (not an OpOverload, so never folded)."""
+
+    __slots__ = ("op", "check", "__name__")
+
+    def __init__(self, op, check):
+        self.op, self.check, self.__name__ = op._op, check, op_name(op)
+
+    def __call__(self, *args, **kwargs):
+        self.check(args, kwargs)
+        return self.op(*args, **kwargs)
+
+
+def _value_checked(node: DecodedNode) -> DecodedNode:
+    check = VALUE_CHECKS.get(op_name(node.target)) if hasattr(node.target, "_overloadname") else None
+    if check is None or node.op != "call_function":
+        return node
+    return DecodedNode(node.op, node.name, _ValueChecked(node.target, check), node.args, node.kwargs)
+
+
+def _unpacked_items(nodes: list[DecodedNode], folded: set[int]) -> dict[int, tuple[int, int]]:
+    """``getitem(multi_output_op, k)`` nodes, as item index -> (source index, k)."""
+    out = {}
+    for i, n in enumerate(nodes):
+        if (n.op == "call_function" and n.target is operator.getitem and len(n.args) == 2 and not n.kwargs
+                and isinstance(n.args[0], Ref) and type(n.args[1]) is int and i not in folded):
+            source = n.args[0].index
+            if nodes[source].op == "call_function" and source not in folded and source < i:
+                out[i] = (source, n.args[1])
+    return out
+
+
+def _compile_call(index: int, node: DecodedNode, unpack: Sequence[tuple[int, int]], frees: Sequence[int]):
+    """(callable, index, gather(env) -> positional args, kwargs, unpack, frees) for one node."""
+    fn = getattr(node.target, "_op", node.target)  # the C++ handle behind an OpOverload
+    if not has_ref(node.kwargs):
+        return (fn, index, _gatherer(node.args), node.kwargs, tuple(unpack), tuple(frees))
+    if all(isinstance(v, Ref) or not has_ref(v) for v in node.kwargs.values()):
+        # a kwarg that is a value (``mm.out(a, b, out=bucket_slice)``): gathered like the args
+        gather, constant = _gatherer(node.args), {k: v for k, v in node.kwargs.items() if not isinstance(v, Ref)}
+        refs = [(k, v.index) for k, v in node.kwargs.items() if isinstance(v, Ref)]
+
+        def value_kwargs(env, _f=fn):
+            kwargs = constant.copy()
+            for k, i in refs:
+                kwargs[k] = env[i]
+            return _f(*gather(env), **kwargs)
+        return (value_kwargs, index, lambda env: (env,), {}, tuple(unpack), tuple(frees))
+
+    def with_kwargs(env, _f=fn, _a=node.args, _kw=node.kwargs):  # rare: a kwarg holds values deeper
+        return _f(*_materialize(_a, env), **_materialize(_kw, env))
+    return (with_kwargs, index, lambda env: (env,), {}, tuple(unpack), tuple(frees))
+
+
+def _gatherer(args: tuple) -> Callable[[list], tuple]:
+    """The fastest way to build one node's positional arguments from the value table."""
+    if not has_ref(args):
+        return lambda env, _a=tuple(args): _a  # noqa: E731
+    if all(isinstance(a, Ref) for a in args):
+        indices = [a.index for a in args]
+        if len(indices) == 1:
+            only = indices[0]
+            return lambda env: (env[only],)  # noqa: E731
+        return operator.itemgetter(*indices)
+    if all(isinstance(a, Ref) or not has_ref(a) for a in args):  # refs and constants, flat
+        positions = [i for i, a in enumerate(args) if isinstance(a, Ref)]
+        indices = [args[i].index for i in positions]
+        template = list(args)
+
+        def flat(env):
+            a = template.copy()
+            for pos, idx in zip(positions, indices):
+                a[pos] = env[idx]
+            return a
+        return flat
+    if all(isinstance(a, Ref) or _is_ref_list(a) or not has_ref(a) for a in args):
+        # foreach ops: lists of refs, one level deep
+        parts = []
+        for a in args:
+            if isinstance(a, Ref):
+                parts.append((0, a.index))
+            elif _is_ref_list(a):
+                getter = operator.itemgetter(*[x.index for x in a])
+                parts.append((1, getter) if len(a) > 1 else (2, a[0].index))
+            else:
+                parts.append((3, a))
+
+        def lists(env):
+            out = []
+            for kind, v in parts:
+                if kind == 0:
+                    out.append(env[v])
+                elif kind == 1:
+                    out.append(list(v(env)))
+                elif kind == 2:
+                    out.append([env[v]])
+                else:
+                    out.append(v)
+            return out
+        return lists
+    return lambda env, _a=args: _materialize(_a, env)  # noqa: E731
+
+
+def _is_ref_list(v) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(isinstance(x, Ref) for x in v)
+
+
+def _materialize(v, env):
+    if isinstance(v, Ref):
+        return env[v.index]
+    if isinstance(v, (list, tuple)):
+        return type(v)(_materialize(x, env) for x in v)
+    if isinstance(v, dict):
+        return {k: _materialize(x, env) for k, x in v.items()}
+    if isinstance(v, slice):
+        return slice(_materialize(v.start, env), _materialize(v.stop, env), _materialize(v.step, env))
+    return v
+
+
+def _last_uses(nodes: list[DecodedNode], skip: set[int] = frozenset()) -> dict[int, int]:
+    """value index -> index of the last call node that reads it (outputs are never freed).
+
+    Nodes in ``skip`` run elsewhere (folded at build, unpacked by their source) and read nothing
+    at step time; what they read stays alive through the node that replaced them."""
+    last: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        if n.op == "call_function" and i not in skip:
+            for r in refs_in(n.args) | refs_in(n.kwargs):
+                last[r] = i
+    outputs = refs_in(nodes[-1].args)  # what the output node reads
+    return {v: user for v, user in last.items() if v not in outputs}  # graph outputs stay alive

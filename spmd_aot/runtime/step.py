@@ -1,0 +1,373 @@
+"""``spmd_aot.compile``: at job start, find the stored step, bind it, and run it every step.
+
+The first call is collective: every rank computes the key from its live objects, the ranks
+check they agree, rank 0 decides hit or miss and the others follow (mixed hit/miss would
+hang a job), on a miss rank 0 traces and stores while the others wait, then every rank loads
+and verifies the same manifest digest and binds it to the live process group and device.
+Later calls only check the batch's shapes (and the modules' train/eval modes) and run the graph.
+
+A step compiled from ``fn(model, batch)`` is called ``step(model, batch)``: it is forward-only
+(evaluation, inference): no optimizer, no autograd, so no parameter update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from ..keying import guards
+from . import ranks
+from ..format.allowlist import opt_in_names, opted_in
+from ..format.artifact import artifact_blobs, artifact_in_memory, layout_mismatch, read_artifact
+from ..errors import (ArtifactMismatchError, CacheIOError, CacheMissError, CorruptArtifactError, LockTimeoutError,
+                     OpNotAllowedError, SpmdAotError)
+from .device_check import check_device
+from ..keying.explain import explain_miss
+from ..hints import TARGET_PLACEHOLDER, build_command
+from ..keying.key import compute_key
+from ..keying.lookup import find_entry
+from ..parallel import axes
+from ..building.pipeline import Transforms, UnstoredTrace, trace_and_store, trace_to_blobs
+from ..schema import Schema
+from ..tracing.optimizers import as_optimizer
+from ..state import TrainState, initialize_optimizer_state
+from ..store import open_store
+from ..store.fsafe import LinkError
+from ..store.leases import ArtifactGoneError, reading, touch_used
+from ..store.memory import MemoryStore
+from ..parallel.mesh import device_mesh
+
+__all__ = ["compile", "CompiledStep", "CacheInfo"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheInfo:
+    hit: bool  # rank 0's lookup found a serving entry (no build was needed)
+    key: str
+    digest: str  # manifest digest every rank loaded
+    source: str  # "trace": rank 0 traced it for this call; "cache": stored before (by anyone)
+    seconds: float  # first-call cost on this rank: key, agreement, trace if any, load, bind
+    trace_seconds: float  # what tracing this step cost (measured when it was built)
+    traces: int = 0  # traces this process has performed for this compiled step so far
+
+
+def compile(fn: Callable | None = None, *, schema: Schema | None = None, cache_dir=None,
+            require_hit: bool = False, module_override=(), gm_transformation=None, extra_sources=(),
+            store=None, allow_ops=(), trust_cache=None, **layout):
+    """Wrap a train step ``fn(model, optim, batch)``; also usable as ``@spmd_aot.compile(...)``.
+
+    The returned step returns what ``fn`` returns, computed on this rank: for the usual
+    ``return loss`` that is the rank-local loss, exactly what eager DDP returns.
+    A forward-only step (evaluation, inference) ``fn(model, batch)`` is called the same way,
+    ``step(model, batch)``, with no optimizer; it runs under ``torch.no_grad()``.
+    ``schema`` (a ``spmd_aot.Schema``) says how the step is spread; its keywords ``layout``
+    (``placement``, ``mesh_shape``, ``param_placements``, ``tp_plan`` (tensor parallel, see
+    ``tensor_parallel.py``) and the communication options ``bucket_cap_mb``,
+    ``first_bucket_cap_mb``, ``shard_groups``, ``reshard_after_forward``) make one, checked now.
+    ``module_override``, ``gm_transformation``: build-time hooks (``override.py``); pass the same
+    ones as the build. ``allow_ops``: overloads beyond the allowlist this job admits (the build's
+    opt-in, ``allowlist.py``). ``trust_cache=True`` uses a cache directory other users can write
+    without a signing key (``store/trust.py``; default: ``$SPMD_AOT_TRUST_CACHE``).
+    """
+    options = dict(schema=Schema.of(schema, **layout), cache_dir=cache_dir, require_hit=require_hit,
+                   module_override=module_override, gm_transformation=gm_transformation,
+                   extra_sources=extra_sources, store=store, allow_ops=allow_ops, trust_cache=trust_cache)
+    if fn is None:
+        return functools.partial(compile, **options)
+    return CompiledStep(fn, **options)
+
+
+class CompiledStep:
+    def __init__(self, fn, *, schema: Schema | None = None, cache_dir=None, require_hit=False,
+                 module_override=(), gm_transformation=None, extra_sources=(), store=None, allow_ops=(),
+                 trust_cache=None):
+        self.schema = schema if schema is not None else Schema()
+        self.allow_ops = tuple(opt_in_names(allow_ops))  # a bad name fails here, not at the first call
+        self.fn = fn
+        self.require_hit = require_hit
+        self.transforms = Transforms(tuple(module_override), gm_transformation)
+        self.extra_sources = tuple(extra_sources)
+        self._store = store
+        self._cache_dir = cache_dir
+        self._trust_cache = trust_cache
+        self._bound: _BoundStep | None = None
+        self._unstored = None  # a traced artifact the cache could not take (rank 0 serves it)
+        self.cache_info: CacheInfo | None = None
+        self._traces = 0
+        functools.update_wrapper(self, fn)
+
+    @property
+    def store(self):
+        if self._store is None:
+            self._store = open_store(self._cache_dir, trust_cache=self._trust_cache)
+        return self._store
+
+    def __call__(self, model, *args):
+        """``step(model, optim, batch)``, or ``step(model, batch)`` for a forward-only step."""
+        if len(args) == 1:
+            optim, batch = None, args[0]
+        elif len(args) == 2:
+            optim, batch = args
+            if optim is None:
+                raise TypeError(f"{_name(self.fn)}: a step without an optimizer is forward-only; "
+                                "call it as step(model, batch)")
+        else:
+            raise TypeError(f"{_name(self.fn)}: call a compiled step as step(model, optim, batch), or "
+                            f"step(model, batch) when it is forward-only; got {1 + len(args)} arguments")
+        bound = self._bound
+        if isinstance(optim, (list, tuple, dict)):  # several optimizers: one OptimizerSet per container
+            optim = bound.state.optim if bound is not None and getattr(bound.state.optim, "holds", bool)(optim) \
+                else as_optimizer(optim)
+        leaves, spec = pytree.tree_flatten(batch)
+        if bound is None or not bound.fits(model, optim, leaves, spec):
+            with opted_in(self.allow_ops):
+                bound = self._bound = self._prepare(model, optim, batch)
+        return bound.run(leaves)
+
+    # ------------------------------------------------------------------ first call
+    def _prepare(self, model, optim, batch) -> "_BoundStep":
+        start = time.perf_counter()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        plan = self.schema.plan(world, _device_type(model)).for_model(model)
+        device = check_device(plan, model)  # the device the program binds to, or why it cannot run here
+        mesh = device_mesh(plan)  # collective for 2-D meshes: every rank builds it
+        spread = world > 1  # one rank: nothing is spread
+        if spread:
+            ranks.broadcast_model_once(model)
+            axes.prepare_live_state(model, optim, plan, mesh)  # as fully_shard / parallelize_module; idempotent
+        if optim is not None:
+            initialize_optimizer_state(optim, axes.state_zeros if spread else None)
+        state = TrainState(model, optim, batch, plan)
+        key = compute_key(self.fn, state, plan, self.transforms.identities(), self.extra_sources)
+        ranks.check_ranks_agree(key, world)
+
+        # Reader leases keep gc from deleting the artifact until every rank has loaded it.
+        with contextlib.ExitStack() as leases:
+            status, payload, hit, traced, artifact, error = "ok", "", False, False, None, None
+            if rank == 0:
+                try:
+                    payload, hit, traced, artifact = self._resolve_on_rank0(state, plan, key, mesh, leases)
+                except Exception as exc:  # any failure reaches every rank: none is left waiting
+                    status, payload, error = type(exc).__name__, str(exc), exc
+                self._traces += int(traced)
+            status, payload, hit, traced = ranks.broadcast_decision((status, payload, hit, traced), world)
+            if error is not None:
+                raise error
+            if status != "ok":
+                raise ranks.error_from_rank0(status, payload)
+            digest = payload
+            program, failure = None, None
+            try:
+                artifact = self._read_everywhere(digest, world, artifact, leases)
+                problem = layout_mismatch(artifact.slots, state.slots(), plan)
+                if problem:
+                    raise ArtifactMismatchError(
+                        f"artifact {digest[:12]} (key {key.key[:12]}) does not fit: {problem}")
+                problem = guards.check(artifact.manifest["guards"], key)
+                if problem:  # rank 0 checked its own files; this rank runs something else
+                    raise ArtifactMismatchError(
+                        f"rank {rank}: artifact {digest[:12]} (key {key.key[:12]}) serves rank 0 but "
+                        f"not this rank: {problem}. Every rank must run the same code and libraries.")
+                check_device(artifact.manifest, model)  # the artifact's own plan, not only the job's
+                program = artifact.program(ranks.live_groups(mesh), device)
+            except OpNotAllowedError as exc:  # not repaired by a rebuild: the job opts in, or not
+                failure = OpNotAllowedError(
+                    f"{exc}. The entry for key {key.key[:12]} calls {exc.op}, which only an opt-in allows: if "
+                    f"you trust the build that stored it, pass allow_ops=[{exc.op!r}] to spmd_aot.compile (or "
+                    "set $SPMD_AOT_ALLOW_OPS); otherwise remove the entry and build it again.", op=exc.op)
+            except Exception as exc:
+                failure = exc
+            ranks.all_ranks_ok(failure, world)
+        if rank == 0:  # for gc's least-recently-used order; rank 0 is the one that has the cache
+            touch_used(self.store, key.key)
+        seconds = time.perf_counter() - start
+        log.info("%s: cache %s on rank %d, key %s, digest %s, %s, %.2f s", _name(self.fn),
+                 "hit" if hit else ("miss, traced by rank 0" if traced else "miss, built by another process"),
+                 rank, key.key[:12], digest[:12], plan.describe(), seconds)
+        self.cache_info = CacheInfo(hit, key.key, digest, "trace" if traced else "cache", seconds,
+                                    float(artifact.manifest["stats"].get("trace_seconds", 0.0)),
+                                    self._traces)
+        return _BoundStep(program, state, artifact, spread)
+
+    def _read_everywhere(self, digest: str, world: int, artifact, leases):
+        """Every rank reads the artifact (rank 0 already has); ranks that cannot (no shared
+        cache, no access, a damaged local copy) get its blobs from rank 0 and verify them."""
+        problem = None
+        if artifact is None:
+            try:
+                leases.enter_context(reading(self.store, digest))
+                artifact = read_artifact(self.store, digest)
+            except (SpmdAotError, OSError) as exc:
+                problem = exc
+        if world == 1 and problem:
+            raise problem
+        if not ranks.needs_blobs(artifact is not None, world):
+            return artifact
+        blobs = artifact_blobs(self._unstored or self.store, digest) if dist.get_rank() == 0 else None
+        received = ranks.broadcast_blobs(blobs)
+        if artifact is not None:
+            return artifact
+        log.info("rank %d read artifact %s from rank 0 (%s)", dist.get_rank(), digest[:12], problem)
+        return read_artifact(MemoryStore(received, root="<blobs received from rank 0>"), digest)
+
+    def _resolve_on_rank0(self, state, plan, key, mesh, leases) -> tuple[str, bool, bool, Any]:
+        """Rank 0's decision: (manifest digest, hit, traced here, verified artifact).
+
+        A hit needs an entry for the key whose guards hold here (``lookup``); on a miss rank 0
+        traces, unless another process stored a serving entry while it waited for the lock.
+        """
+        store = self.store
+        found = None
+        try:
+            found, served = self._lookup(store, key, leases)
+            if served is not None:
+                return served
+        except CorruptArtifactError as exc:
+            if self.require_hit:
+                raise CorruptArtifactError(
+                    f"cached artifact for key {key.key[:12]} is corrupt and require_hit=True: {exc}. "
+                    "Run `spmd-aot verify` and rebuild with `spmd-aot build`."
+                ) from None
+            log.warning("cached artifact for key %s is corrupt (%s); rebuilding", key.key[:12], exc)
+            with contextlib.suppress(OSError, SpmdAotError):  # a read-only cache: rebuild in memory
+                store.delete_ref(key.key)
+        # reading every stored manifest to explain costs little beside the trace that follows
+        why = explain_miss(store, key) if self.require_hit or log.isEnabledFor(logging.WARNING) else ""
+        command = build_command(plan, cache_dir=store.location)  # what --cache-dir must say
+        build_it = (f"Build it ahead of time with `{command}`, where {TARGET_PLACEHOLDER} names your "
+                    "spmd_aot.Job ('pkg.module:job' or 'path/to/train.py:job').")
+        if self.transforms.identities() or self.extra_sources:  # Python hooks: no CLI flags for them
+            build_it = (f"Build it ahead of time with spmd_aot.build(job, world_size={plan.world_size}, "
+                        f"placement={plan.placement!r}, ...) passing the same module_override, "
+                        "gm_transformation and extra_sources as this compile (the command line cannot).")
+        if self.require_hit:
+            why = (f"The key's entries were traced from other code or values: {found.explain()}."
+                   if found is not None and found.misses else explain_miss(store, key))
+            raise CacheMissError(
+                f"no artifact for key {key.key[:12]} ({plan.describe()}) in {store.root} serves "
+                f"this job and require_hit=True. {why} {build_it}")
+        log.warning("%s: cache miss for key %s (%s) in %s; tracing the step now, the other ranks "
+                    "wait. %s %s", _name(self.fn), key.key[:12], plan.describe(), store.root, why, build_it)
+        blobs = None
+        try:
+            digest, traced = trace_and_store(store, self.fn, state, plan, key, mesh, state.graph_inputs(),
+                                             self.transforms, _STORE_FAILURES)
+            leases.enter_context(reading(store, digest))
+            return digest, False, traced, read_artifact(store, digest)
+        except UnstoredTrace as exc:
+            blobs, cause = exc.blobs, exc.cause
+        except _STORE_FAILURES as exc:
+            cause = exc
+        # The cache cannot take the new entry (full, read-only, locked, tampered with): the job
+        # still trains from its own trace, held in memory; other ranks get it from here.
+        log.warning("cannot store the traced step for key %s in %s (%s); training from the trace "
+                    "without caching it", key.key[:12], store.root, cause)
+        if blobs is None:  # the store failed before tracing (its lock), or when reading back
+            blobs = trace_to_blobs(self.fn, state, plan, key, mesh, state.graph_inputs(), self.transforms)
+        digest, self._unstored = artifact_in_memory(blobs)
+        return digest, False, True, read_artifact(self._unstored, digest)
+
+    def _lookup(self, store, key, leases, attempts: int = 3):
+        """(lookup, (digest, True, False, artifact)) for the serving entry of ``key`` under a
+        reader lease; (lookup, None) when none serves.
+
+        An entry that vanishes between finding it and taking the lease (gc evicted it, or
+        `spmd-aot rm`) is looked up again: its key may have been rebuilt meanwhile.
+        """
+        found = None
+        for attempt in range(attempts):
+            found = find_entry(store, key)
+            digest = found.digest
+            if digest is None:
+                return found, None
+            try:
+                lease = leases.enter_context(contextlib.ExitStack())
+                lease.enter_context(reading(store, digest))
+                artifact = read_artifact(store, digest)  # every blob verified
+            except ArtifactGoneError as exc:
+                lease.close()
+                log.info("artifact %s vanished before it was loaded (%s); looking it up again", digest[:12], exc)
+                continue
+            if artifact.manifest["key"] != key.key:
+                raise CorruptArtifactError(
+                    f"ref {key.key[:12]} points to manifest {digest[:12]} of key "
+                    f"{artifact.manifest['key'][:12]}")
+            return found, (digest, True, False, artifact)
+        return found, None
+
+
+class _BoundStep:
+    """A loaded program bound to one model, optimizer and batch signature."""
+
+    def __init__(self, program, state: TrainState, artifact, spread: bool):
+        self.program = program
+        self.state = state
+        self.spread = spread  # False at world size 1
+        self.slots = state.slots()
+        self.batch_spec = state.batch_spec
+        self.batch_sig = [(tuple(t.shape), t.dtype) for t in state.batch_leaves]
+        self.baked = state.baked_hyperparameters()
+        self.out_spec = artifact.out_spec()
+        self.out_constants = dict((int(i), v) for i, v in artifact.layout["outputs"]["constants"])
+        self._cached_state = None  # (optimizer state dict, watched entries, state inputs)
+        self.modules = list(state.model.modules())
+        self.modes = [m.training for m in self.modules]  # train/eval is in the key (dropout, BatchNorm)
+
+    def fits(self, model, optim, leaves, spec) -> bool:
+        """Same objects, batch signature, train/eval modes and baked hyperparameters; else the
+        step is re-resolved."""
+        return (model is self.state.model and optim is self.state.optim and spec == self.batch_spec
+                and len(leaves) == len(self.batch_sig)
+                and all(isinstance(t, torch.Tensor) and (tuple(t.shape), t.dtype) == sig
+                        for t, sig in zip(leaves, self.batch_sig))
+                and [m.training for m in self.modules] == self.modes
+                and self.state.baked_hyperparameters() == self.baked)
+
+    def _inputs(self, batch_leaves) -> list[torch.Tensor]:
+        """The graph's inputs. The state part is reused while the optimizer holds the very same
+        state tensors (checked by identity every step: ``load_state_dict`` or a replaced entry
+        rebuilds it), which spares small models a walk over every parameter per step."""
+        state, cached = self.state, self._cached_state
+        optim_state = state.optim.state if state.optim is not None else {}
+        if cached is None or cached[0] is not optim_state or \
+                not all(entries.get(k) is t for entries, k, t in cached[1]):
+            if self.spread and state.optim is not None:
+                axes.rehome_state(state.optim)
+            slots = state.optimizer_slots()
+            watched = [(optim_state[p], k, optim_state[p][k]) for p, k in slots]
+            n_state = len(state.params) + len(state.buffers) + len(slots)
+            cached = self._cached_state = (optim_state, watched, state.graph_inputs(self.slots, [])[:n_state])
+        return cached[2] + state.hyper_tensors() + list(batch_leaves)
+
+    def run(self, batch_leaves):
+        inputs = self._inputs(batch_leaves)
+        with torch.no_grad():
+            outs = iter(self.program(*inputs))
+        n = self.out_spec.num_leaves
+        leaves = [self.out_constants[i] if i in self.out_constants else next(outs) for i in range(n)]
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+_STORE_FAILURES = (CacheIOError, LinkError, LockTimeoutError, OSError)  # the cache cannot take an entry
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+def _device_type(model) -> str:
+    """The device type the plan is made for: where the model's parameters lie (cpu without any)."""
+    for t in model.parameters():
+        return t.device.type
+    return "cpu"

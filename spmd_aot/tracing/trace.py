@@ -1,0 +1,409 @@
+"""Trace a whole train step (forward, backward, optimizer step) into one FX graph.
+
+A step without an optimizer is *forward-only* (evaluation, inference): ``step(model, batch)``
+traced under ``torch.no_grad()``, so it has no gradients, no gradient collectives and no
+parameter update.
+
+Parameters, buffers, optimizer state and batch leaves become graph inputs in ``TrainState``
+order. The optimizer's in-place updates stay in-place ops on those inputs, so running the
+graph on the user's real tensors updates ``model`` and ``optim`` exactly as eager would.
+Tracing always uses fake tensors: it needs no parameter memory and never communicates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections import defaultdict
+from typing import Any, Callable
+from unittest import mock
+
+import torch
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils import stateless
+
+from . import data_dependent
+from . import fused_meta
+from .accumulation import Accumulation
+from ..errors import UnsupportedError
+from .expand import Expander
+from ..parallel.groups import GroupGather, ParamGroup, assign_groups, resharding
+from ..parallel import axes
+from ..passes.ops import GRADIENT_PATH_VIEWS, is_wait
+from ..parallel.plan import Plan
+from .optimizers import members, user_object
+from ..state import TrainState
+
+__all__ = ["TracedStep", "trace_step"]
+
+
+@dataclasses.dataclass
+class TracedStep:
+    gm: torch.fx.GraphModule
+    out_spec: pytree.TreeSpec
+    out_constants: dict[int, Any]  # output leaf index -> non-tensor value returned by the step
+    group_names: dict[str, int | str]  # traced process-group name -> mesh dimension or "world"
+    gradient_collectives: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> param FQN
+    groups: list[ParamGroup] = dataclasses.field(default_factory=list)  # shard communication groups
+    axis_budget: dict[str, int] = dataclasses.field(default_factory=dict)  # collectives the axes' calls may add
+    micro_batches: int = 1  # backward() calls accumulated before one optimizer step
+
+
+def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list[torch.Tensor],
+               transform_model: Callable | None = None) -> TracedStep:
+    """Trace ``step(model, optim, batch)``, or ``step(model, batch)`` for a forward-only state
+    (``state.optim is None``); ``inputs`` (real or fake) follow ``state.slots()``.
+
+    ``transform_model`` is a context manager factory applied around the step while tracing
+    (module overrides swap submodules there). A step that accumulates gradients (several
+    ``backward()`` before a step) is traced a second time with its reductions deferred to the
+    last backward before each step (``accumulation.py``).
+    """
+    recorded = Accumulation()
+    traced = _trace_step(step, state, plan, mesh, inputs, transform_model, recorded)
+    points = recorded.sync_points() if plan.world_size > 1 and mesh is not None else None
+    if points is None:
+        return traced
+    deferred = Accumulation(points)
+    traced = _trace_step(step, state, plan, mesh, inputs, transform_model, deferred)
+    traced.micro_batches = recorded.micro_batches
+    # a resharded group is gathered in each micro-batch's forward and backward (as FSDP2)
+    extra = 2 * (traced.micro_batches - 1) * sum(1 for g in traced.groups if g.reshard)
+    if extra:
+        traced.axis_budget = dict(traced.axis_budget)
+        kind = "all_gather_into_tensor"
+        traced.axis_budget[kind] = traced.axis_budget.get(kind, 0) + extra
+    return traced
+
+
+def _trace_step(step, state, plan, mesh, inputs, transform_model, accumulation: Accumulation) -> TracedStep:
+    slots = state.slots()
+    expander = Expander(plan, mesh)
+    expander.deferred = accumulation.deferred
+    opt_slots = state.optimizer_slots()
+    hyper_groups = state.hyper_groups()
+    by_kind: dict[str, list[int]] = {}
+    for i, s in enumerate(slots):
+        by_kind.setdefault(s.kind, []).append(i)
+    param_slots = [slots[i] for i in by_kind.get("param", [])]
+    sharded = [i for i, s in enumerate(param_slots) if expander.dtensor_leaves and s.layout.sharded]
+    groups = assign_groups(state.model, plan, [(param_slots[i].fqn, param_slots[i].dtype) for i in sharded])
+    slot_of = {param_slots[i].fqn: i for i in sharded}
+    # the axes' tracing contexts (TP: planned modules run their style's forward), checked here
+    axis_contexts = axes.Tracing(plan, state.model, mesh)
+    out_info: dict[str, Any] = {}
+    forward_only = state.forward_only
+
+    def flat_step(*flat):
+        take = lambda kind: [flat[i] for i in by_kind.get(kind, [])]  # noqa: E731
+        leaves = [expander.leaf(x, s.layout, s.requires_grad and not forward_only)
+                  for x, s in zip(take("param"), param_slots)]
+        layout_of = {id(leaf): s.layout for leaf, s in zip(leaves, param_slots)}
+        for (names, _), leaf in zip(state.params, leaves):
+            if leaf.requires_grad:
+                note = functools.partial(_note_gradient_collectives, names[0], gradient_collectives)
+                leaf.register_hook(note)
+                if accumulation.deferred and not layout_of[id(leaf)].sharded:
+                    accumulation.reduce_at_sync(leaf, expander.world_mesh.get_group().group_name, note)
+        buffers = take("buffer")
+        if plan.world_size > 1 and mesh is not None:
+            buffers = axes.traced_buffers(plan, buffers, mesh)
+        bindings = {}
+        for (names, _), leaf in zip(state.params, leaves):
+            bindings.update(dict.fromkeys(names, leaf))
+        for (names, _), buf in zip(state.buffers, buffers):
+            bindings.update(dict.fromkeys(names, buf))
+        by_real = {id(real): leaf for (_, real), leaf in zip(state.params, leaves)}
+        traced_state = defaultdict(dict)
+        for real, entries in (state.optim.state.items() if not forward_only else ()):
+            traced_state[by_real[id(real)]] = dict(entries)
+        state_slots = [slots[i] for i in by_kind.get("optim_state", [])]
+        for (real, key), x, s in zip(opt_slots, take("optim_state"), state_slots):
+            traced_state[by_real[id(real)]][key] = expander.wrap(x, s.layout) if s.layout else x
+        # requires_grad routes SGD's single-tensor path to addcmul_ (no .item() on the lr);
+        # the optimizer runs under no_grad, so nothing is recorded for it.
+        lrs = {i: lr.detach().requires_grad_(True) for i, lr in zip(hyper_groups, take("hyper"))}
+        batch = pytree.tree_unflatten(take("batch"), state.batch_spec)
+        gathers = [GroupGather(g, [leaves[slot_of[f]] for f in g.fqns], [param_slots[slot_of[f]].layout
+                                                                           for f in g.fqns], mesh)
+                   for g in groups]
+        for gather in gathers:
+            gather.accumulation = accumulation
+        computes = _ComputeOnAccess(leaves, [s.layout for s in param_slots], expander, gathers)
+        optimizer = contextlib.nullcontext() if forward_only else \
+            _each_optimizer_swapped(state.optim, by_real, traced_state, lrs, accumulation)
+        with (transform_model() if transform_model else contextlib.nullcontext()), \
+                stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
+                optimizer, where.tracking(state.model), axis_contexts, accumulation.recording():
+            result = step(state.model, batch) if forward_only else step(state.model, user_object(state.optim), batch)
+        stale = [names[0] for (names, _), leaf in zip(state.params, leaves) if leaf.grad is not None]
+        if stale:
+            raise UnsupportedError(
+                f"the step leaves gradients on {len(stale)} parameter(s) (first: {stale[0]}); "
+                "a compiled step must end with optim.zero_grad() (set_to_none=True, the default)"
+            )
+        out_leaves, out_info["spec"] = pytree.tree_flatten(result)
+        out_info["constants"] = {i: v for i, v in enumerate(out_leaves) if not isinstance(v, torch.Tensor)}
+        for i, v in out_info["constants"].items():
+            if not isinstance(v, (int, float, bool, str, type(None))):
+                raise UnsupportedError(
+                    f"the step returns a {type(v).__name__} at output leaf {i}; return tensors, "
+                    "numbers, strings or None"
+                )
+        tensors = [v for v in out_leaves if isinstance(v, torch.Tensor)]
+        return [v.to_local() if hasattr(v, "to_local") else v for v in tensors]
+
+    where = _ModuleStack()
+    gradient_collectives: dict[str, str] = {}
+    try:
+        with _without_grad() if forward_only else contextlib.nullcontext(), fused_meta.registered():
+            gm = make_fx(flat_step, tracing_mode="fake")(*inputs)
+    except UnsupportedError:
+        raise
+    except Exception as exc:
+        refusal = data_dependent.describe(exc, where.describe())
+        if refusal is not None:
+            raise UnsupportedError(refusal) from exc
+        hint = ("; a step without an optimizer is forward-only: it is called step(model, batch) and "
+                "runs under torch.no_grad(), so it cannot call backward()") if forward_only else ""
+        raise UnsupportedError(
+            f"tracing the step failed for {plan.describe()}{where.describe()}: {type(exc).__name__}: "
+            f"{_first_lines(str(exc))}{hint}"
+        ) from exc
+    return TracedStep(gm, out_info["spec"], out_info["constants"], _group_names(gm, mesh, plan),
+                      gradient_collectives, groups, axis_contexts.budget())
+
+
+def _note_gradient_collectives(fqn: str, found: dict[str, str], grad) -> None:
+    """Leaf gradient hook while tracing: name the collectives that produced ``fqn``'s gradient
+    (walking back through views and waits), so buckets and groups can list their parameters."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    mode = get_proxy_mode()
+    local = getattr(grad, "_local_tensor", grad)
+    if not isinstance(local, torch.Tensor):  # no local gradient (an accumulating micro-batch)
+        return
+    slot = get_proxy_slot(local, mode.tracer, None) if mode is not None else None
+    node = getattr(getattr(slot, "proxy", None), "node", None)
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args:
+        namespace = getattr(node.target, "namespace", None)
+        if namespace == "_c10d_functional" and not is_wait(node):
+            found.setdefault(node.name, fqn)
+        elif namespace != "_c10d_functional" and node.target not in GRADIENT_PATH_VIEWS:
+            break
+        node = node.args[0]
+
+
+def _group_names(gm, mesh, plan: Plan) -> dict[str, int | str]:
+    """Traced process-group name -> mesh dimension, or ``"world"`` for a group of every rank.
+
+    Groups are matched by their ranks, not only by name: DTensor caches sharding decisions
+    across equal meshes, so a trace can name another (equal) mesh's group for a dimension.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    names: dict[str, int | str] = {}
+    if mesh is None:
+        return names
+    by_ranks: dict[tuple, int | str] = {tuple(range(plan.world_size)): "world"}
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        names[group.group_name] = dim
+        by_ranks[tuple(sorted(dist.get_process_group_ranks(group)))] = dim
+    for node in gm.graph.nodes:
+        if getattr(node.target, "namespace", None) != "_c10d_functional":
+            continue
+        for arg in list(node.args) + list(node.kwargs.values()):
+            if isinstance(arg, str) and arg not in names and arg not in ("sum", "avg", "max", "min", "product"):
+                try:
+                    ranks = tuple(sorted(dist.get_process_group_ranks(_resolve_process_group(arg))))
+                except Exception:
+                    continue
+                if ranks in by_ranks:
+                    names[arg] = by_ranks[ranks]
+    return names
+
+
+class _ModuleStack:
+    """Which module's forward was running when tracing failed, for the error message."""
+
+    def __init__(self):
+        self.stack: list[str] = []
+
+    @contextlib.contextmanager
+    def tracking(self, model: torch.nn.Module):
+        from torch.nn.modules.module import (register_module_forward_hook,
+                                             register_module_forward_pre_hook)
+
+        names = {id(m): (name or "<root>", type(m).__qualname__) for name, m in model.named_modules()}
+
+        def enter(module, args):
+            if id(module) in names:
+                self.stack.append("%s (%s)" % names[id(module)])
+
+        def leave(module, args, output):
+            if id(module) in names and self.stack:
+                self.stack.pop()
+
+        handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def describe(self) -> str:
+        return f", in module {self.stack[-1]}" if self.stack else ""
+
+
+def _first_lines(text: str, n: int = 6) -> str:
+    lines = text.strip().splitlines()
+    return "\n".join(lines[:n]) + (" [...]" if len(lines) > n else "")
+
+
+class _ComputeOnAccess:
+    """While active, reading a parameter attribute of any module yields its compute tensor.
+
+    ``model.parameters()`` keeps yielding the leaves (for the optimizer and gradient
+    clipping); ``module.weight`` goes through ``nn.Module.__getattr__`` and gets the tensor
+    to compute with, made on first access, so an all-gather sits right before the first use.
+    A parameter in a communication group gets it from its group (the first access gathers
+    the whole group).
+    """
+
+    def __init__(self, leaves, layouts, expander, gathers=()):
+        self.layouts = {id(leaf): (leaf, layout) for leaf, layout in zip(leaves, layouts)}
+        self.expander = expander
+        self.computed: dict[int, torch.Tensor] = {}
+        self.gathers = {id(leaf): g for g in gathers for leaf in g.leaves}
+
+    def __enter__(self):
+        self.original = original = torch.nn.Module.__getattr__
+        layouts, computed, expander, gathers = self.layouts, self.computed, self.expander, self.gathers
+
+        def getattr_compute(module, name):
+            value = original(module, name)
+            entry = layouts.get(id(value))
+            if entry is None:
+                return value
+            if id(value) in gathers:
+                return gathers[id(value)].compute(value)
+            if id(value) not in computed:
+                computed[id(value)] = expander.compute(*entry)
+            return computed[id(value)]
+
+        torch.nn.Module.__getattr__ = getattr_compute
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.Module.__getattr__ = self.original
+
+
+@contextlib.contextmanager
+def _without_grad():
+    """How a forward-only step is traced, whatever the caller's mode: no autograd recording,
+    outside inference mode (so the key need not read either mode for it)."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+#: Optimizers whose ``fused=True`` kernel updates every parameter of a group in one pass; the
+#: second set also for DTensor parameters (the fused ops DTensor has a sharding rule for).
+_FUSED_OPTIMIZERS = {"SGD", "Adam", "AdamW"}
+_FUSED_FOR_DTENSORS = {"Adam", "AdamW"}
+
+
+def _default_implementation(optim, group: dict) -> str | None:
+    """``"fused"``, ``"foreach"`` or None (the user chose): which flag to set for a group whose
+    implementation the user left to torch (``foreach=None`` and ``fused=None``).
+
+    Fused kernels update a parameter, its gradient and its state in one pass per tensor, where
+    the multi-tensor path makes a dozen passes (and on CPU a dozen dispatches per tensor): on a
+    2-layer transformer that is most of what separates the step from eager's. torch itself
+    defaults to neither only for backward compatibility. The result differs from eager's
+    per-tensor loop by rounding only (parity tests hold it to the README's tolerances).
+    """
+    if group.get("foreach", False) is not None or group.get("fused") or group.get("differentiable"):
+        return None
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    from torch.distributed.tensor import DTensor
+
+    name = type(optim).__name__
+
+    def fusable(p) -> bool:  # the kernel wants its state (step counters too) on the parameter's device
+        state = [t for t in optim.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+        return p.is_floating_point() and p.device.type in _get_fused_kernels_supported_devices() and \
+            all(t.device == p.device for t in state) and (name in _FUSED_FOR_DTENSORS or not isinstance(p, DTensor))
+
+    if name in _FUSED_OPTIMIZERS and "fused" in group and all(map(fusable, group["params"])):
+        return "fused"
+    return "foreach"
+
+
+@contextlib.contextmanager
+def _optimizer_swapped(optim, by_real: dict, traced_state, lrs: dict, accumulation=None):
+    """Point the optimizer at the traced leaves and take its compile-friendly path.
+
+    With ``torch.compiler.is_compiling()`` true and ``capturable=True`` the built-in optimizers
+    keep step counters as tensors instead of calling ``.item()`` (impossible on fake tensors).
+    """
+    saved_params = [g["params"] for g in optim.param_groups]
+    saved_lrs = {i: optim.param_groups[i]["lr"] for i in lrs}
+    saved_capturable = [g.get("capturable") for g in optim.param_groups]
+    saved_state = optim.state
+    original_step = optim.step
+
+    def compile_path_step(*args, **kwargs):
+        if accumulation is not None:
+            accumulation.note_step()
+        # Where the user left the implementation to torch (foreach=None, fused=None), take the
+        # fastest one torch has for the group, judged on the traced leaves and their state.
+        default_impl = [_default_implementation(optim, g) for g in optim.param_groups]
+        for g, impl in zip(optim.param_groups, default_impl):
+            if "capturable" in g:
+                g["capturable"] = True
+            if impl:
+                g[impl] = True
+        try:
+            with mock.patch("torch.compiler.is_compiling", lambda: True):
+                return original_step(*args, **kwargs)
+        finally:
+            for g, c, impl in zip(optim.param_groups, saved_capturable, default_impl):
+                if c is not None:
+                    g["capturable"] = c
+                if impl:
+                    g[impl] = None
+
+    try:
+        for g in optim.param_groups:
+            g["params"] = [by_real[id(p)] for p in g["params"]]
+        for i, lr in lrs.items():
+            optim.param_groups[i]["lr"] = lr
+        optim.state = traced_state
+        optim.step = compile_path_step
+        yield
+    finally:
+        del optim.step
+        optim.state = saved_state
+        for g, params in zip(optim.param_groups, saved_params):
+            g["params"] = params
+        for i, lr in saved_lrs.items():
+            optim.param_groups[i]["lr"] = lr
+
+
+@contextlib.contextmanager
+def _each_optimizer_swapped(optim, by_real: dict, traced_state, lrs: dict, accumulation=None):
+    """``_optimizer_swapped`` for each optimizer of a set (``optimizers.OptimizerSet``), each with
+    its own groups' learning rates (``lrs`` is indexed over the set's concatenated groups)."""
+    with contextlib.ExitStack() as stack:
+        first = 0
+        for member in members(optim):
+            n = len(member.param_groups)
+            own = {i - first: lr for i, lr in lrs.items() if first <= i < first + n}
+            stack.enter_context(_optimizer_swapped(member, by_real, traced_state, own, accumulation))
+            first += n
+        yield
