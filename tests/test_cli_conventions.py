@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from jobs import MLP_JOB_FILE as JOB_FILE
-from spmd_aot.cli import app as cli
+from spmd_aot.cli import parser as cli_parser, report
+from spmd_aot.cli.build import plan_for
 from spmd_aot.cli.app import main
 from spmd_aot.hints import build_command
 from spmd_aot.parallel.plan import Plan
@@ -45,7 +46,7 @@ def test_closed_stdout_exits_quietly_like_a_unix_tool(built, capsys):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO)
     proc.stdout.close()  # the read end is closed before the CLI has even imported torch
     err = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == cli.EXIT_PIPE == 141
+    assert proc.wait(timeout=120) == report.EXIT_PIPE == 141
     assert err == ""  # no traceback, no "Exception ignored ... BrokenPipeError"
 
 
@@ -59,7 +60,7 @@ def test_version(capsys):
                                   ["export", "abc", "-o", "b.tar"], ["push", "--to", "elsewhere"]])
 def test_a_missing_cache_directory_is_exit_2_for_every_command_reading_it(argv, tmp_path, capsys):
     missing = tmp_path / "no-such-cache"
-    assert main([*argv, "--cache-dir", str(missing)]) == cli.EXIT_ERROR == 2
+    assert main([*argv, "--cache-dir", str(missing)]) == report.EXIT_ERROR == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cache directory") and str(missing) in err and "does not exist" in err
     assert not missing.exists()
@@ -76,8 +77,8 @@ def test_exit_statuses_for_answers_and_bugs(built, tmp_path, capsys, monkeypatch
     def bug(args):
         raise ValueError("a bug")
 
-    monkeypatch.setattr(cli, "cmd_ls", bug)
-    assert main(["ls", "--cache-dir", str(cache)]) == cli.EXIT_BUG == 3  # never 1, which means "problems found"
+    monkeypatch.setattr(cli_parser, "cmd_ls", bug)
+    assert main(["ls", "--cache-dir", str(cache)]) == report.EXIT_BUG == 3  # never 1, which means "problems found"
     err = capsys.readouterr().err
     assert "Traceback" in err and err.strip().endswith("error: unexpected ValueError: a bug")
 
@@ -108,9 +109,9 @@ def test_build_command_parses_back_to_the_same_plan(plan):
     """What a hint prints is what the CLI builds: parsed by the CLI's own parser."""
     words = shlex.split(build_command(plan, target="my job.py:job", cache_dir="/tmp/a cache"))
     assert words[:3] == ["spmd-aot", "build", "my job.py:job"]
-    args = cli._parser().parse_args(words[1:])
+    args = cli_parser.parser().parse_args(words[1:])
     assert args.cache_dir == "/tmp/a cache"
-    assert cli._plan(args, args.world_size[0], args.placement[0]) == plan
+    assert plan_for(args, args.world_size[0], args.placement[0]) == plan
 
 
 def test_verbose_logs_info_lines(built, caplog, capsys):

@@ -10,7 +10,7 @@ import pytest
 
 import spmd_aot
 from jobs import compiled_run
-from spmd_aot.cli import app as cli
+from spmd_aot.cli.parser import parser
 
 
 def _records(caplog, level):
@@ -42,7 +42,7 @@ def test_miss_warns_with_a_build_command_then_hit_logs_one_info_line(tmp_path, c
     message = str(exc.value)
     assert "differs in: batch (" in message and "..." not in message
     words = shlex.split(message.split("`")[1].replace("TARGET", "train.py:job"))
-    args = cli._parser().parse_args(words[1:])
+    args = parser().parse_args(words[1:])
     assert (args.world_size, args.placement, args.cache_dir) == ([1], ["replicate"], str(tmp_path))
     assert capsys.readouterr() == ("", "")  # library code prints nothing itself
 
