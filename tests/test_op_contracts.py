@@ -1,4 +1,4 @@
-"""Op argument contracts (spmd_aot/format/contracts.py): every admitted overload has one, and the
+"""Op argument contracts (spmd_aot/format/contracts/): every admitted overload has one, and the
 crafted entries of the op review (heap corruption and SIGSEGV from arguments torch's meta
 kernels accept) are refused by the load-time check, or by the run-time index check."""
 
@@ -19,7 +19,7 @@ aten = torch.ops.aten
 
 def test_every_allowed_overload_has_a_contract():
     missing = sorted(n for n in allowlist.allowed_ops() if n not in contracts.CONTRACTS)
-    assert missing == [], f"add these to spmd_aot/format/contracts.py before admitting them: {missing}"
+    assert missing == [], f"add these to spmd_aot/format/contracts/ before admitting them: {missing}"
 
 
 def test_every_contract_names_an_overload_of_this_torch():

@@ -48,10 +48,7 @@ def inventory(job, cache_dir: str, **options) -> tuple[dict, dict]:
 
 def status(op: str) -> str:
     from spmd_aot.format.contracts import CONTRACTS
-    UNPROVEN_ON_CUDA = getattr(__import__("spmd_aot.format.contracts").contracts, "UNPROVEN_ON_CUDA", {})
 
-    if op in UNPROVEN_ON_CUDA:
-        return "CUDA-only, unproven (opt-in)"
     if op in allowed_ops() and op in CONTRACTS:
         return "allowlist"
     return "REFUSED" if op not in ("operator.getitem",) else "allowlist"

@@ -3,7 +3,7 @@
 Some allowed ops describe memory with numbers the graph supplies (views from sizes, strides
 and offsets; factory ops with a size), and a few of torch's own kernels do not bounds-check
 them. So before a loaded graph runs, every node's arguments are checked against its op's
-contract (``contracts.py``: the size, dtype, stride and overlap relations its CPU and CUDA
+contract (``contracts``: the size, dtype, stride and overlap relations its CPU and CUDA
 kernels assume; torch's meta kernels are no bounds checks), then the node is executed on
 ``meta`` tensors shaped by the layout (no data, no allocation, no random numbers drawn), and
 every tensor it produces must

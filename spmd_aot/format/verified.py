@@ -30,7 +30,7 @@ import torch
 __all__ = ["known", "remember", "record_dir"]
 
 # the files whose code decides what a load check accepts, relative to the package
-_CHECKER_FILES = ("format/validate.py", "format/contracts.py", "format/allowlist.py", "format/allowed_ops.txt",
+_CHECKER_FILES = ("format/validate.py", "format/contracts", "format/allowlist.py", "format/allowed_ops.txt",
                   "format/limits.py", "tracing/fused_meta.py", "format/serialize.py", "format/bounded.py",
                   "format/verified.py")
 
@@ -45,7 +45,9 @@ def _checker_code() -> str:
     here = pathlib.Path(__file__).parent.parent
     h = hashlib.sha256(torch.__version__.encode())
     for name in _CHECKER_FILES:
-        h.update(b"\0" + name.encode() + b"\0" + (here / name).read_bytes())
+        path = here / name
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(b"\0" + f.relative_to(here).as_posix().encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
 
