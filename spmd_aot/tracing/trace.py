@@ -62,12 +62,12 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
     last backward before each step (``accumulation.py``).
     """
     recorded = Accumulation()
-    traced = _trace_step(step, state, plan, mesh, inputs, transform_model, recorded)
+    traced = _StepTracer(step, state, plan, mesh, transform_model, recorded).trace(inputs)
     points = recorded.sync_points() if plan.world_size > 1 and mesh is not None else None
     if points is None:
         return traced
     deferred = Accumulation(points)
-    traced = _trace_step(step, state, plan, mesh, inputs, transform_model, deferred)
+    traced = _StepTracer(step, state, plan, mesh, transform_model, deferred).trace(inputs)
     traced.micro_batches = recorded.micro_batches
     # a resharded group is gathered in each micro-batch's forward and backward (as FSDP2)
     extra = 2 * (traced.micro_batches - 1) * sum(1 for g in traced.groups if g.reshard)
@@ -78,75 +78,124 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
     return traced
 
 
-def _trace_step(step, state, plan, mesh, inputs, transform_model, accumulation: Accumulation) -> TracedStep:
-    slots = state.slots()
-    expander = Expander(plan, mesh)
-    expander.deferred = accumulation.deferred
-    opt_slots = state.optimizer_slots()
-    hyper_groups = state.hyper_groups()
-    by_kind: dict[str, list[int]] = {}
-    for i, s in enumerate(slots):
-        by_kind.setdefault(s.kind, []).append(i)
-    param_slots = [slots[i] for i in by_kind.get("param", [])]
-    sharded = [i for i, s in enumerate(param_slots) if expander.dtensor_leaves and s.layout.sharded]
-    groups = assign_groups(state.model, plan, [(param_slots[i].fqn, param_slots[i].dtype) for i in sharded])
-    slot_of = {param_slots[i].fqn: i for i in sharded}
-    # the axes' tracing contexts (TP: planned modules run their style's forward), checked here
-    axis_contexts = axes.Tracing(plan, state.model, mesh)
-    out_info: dict[str, Any] = {}
-    forward_only = state.forward_only
+class _StepTracer:
+    """One make_fx trace of the step over flat inputs in ``state.slots()`` order: the parameter
+    leaves the expander makes, the module attributes bound to them, the optimizer's state swapped
+    for traced tensors, and the axes' and accumulation's contexts around the user's call."""
 
-    def flat_step(*flat):
-        take = lambda kind: [flat[i] for i in by_kind.get(kind, [])]  # noqa: E731
-        leaves = [expander.leaf(x, s.layout, s.requires_grad and not forward_only)
-                  for x, s in zip(take("param"), param_slots)]
-        layout_of = {id(leaf): s.layout for leaf, s in zip(leaves, param_slots)}
-        for (names, _), leaf in zip(state.params, leaves):
-            if leaf.requires_grad:
-                note = functools.partial(_note_gradient_collectives, names[0], gradient_collectives)
-                leaf.register_hook(note)
-                if accumulation.deferred and not layout_of[id(leaf)].sharded:
-                    accumulation.reduce_at_sync(leaf, expander.world_mesh.get_group().group_name, note)
+    def __init__(self, step, state: TrainState, plan: Plan, mesh, transform_model, accumulation: Accumulation):
+        self.step, self.state, self.plan, self.mesh = step, state, plan, mesh
+        self.transform_model, self.accumulation = transform_model, accumulation
+        self.forward_only = state.forward_only
+        self.slots = state.slots()
+        self.expander = Expander(plan, mesh)
+        self.expander.deferred = accumulation.deferred
+        self.by_kind: dict[str, list[int]] = {}
+        for i, s in enumerate(self.slots):
+            self.by_kind.setdefault(s.kind, []).append(i)
+        self.param_slots = [self.slots[i] for i in self.by_kind.get("param", [])]
+        sharded = [i for i, s in enumerate(self.param_slots) if self.expander.dtensor_leaves and s.layout.sharded]
+        self.groups = assign_groups(state.model, plan, [(self.param_slots[i].fqn, self.param_slots[i].dtype)
+                                                        for i in sharded])
+        self.slot_of = {self.param_slots[i].fqn: i for i in sharded}
+        # the axes' tracing contexts (TP: planned modules run their style's forward), checked here
+        self.axis_contexts = axes.Tracing(plan, state.model, mesh)
+        self.where = _ModuleStack()
+        self.gradient_collectives: dict[str, str] = {}
+        self.out_spec = self.out_constants = None
+
+    def trace(self, inputs: list[torch.Tensor]) -> TracedStep:
+        """make_fx over ``inputs``; a failure becomes an ``UnsupportedError`` naming the module."""
+        try:
+            with _without_grad() if self.forward_only else contextlib.nullcontext(), fused_meta.registered():
+                gm = make_fx(self._flat_step, tracing_mode="fake")(*inputs)
+        except UnsupportedError:
+            raise
+        except Exception as exc:
+            refusal = data_dependent.describe(exc, self.where.describe())
+            if refusal is not None:
+                raise UnsupportedError(refusal) from exc
+            hint = ("; a step without an optimizer is forward-only: it is called step(model, batch) and "
+                    "runs under torch.no_grad(), so it cannot call backward()") if self.forward_only else ""
+            raise UnsupportedError(
+                f"tracing the step failed for {self.plan.describe()}{self.where.describe()}: "
+                f"{type(exc).__name__}: {_first_lines(str(exc))}{hint}"
+            ) from exc
+        return TracedStep(gm, self.out_spec, self.out_constants, _group_names(gm, self.mesh, self.plan),
+                          self.gradient_collectives, self.groups, self.axis_contexts.budget())
+
+    def _flat_step(self, *flat):
+        state, forward_only = self.state, self.forward_only
+        take = lambda kind: [flat[i] for i in self.by_kind.get(kind, [])]  # noqa: E731
+        leaves = self._leaves(take("param"))
         buffers = take("buffer")
-        if plan.world_size > 1 and mesh is not None:
-            buffers = axes.traced_buffers(plan, buffers, mesh)
+        if self.plan.world_size > 1 and self.mesh is not None:
+            buffers = axes.traced_buffers(self.plan, buffers, self.mesh)
         bindings = {}
         for (names, _), leaf in zip(state.params, leaves):
             bindings.update(dict.fromkeys(names, leaf))
         for (names, _), buf in zip(state.buffers, buffers):
             bindings.update(dict.fromkeys(names, buf))
         by_real = {id(real): leaf for (_, real), leaf in zip(state.params, leaves)}
-        traced_state = defaultdict(dict)
-        for real, entries in (state.optim.state.items() if not forward_only else ()):
-            traced_state[by_real[id(real)]] = dict(entries)
-        state_slots = [slots[i] for i in by_kind.get("optim_state", [])]
-        for (real, key), x, s in zip(opt_slots, take("optim_state"), state_slots):
-            traced_state[by_real[id(real)]][key] = expander.wrap(x, s.layout) if s.layout else x
+        traced_state = self._optimizer_state(by_real, take("optim_state"))
         # requires_grad routes SGD's single-tensor path to addcmul_ (no .item() on the lr);
         # the optimizer runs under no_grad, so nothing is recorded for it.
-        lrs = {i: lr.detach().requires_grad_(True) for i, lr in zip(hyper_groups, take("hyper"))}
+        lrs = {i: lr.detach().requires_grad_(True) for i, lr in zip(state.hyper_groups(), take("hyper"))}
         batch = pytree.tree_unflatten(take("batch"), state.batch_spec)
-        gathers = [GroupGather(g, [leaves[slot_of[f]] for f in g.fqns], [param_slots[slot_of[f]].layout
-                                                                           for f in g.fqns], mesh)
-                   for g in groups]
-        for gather in gathers:
-            gather.accumulation = accumulation
-        computes = _ComputeOnAccess(leaves, [s.layout for s in param_slots], expander, gathers)
+        gathers = self._gathers(leaves)
+        computes = _ComputeOnAccess(leaves, [s.layout for s in self.param_slots], self.expander, gathers)
         optimizer = contextlib.nullcontext() if forward_only else \
-            _each_optimizer_swapped(state.optim, by_real, traced_state, lrs, accumulation)
-        with (transform_model() if transform_model else contextlib.nullcontext()), \
+            _each_optimizer_swapped(state.optim, by_real, traced_state, lrs, self.accumulation)
+        with (self.transform_model() if self.transform_model else contextlib.nullcontext()), \
                 stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
-                optimizer, where.tracking(state.model), axis_contexts, accumulation.recording():
-            result = step(state.model, batch) if forward_only else step(state.model, user_object(state.optim), batch)
+                optimizer, self.where.tracking(state.model), self.axis_contexts, self.accumulation.recording():
+            result = self.step(state.model, batch) if forward_only else \
+                self.step(state.model, user_object(state.optim), batch)
         stale = [names[0] for (names, _), leaf in zip(state.params, leaves) if leaf.grad is not None]
         if stale:
             raise UnsupportedError(
                 f"the step leaves gradients on {len(stale)} parameter(s) (first: {stale[0]}); "
                 "a compiled step must end with optim.zero_grad() (set_to_none=True, the default)"
             )
-        out_leaves, out_info["spec"] = pytree.tree_flatten(result)
-        out_info["constants"] = {i: v for i, v in enumerate(out_leaves) if not isinstance(v, torch.Tensor)}
-        for i, v in out_info["constants"].items():
+        return self._outputs(result)
+
+    def _leaves(self, params: list) -> list:
+        """The parameters as the expander's leaves, each with a hook naming its gradient's collectives."""
+        leaves = [self.expander.leaf(x, s.layout, s.requires_grad and not self.forward_only)
+                  for x, s in zip(params, self.param_slots)]
+        for (names, _), leaf, s in zip(self.state.params, leaves, self.param_slots):
+            if leaf.requires_grad:
+                note = functools.partial(_note_gradient_collectives, names[0], self.gradient_collectives)
+                leaf.register_hook(note)
+                if self.accumulation.deferred and not s.layout.sharded:
+                    self.accumulation.reduce_at_sync(leaf, self.expander.world_mesh.get_group().group_name, note)
+        return leaves
+
+    def _optimizer_state(self, by_real: dict, values: list) -> dict:
+        """The optimizer's state keyed by traced leaf: what it holds now, then the state inputs."""
+        traced_state = defaultdict(dict)
+        for real, entries in (self.state.optim.state.items() if not self.forward_only else ()):
+            traced_state[by_real[id(real)]] = dict(entries)
+        state_slots = [self.slots[i] for i in self.by_kind.get("optim_state", [])]
+        for (real, key), x, s in zip(self.state.optimizer_slots(), values, state_slots):
+            traced_state[by_real[id(real)]][key] = self.expander.wrap(x, s.layout) if s.layout else x
+        return traced_state
+
+    def _gathers(self, leaves: list) -> list:
+        """One ``GroupGather`` per shard communication group, over the group's leaves."""
+        gathers = []
+        for g in self.groups:
+            slots = [self.slot_of[f] for f in g.fqns]
+            gather = GroupGather(g, [leaves[i] for i in slots], [self.param_slots[i].layout for i in slots], self.mesh)
+            gather.accumulation = self.accumulation
+            gathers.append(gather)
+        return gathers
+
+    def _outputs(self, result) -> list:
+        """The step's returned tensors (local parts), its tree spec and its non-tensor leaves."""
+        out_leaves, self.out_spec = pytree.tree_flatten(result)
+        self.out_constants = {i: v for i, v in enumerate(out_leaves) if not isinstance(v, torch.Tensor)}
+        for i, v in self.out_constants.items():
             if not isinstance(v, (int, float, bool, str, type(None))):
                 raise UnsupportedError(
                     f"the step returns a {type(v).__name__} at output leaf {i}; return tensors, "
@@ -154,26 +203,6 @@ def _trace_step(step, state, plan, mesh, inputs, transform_model, accumulation: 
                 )
         tensors = [v for v in out_leaves if isinstance(v, torch.Tensor)]
         return [v.to_local() if hasattr(v, "to_local") else v for v in tensors]
-
-    where = _ModuleStack()
-    gradient_collectives: dict[str, str] = {}
-    try:
-        with _without_grad() if forward_only else contextlib.nullcontext(), fused_meta.registered():
-            gm = make_fx(flat_step, tracing_mode="fake")(*inputs)
-    except UnsupportedError:
-        raise
-    except Exception as exc:
-        refusal = data_dependent.describe(exc, where.describe())
-        if refusal is not None:
-            raise UnsupportedError(refusal) from exc
-        hint = ("; a step without an optimizer is forward-only: it is called step(model, batch) and "
-                "runs under torch.no_grad(), so it cannot call backward()") if forward_only else ""
-        raise UnsupportedError(
-            f"tracing the step failed for {plan.describe()}{where.describe()}: {type(exc).__name__}: "
-            f"{_first_lines(str(exc))}{hint}"
-        ) from exc
-    return TracedStep(gm, out_info["spec"], out_info["constants"], _group_names(gm, mesh, plan),
-                      gradient_collectives, groups, axis_contexts.budget())
 
 
 def _note_gradient_collectives(fqn: str, found: dict[str, str], grad) -> None:
@@ -272,6 +301,10 @@ class _ComputeOnAccess:
     to compute with, made on first access, so an all-gather sits right before the first use.
     A parameter in a communication group gets it from its group (the first access gathers
     the whole group).
+
+    The patch is process-wide for the trace's duration only (restored on exit, also on error):
+    tracing runs on one thread, and the patched lookup changes only attributes whose value is
+    one of this trace's leaves; every other module attribute reads as before.
     """
 
     def __init__(self, leaves, layouts, expander, gathers=()):
