@@ -4,19 +4,16 @@ Smoke test only (no timing assertions): the benchmark is what the lead measures 
 """
 
 import json
-import os
 import xml.etree.ElementTree as ET
 
-from multiproc import preloaded_context
+from support.multiproc import preloaded_context
 
-TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
 
 
 def test_quick_run_prints_a_row_per_configuration_and_writes_a_chart(tmp_path, monkeypatch, capsys):
     """The tool's main() in this process (its ranks forked from the tests' preloaded server),
     on a one-layer model."""
     rows_file, chart = tmp_path / "rows.json", tmp_path / "chart.svg"
-    monkeypatch.syspath_prepend(TOOLS)
     import bench_step
 
     monkeypatch.setattr(bench_step, "rank_context", preloaded_context)
@@ -41,7 +38,6 @@ def test_quick_run_prints_a_row_per_configuration_and_writes_a_chart(tmp_path, m
 def test_profile_step_splits_communication_from_compute(monkeypatch, capsys):
     """tools/profile_step.py: the four variants, with the loaded program's collectives skipped
     in one of them (it reaches into ``Program``: this keeps it working)."""
-    monkeypatch.syspath_prepend(TOOLS)
     import bench_step
     import profile_step
 
@@ -56,7 +52,6 @@ def test_profile_step_splits_communication_from_compute(monkeypatch, capsys):
 
 
 def test_without_collectives_skips_every_collective_of_a_replicate_program(monkeypatch):
-    monkeypatch.syspath_prepend(TOOLS)
     from profile_step import _without_collectives
 
     import torch

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import spmd_aot
-from jobs import ddp_bucket_count, fresh_objects, make_batch, make_job, max_diffs, MODELS, OPTIMIZERS
-from multiproc import run_ranks
+from support.jobs import ddp_bucket_count, fresh_objects, make_batch, make_job, max_diffs, MODELS, OPTIMIZERS
+from support.multiproc import run_ranks
 from spmd_aot.examples.models import train_step
 from spmd_aot.passes.buckets import assign_buckets
 from spmd_aot.store import open_store

@@ -15,7 +15,7 @@ from spmd_aot.format.artifact import read_artifact
 from spmd_aot.cli.app import main
 from spmd_aot.store import LocalStore
 
-from jobs import make_job
+from support.jobs import make_job
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,9 @@ No GPU here: this keeps the script working (what it found, build, hit, parity wi
 the floor rule, timing against eager and torch.compile, the bf16 slot, world 2 against DDP and
 FSDP2, the budget, the summary) so that a session lent a GPU can run it as it is."""
 
-import os
 
 import pytest
 
-TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
 TINY = ["--device", "cpu", "--layers", "1", "--d-model", "32", "--seq", "16", "--batch", "2", "--steps", "3",
         "--blocks", "1", "--timed-steps", "1", "--warmup", "1"]
 CHECKS = [f"world {w} {m} {p}" for w in (1, 2) for m in ("lm", "llama") for p in ("replicate", "shard")]
@@ -16,12 +14,11 @@ CHECKS = [f"world {w} {m} {p}" for w in (1, 2) for m in ("lm", "llama") for p in
 
 @pytest.fixture
 def check_cuda(monkeypatch):
-    monkeypatch.syspath_prepend(TOOLS)
     import bench_step
     import check_cuda
 
     try:  # ranks forked from a torch-preloaded server: quick to start (spawned ones, the tool's way, are slower)
-        from multiproc import preloaded_context
+        from support.multiproc import preloaded_context
         monkeypatch.setattr(bench_step, "rank_context", preloaded_context)
     except ImportError:
         pass

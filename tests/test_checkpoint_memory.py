@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import spmd_aot
-import train_steps
+from support import train_steps
 from spmd_aot.building.memory import PeakMemory, state_tensors
 
 FACTOR = 1.25  # world 2 estimate vs world 1 eager (same per-rank batch), either way

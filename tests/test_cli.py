@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from jobs import MLP_JOB_FILE as JOB_FILE
+from support.jobs import MLP_JOB_FILE as JOB_FILE
 from spmd_aot.cli.app import main
 from spmd_aot.cli.progress import Progress
 from spmd_aot.store import LocalStore

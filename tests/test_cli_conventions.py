@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from jobs import MLP_JOB_FILE as JOB_FILE
+from support.jobs import MLP_JOB_FILE as JOB_FILE
 from spmd_aot.cli import parser as cli_parser, report
 from spmd_aot.cli.build import plan_for
 from spmd_aot.cli.app import main

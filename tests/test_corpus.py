@@ -17,7 +17,7 @@ import pytest
 from spmd_aot.cli.app import main
 
 pytestmark = pytest.mark.corpus
-import corpus  # noqa: E402  (needs transformers: a test dependency, `pip install -e ".[test]"`)
+from support import corpus  # noqa: E402  (needs transformers: a test dependency, `pip install -e ".[test]"`)
 
 TESTS = pathlib.Path(__file__).resolve().parent
 
@@ -74,7 +74,7 @@ def test_data_dependent_moe_routing_is_refused_at_build_naming_the_op(tmp_path):
 # ---------------------------------------------------------------------------- keys
 _KEYS = """
 import json, sys
-import corpus
+from support import corpus
 from spmd_aot import Plan
 from spmd_aot.building.builder import job_key
 keys = {f"{n}/{p}": job_key(corpus.job(n), Plan(2, p)) for n in corpus.MODELS for p in ("replicate", "shard")}
@@ -123,7 +123,7 @@ def test_a_config_field_forward_reads_changes_the_key(corpus_run, name, target, 
         finally:
             sys.stdout, sys.stderr = saved
 
-    rc, out = explain(f"corpus:{name}")
+    rc, out = explain(f"support.corpus:{name}")
     assert rc == 0, out
     rc, out = explain(f"test_corpus:{target}")
     assert rc == 1 and field in out, out

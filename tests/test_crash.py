@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import spmd_aot
-from jobs import make_job
-from multiproc import run_processes
+from support.jobs import make_job
+from support.multiproc import run_processes
 from spmd_aot.store import faults
 from spmd_aot.format.artifact import read_artifact, read_manifest
 from spmd_aot.errors import LockTimeoutError

@@ -79,7 +79,7 @@ sys.path.insert(0, sys.argv[4])
 import spmd_aot  # before torch, as the README's main job does: torch's import warns without numpy
 import torch
 import torch.distributed as dist
-from jobs import fresh_objects, make_batch
+from support.jobs import fresh_objects, make_batch
 from spmd_aot.examples.models import train_step
 
 try:
@@ -100,7 +100,7 @@ dist.destroy_process_group()
 
 
 def test_two_rank_job_runs_without_numpy(tmp_path):
-    from multiproc import free_port
+    from support.multiproc import free_port
 
     port = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1",

@@ -16,7 +16,7 @@ import torch
 
 import spmd_aot
 from spmd_aot.building import pipeline
-from jobs import make_batch, make_job
+from support.jobs import make_batch, make_job
 from spmd_aot.cli.app import main as cli
 from spmd_aot.errors import CacheIOError, CacheMissError, SpmdAotError
 from spmd_aot.examples.models import MLP, train_step

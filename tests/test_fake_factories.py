@@ -11,7 +11,7 @@ import torch.nn as nn
 import spmd_aot
 from spmd_aot.format.artifact import read_manifest
 from spmd_aot.store import LocalStore
-from multiproc import run_ranks
+from support.multiproc import run_ranks
 
 STEPS = 3
 

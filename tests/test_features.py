@@ -3,8 +3,8 @@
 
 import pytest
 
-from features import FEATURES
-from multiproc import run_launches
+from support.features import FEATURES
+from support.multiproc import run_launches
 
 STEPS = 5
 
@@ -12,7 +12,7 @@ STEPS = 5
 def _all_features_worker(rank, world, variants, cache_dir):
     import traceback
 
-    import features
+    from support import features
 
     out = {}
     for feature in features.FEATURES:

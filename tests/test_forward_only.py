@@ -16,7 +16,7 @@ import spmd_aot
 from spmd_aot.building.builder import job_key
 from spmd_aot.cli.app import main
 from spmd_aot.examples.models import train_step
-from multiproc import run_ranks
+from support.multiproc import run_ranks
 
 TOL = 1e-5
 

@@ -4,12 +4,7 @@ child process and must not crash. The full run is ``python tools/fuzz_ops.py``."
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
-
-import fuzz_ops  # noqa: E402
+import fuzz_ops  # a tool: pytest puts tools/ on sys.path (pyproject.toml)
 
 
 def test_fuzz_slice_accepts_no_crashing_case():

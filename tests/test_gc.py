@@ -21,7 +21,7 @@ from spmd_aot.store.gc import cache_size, collect_garbage, parse_age, parse_size
 from spmd_aot.store.leases import ArtifactGoneError, last_used, reading, touch_used
 from spmd_aot.store.transfer import artifact_blobs, copy_artifact
 
-from jobs import make_job
+from support.jobs import make_job
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = [("sgd", 1), ("sgd", 2), ("adamw", 1), ("adamw", 2)]

@@ -10,7 +10,7 @@ from spmd_aot.examples.models import Transformer, train_step
 from spmd_aot.parallel.groups import assign_groups, block_prefixes
 from spmd_aot.parallel.plan import Plan
 from spmd_aot.store import LocalStore
-from multiproc import run_launches
+from support.multiproc import run_launches
 
 LAYERS, D, VOCAB, CTX = 3, 16, 41, 8  # 41: uneven shards (padding) in the root group
 
@@ -209,7 +209,7 @@ def _parity_worker(rank, world, caches, variants):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    import features
+    from support import features
 
     out = {}
     for name, options in variants.items():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import spmd_aot
-from jobs import build_unsigned, make_job
+from support.jobs import build_unsigned, make_job
 from spmd_aot.format import signing
 from spmd_aot.format.artifact import pack_manifest, read_artifact, read_manifest
 from spmd_aot.cli.app import main as cli

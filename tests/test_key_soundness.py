@@ -21,7 +21,7 @@ import torch
 
 import spmd_aot
 import spmd_aot.runtime.step as runtime_mod
-from multiproc import run_ranks
+from support.multiproc import run_ranks
 from spmd_aot.keying import guards
 from spmd_aot.format.artifact import read_manifest
 from spmd_aot.errors import CacheMissError, UnsupportedError

@@ -9,7 +9,7 @@ import shlex
 import pytest
 
 import spmd_aot
-from jobs import compiled_run
+from support.jobs import compiled_run
 from spmd_aot.cli.parser import parser
 
 

@@ -245,7 +245,7 @@ def test_verify_reports_the_review_cases(tmp_path, capsys):
     refused at load and counted by ``spmd-aot verify`` (it reported 0 problems before)."""
     import shutil
 
-    from jobs import build_unsigned
+    from support.jobs import build_unsigned
     from test_hostile import Crafter, ints, node, ref
 
     from spmd_aot.format.artifact import read_artifact

@@ -3,8 +3,8 @@
 import pytest
 
 import spmd_aot
-from jobs import compiled_run, ddp_bucket_count, eager_ddp, make_job, max_diffs
-from multiproc import start_ranks
+from support.jobs import compiled_run, ddp_bucket_count, eager_ddp, make_job, max_diffs
+from support.multiproc import start_ranks
 
 STEPS = 5
 TOL = 1e-5

@@ -8,8 +8,8 @@ from torch import nn
 import spmd_aot
 from spmd_aot.format.artifact import read_artifact
 from spmd_aot.store import LocalStore
-from features import FEATURES
-from multiproc import run_ranks
+from support.features import FEATURES
+from support.multiproc import run_ranks
 
 
 def _job(feature="sgd_nesterov_wd"):
@@ -71,7 +71,7 @@ def test_replicate_graph_has_one_all_reduce_per_bucket_even_with_adamw(tmp_path)
 def _sharded_model_worker(rank, world, cache_dir):
     from torch.distributed.tensor import DTensor
 
-    import features
+    from support import features
 
     model, optim, _, fn = features.compiled("sgd_nesterov_wd", "shard", rank, world, 2, cache_dir)
     ref, ref_optim, _ = features.reference("sgd_nesterov_wd", "shard", rank, world, 2)
@@ -100,7 +100,7 @@ def test_after_the_first_call_parameters_are_sharded_dtensors_like_fsdp2(tmp_pat
 # ---------------------------------------------------------------- learning-rate schedules
 def _scheduler_worker(rank, world, cache_dir, placement):
     import spmd_aot.building.pipeline
-    from features import FEATURES
+    from support.features import FEATURES
 
     traces = []
     original = spmd_aot.building.pipeline.trace_to_blobs
@@ -216,7 +216,7 @@ def _override_step(model, optim, batch):
 
 
 def _override_job():
-    from features import _class_batch
+    from support.features import _class_batch
 
     return spmd_aot.Job(step=_override_step, model=OverrideNet,
                         optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
@@ -229,7 +229,7 @@ def test_untraceable_module_fails_at_build_naming_the_module(tmp_path):
 
 
 def _override_worker(rank, world, cache_dir):
-    from features import _class_batch
+    from support.features import _class_batch
 
     torch.manual_seed(0)
     ref = OverrideNet()

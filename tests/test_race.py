@@ -8,15 +8,12 @@ runs the same code at 16 workers x 20 rounds (the suite keeps to a few, to stay 
 
 from __future__ import annotations
 
-import pathlib
-import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
-import stress_cache  # noqa: E402
+import stress_cache  # a tool: pytest puts tools/ on sys.path (pyproject.toml)
 
-from multiproc import preloaded_context  # noqa: E402
+from support.multiproc import preloaded_context  # noqa: E402
 from spmd_aot.store import LocalStore  # noqa: E402
 
 WORKERS, ROUNDS = 4, 3

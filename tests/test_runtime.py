@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import spmd_aot
-from jobs import compiled_run, eager_ddp, fresh_objects, make_batch, make_job
-from multiproc import run_ranks
+from support.jobs import compiled_run, eager_ddp, fresh_objects, make_batch, make_job
+from support.multiproc import run_ranks
 from spmd_aot.examples.models import train_step
 
 

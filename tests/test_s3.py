@@ -22,10 +22,10 @@ from spmd_aot.cli.app import main  # noqa: E402
 from spmd_aot.errors import CorruptArtifactError, LockTimeoutError, SpmdAotError  # noqa: E402
 from spmd_aot.store import LayeredStore, LocalStore, S3Store, open_location, open_store  # noqa: E402
 from spmd_aot.store.transfer import artifact_blobs  # noqa: E402
-from store_contract import check_store_contract  # noqa: E402
+from support.store_contract import check_store_contract  # noqa: E402
 
-from jobs import fresh_objects, make_batch, make_job  # noqa: E402
-from multiproc import free_port, run_ranks  # noqa: E402
+from support.jobs import fresh_objects, make_batch, make_job  # noqa: E402
+from support.multiproc import free_port, run_ranks  # noqa: E402
 
 BUCKET = "spmd-aot-test"
 _ENV = {

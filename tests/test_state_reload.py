@@ -6,7 +6,7 @@ import copy
 import torch
 
 import spmd_aot
-from jobs import fresh_objects, make_batch
+from support.jobs import fresh_objects, make_batch
 from spmd_aot.examples.models import train_step
 
 

@@ -10,13 +10,13 @@ import itertools
 import pytest
 
 import spmd_aot
-from jobs import MLP_JOB_FILE, eager_ddp, fresh_objects, make_batch, max_diffs
+from support.jobs import MLP_JOB_FILE, eager_ddp, fresh_objects, make_batch, max_diffs
 from spmd_aot.cli.app import main
 from spmd_aot.errors import CorruptArtifactError, SpmdAotError
 from spmd_aot.examples.models import train_step
 from spmd_aot.store import LayeredStore, LocalStore, MemoryStore, open_location, open_store
 from spmd_aot.store.registry import SCHEMES, register_scheme
-from store_contract import check_store_contract
+from support.store_contract import check_store_contract
 
 _names = itertools.count()
 

@@ -36,7 +36,7 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 if not import_first:
     import spmd_aot  # a job that imports the package once its group is up
-from jobs import fresh_objects, make_batch
+from support.jobs import fresh_objects, make_batch
 from spmd_aot.examples.models import train_step
 
 model, optim = fresh_objects("mlp", "sgd")
@@ -49,7 +49,7 @@ dist.destroy_process_group()
 @pytest.mark.skipif(not pathlib.Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
 @pytest.mark.parametrize("imported", ["before", "after"], ids=["imported-before-init", "imported-after-init"])
 def test_no_gloo_thread_survives_destroy_process_group(tmp_path, imported):
-    from multiproc import free_port
+    from support.multiproc import free_port
 
     port = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1",

@@ -20,7 +20,7 @@ from spmd_aot.format.artifact import read_artifact
 from spmd_aot.examples.models import train_step as step  # the canonical step: token cross-entropy
 from spmd_aot.store import LocalStore
 from spmd_aot.parallel.tensor_parallel import TP_STYLES
-from multiproc import run_ranks
+from support.multiproc import run_ranks
 
 STEPS = 5
 TOL = 1e-5
@@ -197,7 +197,7 @@ def _local_diffs(ref_model, ref_optim, model, optim, ref_losses, losses) -> dict
 def _parity_worker(rank, world, cache_dirs):
     from torch.distributed.tensor import DTensor
 
-    import features
+    from support import features
 
     out = {}
     for (config, optim_name), cache_dir in cache_dirs.items():

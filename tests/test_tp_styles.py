@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd_aot
-from multiproc import run_ranks
+from support.multiproc import run_ranks
 from spmd_aot.errors import SpmdAotError, UnsupportedError
 from spmd_aot.parallel.plan import Plan
 from spmd_aot.parallel.tp_plan import HF_REFUSED_STYLES, resolve_tp_plan

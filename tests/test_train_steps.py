@@ -5,8 +5,8 @@ collectives the README promises."""
 import pytest
 
 import spmd_aot
-import train_steps
-from multiproc import run_ranks
+from support import train_steps
+from support.multiproc import run_ranks
 
 STEPS = 3
 TOLERANCE = 1e-5

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
-from jobs import build_unsigned
+from support.jobs import build_unsigned
 from spmd_aot.format import bounded
 from spmd_aot.format import signing
 from spmd_aot.format.artifact import decode_spec, encode_spec, pack_manifest, read_artifact, read_manifest

@@ -17,7 +17,7 @@ import tracemalloc
 
 import pytest
 
-from jobs import build_unsigned, make_job
+from support.jobs import build_unsigned, make_job
 from spmd_aot.keying import guards
 from spmd_aot.format import signing
 from spmd_aot.format.artifact import pack_manifest, read_artifact, read_manifest
@@ -220,7 +220,7 @@ def test_a_cache_others_can_write_is_refused_without_a_key_or_opt_in(tmp_path, m
 
 def test_build_and_compile_take_trust_cache(tmp_path, monkeypatch):
     import spmd_aot
-    from jobs import make_job
+    from support.jobs import make_job
 
     monkeypatch.delenv(signing.ENV_SIGNING_KEY, raising=False)
     monkeypatch.delenv(ENV_TRUST_CACHE, raising=False)

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from jobs import build_unsigned
+from support.jobs import build_unsigned
 from spmd_aot.format import validate
 from spmd_aot.format import verified
 from spmd_aot.format.artifact import read_artifact

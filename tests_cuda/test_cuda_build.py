@@ -19,7 +19,7 @@ from spmd_aot.format.artifact import read_manifest
 from spmd_aot.store import LocalStore
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
-import corpus  # noqa: E402
+from support import corpus  # noqa: E402
 
 assert torch.backends.cuda.is_built(), (
     f"tests_cuda needs the CUDA wheel of torch (this is {torch.__version__}): see .ci/run's CUDA stage")

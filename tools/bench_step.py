@@ -57,7 +57,6 @@ import torch  # noqa: E402
 import spmd_aot  # noqa: E402
 from spmd_aot.examples.models import Transformer, train_step
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bar_chart import write_svg  # noqa: E402  (a sibling file of this script)
 
 VOCAB, HEADS = 256, 4

@@ -67,7 +67,6 @@ import torch.distributed as dist  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step as bench  # noqa: E402  (a sibling file: its rank launcher and timing helpers)
 
 MODELS = ("lm", "llama")

@@ -24,8 +24,8 @@ from spmd_aot.store import LocalStore  # noqa: E402
 
 
 def configurations():
-    from features import FEATURES, VARIANTS
-    from jobs import MODELS, OPTIMIZERS, make_job
+    from support.features import FEATURES, VARIANTS
+    from support.jobs import MODELS, OPTIMIZERS, make_job
 
     for name, (model, optim, step, batch, _) in FEATURES.items():
         job = spmd_aot.Job(step=step, model=model, optimizer=optim, batch=lambda b=batch: b(0, 0))
@@ -63,7 +63,7 @@ OPTIMIZER_FACTORIES = {
 
 
 def optimizer_configurations():
-    from jobs import make_job
+    from support.jobs import make_job
 
     for name, factory in OPTIMIZER_FACTORIES.items():
         for impl in (False, True, None):

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
 
     import spmd_aot
     import test_integrity
-    from jobs import make_job
+    from support.jobs import make_job
     from spmd_aot.store import LocalStore
 
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)

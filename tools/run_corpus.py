@@ -20,14 +20,14 @@ TESTS = pathlib.Path(__file__).resolve().parent.parent / "tests"
 
 
 def _placement(config: str) -> str:
-    import corpus
+    from support import corpus
 
     placement, mesh, _ = corpus.CONFIGS[config]
     return f"{placement} {mesh[0]}x{mesh[1]}" if mesh else placement
 
 
 def _row(name: str, config: str, built, per_rank: list | None) -> str:
-    import corpus
+    from support import corpus
 
     spec = corpus.MODELS.get(name)
     model = "SPMD wrapper (GPT-2 eval)" if name == "spmd" else f"{name}: {spec.about}"
@@ -50,7 +50,7 @@ def _row(name: str, config: str, built, per_rank: list | None) -> str:
 
 def _failure(per_rank: list) -> str:
     """Each distinct problem once (with the ranks that had it), then rank 0's traceback tail."""
-    import corpus
+    from support import corpus
 
     seen = {}
     for rank, r in enumerate(per_rank):
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     parser.add_argument("--group-size", type=int, default=4, help="models per 2-rank launch")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(TESTS))
-    import corpus
+    from support import corpus
 
     names = args.models.split(",") if args.models else None
     with tempfile.TemporaryDirectory(prefix="spmd-aot-corpus-") as root:

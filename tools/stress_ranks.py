@@ -36,7 +36,7 @@ SIGNS = ("terminate called", "double free", "corrupted", "Fatal Python error", "
 
 
 def _parity(rank, world, cache_dir, steps):
-    import jobs
+    from support import jobs
 
     out = {}
     for placement in ("replicate", "shard"):
@@ -49,7 +49,7 @@ def _parity(rank, world, cache_dir, steps):
 
 def child(steps: int) -> int:
     sys.path.insert(0, str(REPO / "tests"))
-    from multiproc import run_ranks
+    from support.multiproc import run_ranks
 
     with tempfile.TemporaryDirectory() as cache:
         result = run_ranks(_parity, 2, cache, steps, timeout=300)
@@ -60,7 +60,7 @@ def child(steps: int) -> int:
 def child_builds(n: int) -> int:
     sys.path.insert(0, str(REPO / "tests"))
     import spmd_aot
-    from features import FEATURES, VARIANTS
+    from support.features import FEATURES, VARIANTS
 
     configs = [(f, v) for f in FEATURES for v in ("replicate", "shard", "shard_keep_1d_whole")]
     with tempfile.TemporaryDirectory() as cache:
@@ -78,7 +78,7 @@ import sys
 import spmd_aot
 import torch
 import torch.distributed as dist
-from jobs import fresh_objects, make_batch
+from support.jobs import fresh_objects, make_batch
 from spmd_aot.examples.models import train_step
 
 rank, port, cache = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -103,7 +103,7 @@ def run_plain_ranks(env: dict, core_dir: str | None = None) -> subprocess.Comple
     With ``core_dir`` each rank runs in its own directory there with core dumps on, and the
     native backtrace of any core (gdb) is appended to the text."""
     sys.path.insert(0, str(REPO / "tests"))
-    from multiproc import free_port
+    from support.multiproc import free_port
 
     port = str(free_port())
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,7 +23,7 @@ import traceback
 # What ranks import anyway (and what a first trace imports lazily), imported once in the server.
 PRELOAD = ["spmd_aot", "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
            "torch.nn.parallel", "torch._dynamo", "torch.testing._internal.distributed.fake_pg",
-           "safetensors.torch", "spmd_aot.runtime.step", "spmd_aot.building.builder", "jobs", "features"]
+           "safetensors.torch", "spmd_aot.runtime.step", "spmd_aot.building.builder", "support.jobs", "support.features"]
 
 _server_lock = threading.Lock()  # launches start from several threads; the server once
 _server_started = False

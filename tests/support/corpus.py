@@ -369,7 +369,7 @@ class Built:
 
 
 def cli_build(name: str, cache: str, world: int = 2, placements=("replicate", "shard"),
-              target_module: str = "corpus") -> Built:
+              target_module: str = "support.corpus") -> Built:
     """``spmd-aot build corpus:NAME -w WORLD -p ...`` in this process, output captured."""
     from spmd_aot.cli.app import main
 
@@ -506,7 +506,7 @@ def _train(name, config, rank, world, model, call, optim=None):
 def _diffs(ref, got) -> dict:
     """Largest absolute differences of parameters and buffers, optimizer state and losses
     (``features.max_diffs``); for a forward-only step, of parameters and every output."""
-    import features
+    from support import features
 
     (ref_model, ref_optim, ref_outputs), (model, optim, outputs) = ref, got
     if ref_optim is not None:
@@ -629,7 +629,7 @@ def run_corpus(root, names=None, group_size: int = 4, timeout: float = 900.0) ->
     and run each group of models on 2 gloo ranks while the next group builds; FSDP x TP on 4."""
     import pathlib
 
-    from multiproc import start_ranks
+    from support.multiproc import start_ranks
 
     start = time.perf_counter()
     names = list(MODELS) if names is None else names
