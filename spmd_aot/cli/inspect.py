@@ -29,14 +29,14 @@ def cmd_ls(args) -> int:
 
 
 def _ls_columns(store, entry) -> list:
-    from ..format.artifact import blob_list, read_manifest
+    from ..format.artifact import manifest_blobs, read_manifest
 
     if entry.error:
         return [f"CORRUPT: {entry.error}"]
     try:
         manifest = read_manifest(store, entry.digest)
         size = 0
-        for name, digest in blob_list(manifest, entry.digest):
+        for name, digest in manifest_blobs(manifest, entry.digest):
             blob_size = store.size(digest)
             if blob_size is None:
                 return [f"CORRUPT: {name} blob {digest[:12]} is missing"]
@@ -66,7 +66,7 @@ def cmd_show(args) -> int:
 
 def _print_manifest(store, key: str, digest: str, m: dict) -> None:
     """Every line escaped (``safe``): every field is stored data."""
-    from ..format.artifact import blob_list
+    from ..format.artifact import manifest_blobs
     from ..parallel.plan import Plan
 
     stats = m["stats"]
@@ -94,7 +94,7 @@ def _print_manifest(store, key: str, digest: str, m: dict) -> None:
              "in the peak above")
     _print_communication(stats.get("comm"))
     say("blobs:")
-    for name, d in blob_list(m, digest):
+    for name, d in manifest_blobs(m, digest):
         blob_size = store.size(d)
         size = "MISSING" if blob_size is None else f"{blob_size} bytes"
         say(f"  {name:<12}{d}  {size}")
@@ -171,12 +171,12 @@ def cmd_verify(args) -> int:
 def _entry_problem(store, key: str, digest: str, bad: set, check_entry) -> str | None:
     """Why the entry ``digest`` of ``key`` would not load, or None; read-only (a blob the re-hash
     found damaged is reported, not read: reading it would move it to quarantine/)."""
-    from ..format.artifact import blob_list, read_manifest
+    from ..format.artifact import manifest_blobs, read_manifest
 
     if digest in bad:
         return "its manifest blob is damaged"
     try:
-        damaged = [f"{name} blob {d}" for name, d in blob_list(read_manifest(store, digest), digest)[1:] if d in bad]
+        damaged = [f"{name} blob {d}" for name, d in manifest_blobs(read_manifest(store, digest), digest)[1:] if d in bad]
         if damaged:
             return f"{', '.join(damaged)} damaged"
         check_entry(store, key, digest)

@@ -22,6 +22,7 @@ from . import bounded
 from . import signing
 from ..errors import CorruptArtifactError, SpmdAotError, UnsupportedError
 from ..store.faults import crash_point
+from ..store.transfer import blob_list
 from ..keying.guards import KINDS as GUARD_KINDS, empty as no_guards, is_safe_path
 from ..keying.key import CacheKey
 from .limits import ENV_LOAD_LIMITS, LoadLimits, load_limits
@@ -31,7 +32,7 @@ from .serialize import decode_graph, encode_graph, to_fx_graph
 from ..state import Slot
 from ..store.names import is_digest
 
-__all__ = ["Artifact", "encode_artifact", "store_artifact", "artifact_in_memory", "read_artifact", "read_manifest", "blob_list", "artifact_blobs",
+__all__ = ["Artifact", "encode_artifact", "store_artifact", "artifact_in_memory", "read_artifact", "read_manifest", "manifest_blobs", "artifact_bytes",
            "layout_entries", "layout_mismatch", "pack_manifest", "check_entry", "FORMAT", "encode_spec", "decode_spec"]
 
 #: The artifact format (the manifest's ``format``; cache/README.md). 3: the manifest blob is an
@@ -245,15 +246,14 @@ def read_manifest(store, digest: str) -> dict:
     return manifest
 
 
-def blob_list(manifest: dict, digest: str) -> list[tuple[str, str]]:
-    """An artifact's blobs as (part name, digest), its manifest first: the one list of what an
-    entry holds (copying, verifying, listing and lending an artifact all walk it)."""
-    return [("manifest", digest), *manifest["blobs"].items()]
+def manifest_blobs(manifest: dict, digest: str) -> list[tuple[str, str]]:
+    """The blobs of a decoded ``manifest`` whose digest is ``digest`` (``store.transfer.blob_list``)."""
+    return blob_list(manifest["blobs"], digest)
 
 
-def artifact_blobs(store, digest: str) -> dict[str, bytes]:
+def artifact_bytes(store, digest: str) -> dict[str, bytes]:
     """Every blob of the artifact whose manifest is ``digest``, by digest (read, not verified)."""
-    return {d: store.get(d) for _, d in blob_list(read_manifest(store, digest), digest)}
+    return {d: store.get(d) for _, d in manifest_blobs(read_manifest(store, digest), digest)}
 
 
 def read_artifact(store, digest: str) -> Artifact:

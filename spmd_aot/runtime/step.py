@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from ..keying import guards
 from . import ranks
 from ..format.allowlist import opt_in_names, opted_in
-from ..format.artifact import artifact_blobs, artifact_in_memory, layout_mismatch, read_artifact
+from ..format.artifact import artifact_bytes, artifact_in_memory, layout_mismatch, read_artifact
 from ..errors import (ArtifactMismatchError, CacheIOError, CacheMissError, CorruptArtifactError, LockTimeoutError,
                      OpNotAllowedError, SpmdAotError)
 from .device_check import check_device
@@ -214,7 +214,7 @@ class CompiledStep:
             raise problem
         if not ranks.needs_blobs(artifact is not None, world):
             return artifact
-        blobs = artifact_blobs(self._unstored or self.store, digest) if dist.get_rank() == 0 else None
+        blobs = artifact_bytes(self._unstored or self.store, digest) if dist.get_rank() == 0 else None
         received = ranks.broadcast_blobs(blobs)
         if artifact is not None:
             return artifact

@@ -19,7 +19,7 @@ from ..format.limits import load_limits
 from .names import digest_of, is_digest
 from .protocol import Store, holds, local_files
 
-__all__ = ["manifest_parts", "manifest_key", "looks_like_manifest", "artifact_blobs", "copy_artifact", "CopyResult"]
+__all__ = ["manifest_parts", "manifest_key", "looks_like_manifest", "blob_list", "artifact_blobs", "copy_artifact", "CopyResult"]
 
 
 def _decode_manifest(data: bytes, where: str) -> dict:
@@ -67,10 +67,16 @@ def looks_like_manifest(data: bytes) -> bool:
     return True
 
 
+def blob_list(parts: dict[str, str], digest: str) -> list[tuple[str, str]]:
+    """An artifact's blobs as (part name, digest), its manifest (``digest``) first: the one list of
+    what an entry holds (copying, verifying, listing, bundling and lending an artifact walk it)."""
+    return [("manifest", digest), *parts.items()]
+
+
 def artifact_blobs(store: Store, digest: str, where: str | None = None) -> dict[str, str]:
     """``{"manifest": digest, <part>: <digest>, ...}`` of the artifact whose manifest is ``digest``."""
     data = store.get(digest, limit=load_limits().part_bytes)
-    return {"manifest": digest, **manifest_parts(data, where or f"manifest {digest}")}
+    return dict(blob_list(manifest_parts(data, where or f"manifest {digest}"), digest))
 
 
 @dataclasses.dataclass
