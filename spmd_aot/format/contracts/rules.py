@@ -12,7 +12,6 @@ import torch
 
 
 
-Shape = tuple
 
 
 class Broken(ValueError):
