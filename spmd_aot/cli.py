@@ -356,6 +356,29 @@ def _add_shard_options(p) -> None:
                    help="for placement replicate: gradient bucket size (default 25, as DDP)")
     p.add_argument("--first-bucket-cap-mb", type=_positive_float, default=1.0, metavar="MIB",
                    help="for placement replicate: size of the first gradient bucket (default 1, as DDP)")
+    _add_precision_options(p)
+
+
+def _add_precision_options(p) -> None:
+    """A mixed-precision policy (``mixed_precision.py``, FSDP2's fields), for every placement."""
+    from .mixed_precision import DTYPES
+
+    names = ", ".join(DTYPES)
+    p.add_argument("--param-dtype", choices=list(DTYPES), metavar="DTYPE",
+                   help=f"mixed precision: compute in DTYPE ({names}) with fp32 master weights (FSDP2's param_dtype)")
+    p.add_argument("--reduce-dtype", choices=list(DTYPES), metavar="DTYPE",
+                   help="mixed precision: average gradients in DTYPE (default: the param dtype)")
+    p.add_argument("--output-dtype", choices=list(DTYPES), metavar="DTYPE",
+                   help="mixed precision: cast the model's floating-point outputs to DTYPE")
+    p.add_argument("--no-cast-forward-inputs", action="store_true",
+                   help="mixed precision: leave the model's floating-point inputs in their dtype")
+
+
+def _mixed_precision(args):
+    from .mixed_precision import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(args.param_dtype, args.reduce_dtype, args.output_dtype,
+                                not args.no_cast_forward_inputs)
 
 
 def _positive_float(text: str) -> float:
@@ -418,7 +441,8 @@ def _plan(args, world_size: int, placement: str):
                "reshard_after_forward": not args.keep_params_after_forward}
     own = cli_fields(placement, bool(args.tp_plan))
     schema = Schema(placement, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb,
-                    tp_plan=_tp_plan(args.tp_plan), **{k: v for k, v in options.items() if k in own})
+                    tp_plan=_tp_plan(args.tp_plan), mixed_precision=_mixed_precision(args),
+                    **{k: v for k, v in options.items() if k in own})
     return schema.plan(world_size, args.device)
 
 

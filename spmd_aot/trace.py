@@ -26,6 +26,7 @@ from torch.nn.utils import stateless
 
 from . import data_dependent, fused_meta
 from .accumulation import Accumulation
+from .casts import forward_casts
 from .errors import UnsupportedError
 from .expand import Expander
 from .groups import GroupGather, ParamGroup, assign_groups, resharding
@@ -126,7 +127,8 @@ def _trace_step(step, state, plan, mesh, inputs, transform_model, accumulation: 
         lrs = {i: lr.detach().requires_grad_(True) for i, lr in zip(hyper_groups, take("hyper"))}
         batch = pytree.tree_unflatten(take("batch"), state.batch_spec)
         gathers = [GroupGather(g, [leaves[slot_of[f]] for f in g.fqns], [param_slots[slot_of[f]].layout
-                                                                           for f in g.fqns], mesh)
+                                                                           for f in g.fqns], mesh,
+                              plan.mixed_precision)
                    for g in groups]
         for gather in gathers:
             gather.accumulation = accumulation
@@ -135,7 +137,8 @@ def _trace_step(step, state, plan, mesh, inputs, transform_model, accumulation: 
             _each_optimizer_swapped(state.optim, by_real, traced_state, lrs, accumulation)
         with (transform_model() if transform_model else contextlib.nullcontext()), \
                 stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
-                optimizer, where.tracking(state.model), axis_contexts, accumulation.recording():
+                optimizer, where.tracking(state.model), axis_contexts, accumulation.recording(), \
+                forward_casts(state.model, plan):
             result = step(state.model, batch) if forward_only else step(state.model, user_object(state.optim), batch)
         stale = [names[0] for (names, _), leaf in zip(state.params, leaves) if leaf.grad is not None]
         if stale:
