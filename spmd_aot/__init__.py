@@ -23,6 +23,7 @@ from .errors import (ArtifactMismatchError, CacheMissError, CorruptArtifactError
                      SpmdAotError, TargetError, UnsafeArtifactError, UnsupportedError, OpNotAllowedError)
 from .fingerprint import register_fingerprint
 from .job import Job, load_target
+from .mixed_precision import MixedPrecisionPolicy
 from .override import Override
 from .plan import Plan
 from .runtime import CacheInfo, CompiledStep, compile
@@ -32,7 +33,7 @@ from .spmd import SPMD
 
 __all__ = [
     "Job", "build", "compile", "load_target", "Override", "register_fingerprint", "SPMD", "Schema", "Comm",
-    "BuildResult", "CacheInfo", "CompiledStep", "Plan",
+    "BuildResult", "CacheInfo", "CompiledStep", "Plan", "MixedPrecisionPolicy",
     "SpmdAotError", "TargetError", "UnsupportedError", "CacheMissError", "ArtifactMismatchError",
     "CorruptArtifactError", "UnsafeArtifactError", "OpNotAllowedError", "LockTimeoutError",
 ]
