@@ -195,6 +195,38 @@ def _parity_worker(rank, world, cache):
     out["replicate bf16/fp32"] = _diffs(*ref, *compiled("r", mixed_precision=BF16))
     ref = _run(rank, DistributedDataParallel, autocast_step)
     out["replicate autocast"] = _diffs(*ref, *compiled("a", autocast_step))
+    out.update(_accumulation(rank, world, cache))
+    return out
+
+
+def _accumulation(rank, world, cache) -> dict:
+    """Gradient accumulation (2 micro-batches per step) under the policy, against eager with its
+    gradient sync turned off but for the last micro-batch (``train_steps.gradient_sync``)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+    from torch.distributed.fsdp import fully_shard
+
+    from train_steps import accumulation_step, class_batch, mlp, sgd
+
+    out = {}
+    for placement in ("shard", "replicate"):
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(placement,))
+        models, optims = [], []
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            model = mlp()
+            if not compiled:
+                wrap = fully_shard if placement == "shard" else replicate
+                wrap(model, mesh=mesh, mp_policy=TorchPolicy(**BF16))
+            step = spmd_aot.compile(accumulation_step, cache_dir=f"{cache}/acc-{placement}", placement=placement,
+                                    mixed_precision=BF16) if compiled else accumulation_step
+            optim = sgd(model)
+            for s in range(STEPS):
+                step(model, optim, class_batch(rank, s))
+            models.append(model)
+            optims.append(optim)
+        out[f"{placement} accumulation"] = _diffs(models[0], optims[0], models[1], optims[1])
     return out
 
 
@@ -203,7 +235,8 @@ def parity(tmp_path_factory):
     return run_ranks(_parity_worker, 2, str(tmp_path_factory.mktemp("mp")), timeout=400)
 
 
-@pytest.mark.parametrize("case", ["shard bf16/fp32", "shard bf16/bf16", "replicate bf16/fp32", "replicate autocast"])
+@pytest.mark.parametrize("case", ["shard bf16/fp32", "shard bf16/bf16", "replicate bf16/fp32", "replicate autocast",
+                                  "shard accumulation", "replicate accumulation"])
 def test_bf16_parity_with_eager_at_world_2(parity, case):
     for rank, per_rank in enumerate(parity):
         assert max(per_rank[case].values()) <= TOL, f"rank {rank} {case}: {per_rank[case]}"
