@@ -23,6 +23,7 @@ from .errors import (ArtifactMismatchError, CacheMissError, CorruptArtifactError
                      SpmdAotError, TargetError, UnsafeArtifactError, UnsupportedError, OpNotAllowedError)
 from .keying.fingerprint import register_fingerprint
 from .job import Job, load_target
+from .parallel.mixed_precision import MixedPrecisionPolicy
 from .tracing.override import Override
 from .parallel.plan import Plan
 from .runtime.step import CacheInfo, CompiledStep, compile
@@ -32,7 +33,7 @@ from .spmd import SPMD
 
 __all__ = [
     "Job", "build", "compile", "load_target", "Override", "register_fingerprint", "SPMD", "Schema", "Comm",
-    "BuildResult", "CacheInfo", "CompiledStep", "Plan",
+    "BuildResult", "CacheInfo", "CompiledStep", "Plan", "MixedPrecisionPolicy",
     "SpmdAotError", "TargetError", "UnsupportedError", "CacheMissError", "ArtifactMismatchError",
     "CorruptArtifactError", "UnsafeArtifactError", "OpNotAllowedError", "LockTimeoutError",
 ]

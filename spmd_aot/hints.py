@@ -45,6 +45,11 @@ def build_command(plan: Plan, *, target: str | None = None, cache_dir: str | os.
         args += ["--bucket-cap-mb", repr(plan.bucket_cap_mb)]
     if plan.first_bucket_cap_mb != default.first_bucket_cap_mb:
         args += ["--first-bucket-cap-mb", repr(plan.first_bucket_cap_mb)]
+    for field, value in (plan.mixed_precision.to_dict().items() if plan.mixed_precision else ()):
+        if field == "cast_forward_inputs":
+            args += [] if value else ["--no-cast-forward-inputs"]
+        elif value is not None:
+            args += ["--" + field.replace("_", "-"), value]
     if cache_dir is not None:
         args += ["--cache-dir", str(cache_dir)]
     return shlex.join(args)

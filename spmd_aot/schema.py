@@ -13,6 +13,7 @@ import dataclasses
 import math
 from typing import Mapping, Sequence
 
+from .parallel.mixed_precision import MixedPrecisionPolicy
 from .parallel.plan import Plan
 
 __all__ = ["Schema", "Comm", "COMM_FIELDS"]
@@ -33,18 +34,19 @@ class Comm:
 
 
 COMM_FIELDS = tuple(f.name for f in dataclasses.fields(Comm))
-_LAYOUT_FIELDS = ("placement", "mesh_shape", "param_placements", "tp_plan")
+_LAYOUT_FIELDS = ("placement", "mesh_shape", "param_placements", "tp_plan", "mixed_precision")
 
 
 class Schema:
     """How parameters are spread: ``placement`` ("replicate" or "shard"), ``mesh_shape`` (its
     dimensions named as ``Plan`` says: HSDP, DDP x TP, HSDP x TP, ...), ``param_placements``
     (FQN pattern -> placement), ``tp_plan`` (module FQN pattern -> TP style, or "hf") and the
-    communication options, as ``comm=Comm(...)`` or as its keywords."""
+    communication options, as ``comm=Comm(...)`` or as its keywords; ``mixed_precision`` a
+    ``MixedPrecisionPolicy`` (ours or torch's FSDP2 one: compute, reduce and output dtypes)."""
 
     def __init__(self, placement: str = "replicate", *, mesh_shape: Sequence[int] | None = None,
                  param_placements: Mapping[str, str] | Sequence = (), tp_plan=(), comm: Comm | None = None,
-                 **comm_options):
+                 mixed_precision: MixedPrecisionPolicy | None = None, **comm_options):
         unknown = sorted(set(comm_options) - set(COMM_FIELDS))
         if unknown:
             raise TypeError(f"unknown option(s) {', '.join(unknown)}; a schema takes "
@@ -62,6 +64,7 @@ class Schema:
         self.tp_plan = tp_plan if isinstance(tp_plan, str) else checked.tp_plan
         self.comm = Comm(checked.bucket_cap_mb, checked.first_bucket_cap_mb, checked.shard_groups,
                          checked.reshard_after_forward)
+        self.mixed_precision = MixedPrecisionPolicy.of(mixed_precision)
 
     @classmethod
     def of(cls, schema: "Schema | None" = None, **options) -> "Schema":
@@ -77,12 +80,13 @@ class Schema:
     def plan(self, world_size: int, device_type: str = "cpu") -> Plan:
         """The configuration this schema gives at ``world_size`` ranks of ``device_type``."""
         return Plan(world_size, self.placement, device_type, self.mesh_shape, self.param_placements,
-                    tp_plan=self.tp_plan, **dataclasses.asdict(self.comm))
+                    tp_plan=self.tp_plan, mixed_precision=self.mixed_precision, **dataclasses.asdict(self.comm))
 
     def options(self) -> dict:
         """Every option as a keyword (``Schema(**schema.options())`` is ``schema``)."""
         return {"placement": self.placement, "mesh_shape": self.mesh_shape,
-                "param_placements": self.param_placements, "tp_plan": self.tp_plan, "comm": self.comm}
+                "param_placements": self.param_placements, "tp_plan": self.tp_plan, "comm": self.comm,
+                "mixed_precision": self.mixed_precision}
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Schema) and self.options() == other.options()

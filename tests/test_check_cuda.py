@@ -1,7 +1,7 @@
 """tools/check_cuda.py, the one script to run on a GPU machine, runs its checks on CPU + gloo.
 
 No GPU here: this keeps the script working (what it found, build, hit, parity with eager under
-the floor rule, timing against eager and torch.compile, the bf16 slot, world 2 against DDP and
+the floor rule, timing against eager and torch.compile, bf16 mixed precision, world 2 against DDP and
 FSDP2, the budget, the summary) so that a session lent a GPU can run it as it is."""
 
 
@@ -9,7 +9,9 @@ import pytest
 
 TINY = ["--device", "cpu", "--layers", "1", "--d-model", "32", "--seq", "16", "--batch", "2", "--steps", "3",
         "--blocks", "1", "--timed-steps", "1", "--warmup", "1"]
-CHECKS = [f"world {w} {m} {p}" for w in (1, 2) for m in ("lm", "llama") for p in ("replicate", "shard")]
+PLAIN = [f"world {w} {m} {p}" for w in (1, 2) for m in ("lm", "llama") for p in ("replicate", "shard")]
+BF16 = ["world 1 lm replicate bf16", "world 1 lm shard bf16"]  # mixed precision (the example LM)
+CHECKS = PLAIN + BF16
 
 
 @pytest.fixture
@@ -26,7 +28,7 @@ def check_cuda(monkeypatch):
 
 
 def _verdicts(out: str) -> dict:
-    """check name -> PASS/FAIL/SKIP/TODO, from the summary table."""
+    """check name -> PASS/FAIL/SKIP, from the summary table."""
     table = out[out.index("# summary"):]
     rows = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| world")]
     return {cells[0].strip(): cells[3].strip() for cells in rows}
@@ -46,8 +48,8 @@ def test_every_check_passes_on_cpu(check_cuda, capsys):
     assert out.startswith("# python "), out
     assert "torch 2.13" in out and "NCCL available" in out and "spmd-aot 0.1" in out and "transformers" in out
     verdicts = _verdicts(out)
-    assert verdicts == {**{c: "PASS" for c in CHECKS}, "world 1 bf16 mixed precision": "TODO"}, out
-    assert "bf16 mixed precision: not yet implemented (issue 19 part 2)" in out
+    assert verdicts == {c: "PASS" for c in CHECKS}, out
+    assert "|loaded - FSDP2(mp_policy)|" in out and "|loaded - replicate(mp_policy)|" in out
     assert out.count("cache hit True, traces 0") == len(CHECKS), out
     # timing: loaded/eager everywhere, loaded/compile where torch.compile was asked for
     for check in CHECKS:
@@ -65,7 +67,7 @@ def test_a_parity_failure_fails_the_run(check_cuda, capsys):
     out = capsys.readouterr().out
     assert code == 1, out
     lm = [c for c in CHECKS if " lm " in c]
-    assert _verdicts(out) == {**{c: "FAIL" for c in lm}, "world 1 bf16 mixed precision": "TODO"}, out
+    assert _verdicts(out) == {c: "FAIL" for c in lm}, out
     assert out.count("timing skipped: ") == len(lm), out
     assert "FAILED world 1 lm replicate" in out
 
@@ -85,10 +87,10 @@ def test_an_exhausted_budget_skips_every_check_with_a_reason(check_cuda, capsys)
     code = check_cuda.main(TINY + ["--budget-seconds", "0"])
     out = capsys.readouterr().out
     assert code == 0, out  # nothing failed: nothing ran
-    assert _verdicts(out) == {**{c: "SKIP" for c in CHECKS}, "world 1 bf16 mixed precision": "TODO"}, out
+    assert _verdicts(out) == {c: "SKIP" for c in CHECKS}, out
     for check in CHECKS:
         assert f"SKIP {check}: budget: 0s left" in out, out
-    assert "# 0 passed, 0 failed, 8 skipped, 1 not yet implemented" in out, out
+    assert "# 0 passed, 0 failed, 10 skipped" in out, out
 
 
 def test_a_failing_torch_compile_costs_its_timing_not_the_check(check_cuda, capsys, monkeypatch):
@@ -102,6 +104,6 @@ def test_a_failing_torch_compile_costs_its_timing_not_the_check(check_cuda, caps
     out = capsys.readouterr().out
     assert code == 0, out
     assert _verdicts(out) == {"world 1 lm replicate": "PASS", "world 1 lm shard": "PASS",
-                              "world 1 bf16 mixed precision": "TODO"}, out
+                              "world 1 lm replicate bf16": "PASS", "world 1 lm shard bf16": "PASS"}, out
     assert "torch.compile failed: RuntimeError: no compiler here" in out
     assert _summary_row(out, "world 1 lm replicate")[5] == "-", out

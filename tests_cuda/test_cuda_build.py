@@ -66,6 +66,33 @@ def test_example_builds_for_cuda(cache, placement):
         assert "_c10d_functional::reduce_scatter_tensor.default" in ops
 
 
+@pytest.mark.parametrize("placement", ["replicate", "shard"])
+def test_mixed_precision_builds_for_cuda(cache, placement):
+    """A bf16 policy on a GPU-less CUDA build: the graph casts to bf16 (and verify, below, loads it)."""
+    from spmd_aot.examples import quickstart
+
+    policy = spmd_aot.MixedPrecisionPolicy(param_dtype="bf16", reduce_dtype="fp32")
+    result = spmd_aot.build(quickstart.job(), device="cuda", cache_dir=cache, mixed_precision=policy,
+                            gm_transformation=_record_dtypes, **PLACEMENTS[placement])
+    _check_cuda_graph(cache, result)
+    assert result.plan.mixed_precision == policy and "mp=bf16/fp32" in result.plan.describe()
+    mm = {d for op, d in _DTYPES if op.startswith("aten.mm")}
+    assert mm == {torch.bfloat16}, _DTYPES  # compute in bf16
+    reduced = {d for op, d in _DTYPES if "reduce_scatter" in op or "all_reduce" in op}
+    assert reduced == {torch.float32}, _DTYPES  # gradients averaged in fp32
+
+
+_DTYPES: set = set()
+
+
+def _record_dtypes(gm):
+    """A build-time transformation that changes nothing: (op, result dtype) of every call."""
+    _DTYPES.clear()
+    _DTYPES.update((str(n.target), n.meta["val"].dtype) for n in gm.graph.nodes
+                   if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor))
+    return gm
+
+
 DECODERS = ["llama", "llama_eager", "mistral", "qwen3", "gpt2", "gpt2_eager"]
 
 

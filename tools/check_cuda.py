@@ -20,8 +20,11 @@ no install). It prints, in order:
    next to eager on the same device, and parameters, optimizer state and losses compared. Then
    loaded, eager and ``torch.compile(model)`` are timed interleaved (``bench_step.timed_blocks``;
    compile's first step reported apart as compile seconds).
-3. **bf16 mixed precision**: a slot that says it is not implemented yet (issue 19 part 2), so the
-   output keeps its form when it lands.
+3. **bf16 mixed precision** (world 1, the example LM; world 2 is tests/test_mixed_precision.py's):
+   the same build, load, parity and timing with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, against eager
+   FSDP2 with the same ``mp_policy`` (``shard``) and torch's DDP-semantics
+   ``replicate(mp_policy=...)`` (``replicate``); at world 1 both sides run in a one-rank process
+   group (FSDP2 needs one), which is what one H200 can run. Rows are named ``... bf16``.
 4. **World 2** (NCCL needs a GPU per rank, so with 2+ GPUs; on CPU with gloo): the same for
    ``replicate`` against eager DDP and ``shard`` against eager FSDP2 (``fully_shard`` per block,
    then the root), on spawned ranks (``bench_step.run_world``).
@@ -41,6 +44,7 @@ Exit status 1 when any check failed (skips do not fail), else 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -77,6 +81,14 @@ FLOOR_FACTOR = 10  # ... or 10x the job's own rounding floor, where AdamW amplif
 PERTURBATION = 1e-7  # relative: eager against itself with this perturbation is the floor
 # (layers, d_model, context, batch per rank) by device; --layers etc. override
 SIZES = {"cuda": (4, 256, 128, 8), "cpu": (2, 64, 32, 4)}
+MP_MODELS = ("lm",)  # the models checked again under bf16 mixed precision
+
+
+def MIXED_PRECISION():  # noqa: N802  (a constant, made when first needed: torch's FSDP2 policy)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
 EAGER_NAME = {(1, "replicate"): "eager", (1, "shard"): "eager", (2, "replicate"): "DDP", (2, "shard"): "FSDP2"}
 
 
@@ -244,10 +256,15 @@ class Spec:
     world: int
     allow_ops: tuple = ()
     compile: bool = False  # also time torch.compile(eager model)
+    bf16: bool = False  # mixed precision: MIXED_PRECISION on both sides
 
     @property
     def name(self) -> str:
-        return f"world {self.world} {self.model} {self.placement}"
+        return f"world {self.world} {self.model} {self.placement}" + (" bf16" if self.bf16 else "")
+
+    @property
+    def mixed_precision(self):
+        return MIXED_PRECISION() if self.bf16 else None
 
 
 def _full(t):
@@ -279,6 +296,8 @@ def max_diffs(ref, got) -> dict:
 def eager_model(spec: Spec, z: Sizes, device, perturb=False):
     """(module to call, the module itself, its optimizer): plain at world 1, DDP or FSDP2."""
     model = make_model(spec.model, z, perturb).to(device)
+    if spec.bf16:
+        return _eager_mixed_precision(spec, model, device)
     if spec.world == 1:
         return model, model, adamw(model)
     if spec.placement == "replicate":
@@ -292,6 +311,35 @@ def eager_model(spec: Spec, z: Sizes, device, perturb=False):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, model, adamw(model)  # the optimizer sees the DTensor parameters
+
+
+def _eager_mixed_precision(spec: Spec, model, device):
+    """FSDP2 (per layer, then the root) or torch's DDP-semantics ``replicate``, with the policy."""
+    from torch.distributed.device_mesh import init_device_mesh
+    if spec.placement == "replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        replicate(model, mesh=init_device_mesh(device.type, (spec.world,), mesh_dim_names=("replicate",)),
+                  mp_policy=spec.mixed_precision)
+        return model, model, adamw(model)
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (spec.world,))
+    for layer in layers_of(model):
+        fully_shard(layer, mesh=mesh, mp_policy=spec.mixed_precision)
+    fully_shard(model, mesh=mesh, mp_policy=spec.mixed_precision)
+    return model, model, adamw(model)
+
+
+@contextlib.contextmanager
+def one_rank_group(device_type: str, needed: bool):
+    """A process group of this process alone (FSDP2 needs one even at world 1), when ``needed``."""
+    if not needed or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _sync(device, world: int) -> None:
@@ -312,7 +360,9 @@ def run_check(spec: Spec, rank: int, args, cache_dir: str, deadline: Deadline) -
     fn = step_fn(spec.model)
     batches = [make_batch(spec.model, z, rank, s, device) for s in range(args.steps)]
 
-    row = dict(check=spec.name, eager=EAGER_NAME[world, spec.placement], allow_ops=list(spec.allow_ops))
+    eager = EAGER_NAME[world, spec.placement] if not spec.bf16 else \
+        {"replicate": "replicate(mp_policy)", "shard": "FSDP2(mp_policy)"}[spec.placement]
+    row = dict(check=spec.name, eager=eager, allow_ops=list(spec.allow_ops))
     # eager, the floor (eager, perturbed), then the loaded step
     call, ref_model, ref_optim = eager_model(spec, z, device)
     ref = (ref_model, ref_optim, [float(fn(call, ref_optim, b).detach().float()) for b in batches])
@@ -321,7 +371,7 @@ def run_check(spec: Spec, rank: int, args, cache_dir: str, deadline: Deadline) -
     model = make_model(spec.model, z).to(device)
     optim = adamw(model)
     step = spmd_aot.compile(fn, placement=spec.placement, cache_dir=cache_dir, require_hit=True,
-                            allow_ops=spec.allow_ops)
+                            allow_ops=spec.allow_ops, mixed_precision=spec.mixed_precision)
     losses = [float(step(model, optim, b).detach().float()) for b in batches]
     diff = max_diffs(ref, (model, optim, losses))
     if world > 1:  # the worst over ranks (losses are rank-local)
@@ -435,13 +485,6 @@ def skipped(spec: Spec, reason: str) -> dict:
     return dict(check=spec.name, status="SKIP", reason=reason)
 
 
-def check_mixed_precision(args) -> dict:
-    """The bf16 mixed-precision parity check (FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16,
-    reduce_dtype=fp32)`` and DDP with autocast): its slot in the output until it exists."""
-    print("bf16 mixed precision: not yet implemented (issue 19 part 2)", flush=True)
-    return dict(check="world 1 bf16 mixed precision", status="TODO", reason="not yet implemented (issue 19 part 2)")
-
-
 # ---------------------------------------------------------------------------- building
 def build_all(specs: list[Spec], args, cache_dir: str, deadline: Deadline | None, from_artifacts: bool) -> dict:
     """Build every spec's artifact (a no-op for one already in the cache). Returns spec name ->
@@ -464,7 +507,7 @@ def build_all(specs: list[Spec], args, cache_dir: str, deadline: Deadline | None
                 try:
                     result = spmd_aot.build(job(spec.model, args.sizes), world_size=spec.world,
                                             placement=spec.placement, device=args.device, cache_dir=cache_dir,
-                                            allow_ops=spec.allow_ops)
+                                            allow_ops=spec.allow_ops, mixed_precision=spec.mixed_precision)
                     break
                 except spmd_aot.OpNotAllowedError as exc:
                     if not exc.op or exc.op in spec.allow_ops:
@@ -483,8 +526,11 @@ def build_all(specs: list[Spec], args, cache_dir: str, deadline: Deadline | None
 
 
 def specs_for(args, world: int) -> list[Spec]:
-    return [Spec(m, p, world, compile=m in args.compile and p == "replicate" and (world == 1 or args.compile_world2))
-            for m in args.models for p in PLACEMENTS]
+    plain = [Spec(m, p, world, compile=m in args.compile and p == "replicate" and (world == 1 or args.compile_world2))
+             for m in args.models for p in PLACEMENTS]
+    if world != 1:  # world 2 under the policy: tests/test_mixed_precision.py (gloo); here the run stays short
+        return plain
+    return plain + [Spec(m, p, world, bf16=True) for m in args.models if m in MP_MODELS for p in PLACEMENTS]
 
 
 def unbuilt(spec: Spec, problem: tuple) -> dict:
@@ -605,7 +651,6 @@ def main(argv=None) -> int:
                 shutil.copytree(args.artifacts, cache_dir, dirs_exist_ok=True)
             if 1 in args.worlds:
                 rows += world_one(args, cache_dir, deadline)
-            rows.append(check_mixed_precision(args))
             if 2 in args.worlds:
                 rows += world_two(args, cache_dir, deadline, gpus)
         finally:
@@ -616,10 +661,10 @@ def main(argv=None) -> int:
     print(f"\n# summary ({time.time() - deadline.start:.0f}s of a {args.budget_seconds:.0f}s budget; "
           f"tolerance: {'fixed ' + format(args.tolerance, '.0e') if args.tolerance is not None else f'max({BASE_TOL:.0e}, {FLOOR_FACTOR} x floor)'})")
     print(summary(rows), flush=True)
-    count = {k: sum(r["status"] == k for r in rows) for k in ("PASS", "FAIL", "SKIP", "TODO")}
+    count = {k: sum(r["status"] == k for r in rows) for k in ("PASS", "FAIL", "SKIP")}
     failed = [r["check"] for r in rows if r["status"] == "FAIL"]
-    print(f"# {count['PASS']} passed, {count['FAIL']} failed, {count['SKIP']} skipped, {count['TODO']} not yet "
-          "implemented" + (f": FAILED {', '.join(failed)}" if failed else ""), flush=True)
+    print(f"# {count['PASS']} passed, {count['FAIL']} failed, {count['SKIP']} skipped"
+          + (f": FAILED {', '.join(failed)}" if failed else ""), flush=True)
     return 1 if failed else 0
 
 
@@ -634,7 +679,8 @@ def world_one(args, cache_dir, deadline) -> list[dict]:
             row = skipped(spec, f"budget: {max(0, deadline.left()):.0f}s left")
         else:
             try:
-                row = judge(run_check(spec, 0, args, cache_dir, deadline), args.tolerance)
+                with one_rank_group(args.device, spec.bf16):
+                    row = judge(run_check(spec, 0, args, cache_dir, deadline), args.tolerance)
             except Exception as exc:  # noqa: BLE001
                 row = dict(check=spec.name, status="FAIL", error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         print_row(row)

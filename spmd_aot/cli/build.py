@@ -31,8 +31,16 @@ def plan_for(args, world_size: int, placement: str):
                "reshard_after_forward": not args.keep_params_after_forward}
     own = cli_fields(placement, bool(args.tp_plan))
     schema = Schema(placement, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb,
-                    tp_plan=_tp_plan(args.tp_plan), **{k: v for k, v in options.items() if k in own})
+                    tp_plan=_tp_plan(args.tp_plan), mixed_precision=_mixed_precision(args),
+                    **{k: v for k, v in options.items() if k in own})
     return schema.plan(world_size, args.device)
+
+
+def _mixed_precision(args):
+    from ..parallel.mixed_precision import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(args.param_dtype, args.reduce_dtype, args.output_dtype,
+                                not args.no_cast_forward_inputs)
 
 
 def cmd_build(args) -> int:

@@ -237,6 +237,22 @@ def add_shard_options(p) -> None:
                    help="for placement replicate: gradient bucket size (default 25, as DDP)")
     p.add_argument("--first-bucket-cap-mb", type=_positive_float, default=1.0, metavar="MIB",
                    help="for placement replicate: size of the first gradient bucket (default 1, as DDP)")
+    _add_precision_options(p)
+
+
+def _add_precision_options(p) -> None:
+    """A mixed-precision policy (``parallel/mixed_precision.py``, FSDP2's fields), for every placement."""
+    from ..parallel.mixed_precision import DTYPES
+
+    names = ", ".join(DTYPES)
+    p.add_argument("--param-dtype", choices=list(DTYPES), metavar="DTYPE",
+                   help=f"mixed precision: compute in DTYPE ({names}) with fp32 master weights (FSDP2's param_dtype)")
+    p.add_argument("--reduce-dtype", choices=list(DTYPES), metavar="DTYPE",
+                   help="mixed precision: average gradients in DTYPE (default: the param dtype)")
+    p.add_argument("--output-dtype", choices=list(DTYPES), metavar="DTYPE",
+                   help="mixed precision: cast the model's floating-point outputs to DTYPE")
+    p.add_argument("--no-cast-forward-inputs", action="store_true",
+                   help="mixed precision: leave the model's floating-point inputs in their dtype")
 
 
 def _positive_float(text: str) -> float:

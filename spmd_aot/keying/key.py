@@ -8,8 +8,8 @@ code (every module of the package but the few listed in ``_NOT_GRAPH_PRODUCING``
 and every object it reaches (code, closures, globals, module attributes it reads), the model
 classes, a deep fingerprint of every module's attributes and hooks (config objects included,
 see ``fingerprint``), parameter/buffer/optimizer-state shapes and dtypes, optimizer class,
-hyperparameters and hooks, batch structure, world size, mesh, placement, device type, user
-transformations.
+hyperparameters and hooks, batch structure, world size, mesh, placement, mixed-precision policy,
+device type, user transformations.
 
 What only the trace can know (which files' code ran, which real tensors it read) is recorded
 while tracing and checked at load (``guards``): a cache hit needs the key *and* the guards.
@@ -239,7 +239,13 @@ def batch(*, state, **_) -> dict:
 
 
 def parallel(*, plan, **_) -> dict:
-    return {k: v for k, v in plan.to_dict().items() if k != "device_type"}  # device: its own ingredient
+    # the device and the mixed-precision policy are their own ingredients
+    return {k: v for k, v in plan.to_dict().items() if k not in ("device_type", "mixed_precision")}
+
+
+def mixed_precision(*, plan, **_) -> dict | None:
+    """The dtypes of compute, gradient reduction and outputs; None without a policy."""
+    return plan.mixed_precision.to_dict() if plan.mixed_precision else None
 
 
 def device_type(*, plan, **_) -> str:
@@ -265,6 +271,7 @@ INGREDIENTS: list[tuple[str, Callable[..., Any]]] = [
     ("optimizer", optimizer),
     ("batch", batch),
     ("parallel", parallel),
+    ("mixed_precision", mixed_precision),
     ("device_type", device_type),
     ("transformations", transformations),
 ]

@@ -104,8 +104,9 @@ def assign_groups(model: nn.Module, plan: Plan, params: Sequence[tuple[str, str]
 class GroupGather:
     """One group inside the traced step: its forward gather, backward re-gather and reduce."""
 
-    def __init__(self, group: ParamGroup, leaves: list[torch.Tensor], layouts, mesh):
+    def __init__(self, group: ParamGroup, leaves: list[torch.Tensor], layouts, mesh, policy=None):
         self.group = group
+        self.policy = policy  # a MixedPrecisionPolicy: gather in param_dtype, reduce in reduce_dtype
         self.leaves = leaves
         self.layouts = layouts
         self.world = layouts[0].shards
@@ -153,6 +154,8 @@ class GroupGather:
     def gather(self, shards, phase: str) -> list[torch.Tensor]:
         """One all_gather of the flattened shards, copied out into one tensor per parameter."""
         c10d = torch.ops._c10d_functional
+        if self.policy is not None:  # FSDP2 casts each shard before the all_gather
+            shards = [s.to(self.policy.compute_dtype(s.dtype)) for s in shards]
         flat = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1)
         gathered = c10d.all_gather_into_tensor(flat, self.world, self.shard_group)
         label_collective(gathered, self.comm(phase))
@@ -166,9 +169,14 @@ class GroupGather:
         return outs
 
     def reduce(self, grads, needed) -> list[torch.Tensor | None]:
-        """One reduce_scatter (avg) of every gradient present; None where there is none."""
+        """One reduce_scatter (avg) of every gradient present; None where there is none. Under a
+        mixed-precision policy gradients are accumulated and reduced in ``reduce_dtype`` and
+        returned in their shard's dtype (the fp32 master), as FSDP2 does."""
         c10d = torch.ops._c10d_functional
         out: list[torch.Tensor | None] = [None] * len(grads)
+        if self.policy is not None:
+            grads = [g if g is None else g.to(self.policy.gradient_dtype(s.dtype))
+                     for g, s in zip(grads, self._shards)]
         if self.accumulation is not None and self.accumulation.deferred:
             pending = self._pending or [None] * len(grads)
             grads = [p if g is None else g if p is None else p + g for p, g in zip(pending, grads)]
@@ -198,7 +206,7 @@ class GroupGather:
         offset = 0
         for i in present:
             n = self.numels[i]
-            out[i] = reduced[offset: offset + n].view(self.layouts[i].local_shape)
+            out[i] = reduced[offset: offset + n].view(self.layouts[i].local_shape).to(self._shards[i].dtype)
             offset += n
         return out
 

@@ -11,6 +11,7 @@ from typing import Mapping
 
 from ..errors import SpmdAotError
 from .layout import TensorLayout
+from .mixed_precision import MixedPrecisionPolicy
 from .dims import DATA_PARALLEL_ROLES, PLACEMENT_NAMES, mesh_roles
 from .tp_plan import MODEL_PLAN_NAMES, resolve_tp_plan, split_dim, style_name
 
@@ -49,6 +50,8 @@ class Plan:
     shard_groups: tuple[str, ...] = ()
     reshard_after_forward: bool = True
     tp_plan: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
+    # dtypes of compute, gradient reduction and outputs (``mixed_precision.py``); None: the model's own
+    mixed_precision: MixedPrecisionPolicy | None = None
     # derived: the role of each mesh dimension (``parallel/dims.py``), e.g. ("dp_shard", "tp")
     mesh_roles: tuple[str, ...] = dataclasses.field(init=False, repr=False, compare=False, default=())
 
@@ -111,6 +114,7 @@ class Plan:
             raise SpmdAotError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
         object.__setattr__(self, "param_placements", overrides)
         object.__setattr__(self, "shard_groups", groups)
+        object.__setattr__(self, "mixed_precision", MixedPrecisionPolicy.of(self.mixed_precision))
 
     def for_model(self, model) -> "Plan":
         """This plan with its ``tp_plan`` bound to ``model`` (``tensor_parallel.resolve_tp_plan``:
@@ -189,14 +193,17 @@ class Plan:
                 "shard_groups": list(self.shard_groups),
                 "reshard_after_forward": self.reshard_after_forward,
                 # only when set: plans without TP keep the text (and keys) they always had
-                **({"tp_plan": [list(p) for p in self.tp_plan]} if self.tp_plan else {})}
+                **({"tp_plan": [list(p) for p in self.tp_plan]} if self.tp_plan else {}),
+                **({"mixed_precision": self.mixed_precision.to_dict()} if self.mixed_precision else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Plan":
         """Inverse of ``to_dict``; raises ``SpmdAotError`` on anything it would not have written."""
-        if not isinstance(d, Mapping) or set(d) - {"tp_plan"} != set(_FIELDS) - {"tp_plan"} or \
+        optional = {"tp_plan", "mixed_precision"}
+        if not isinstance(d, Mapping) or set(d) - optional != set(_FIELDS) - optional or \
                 d.get("tp_plan", True) == []:
-            raise SpmdAotError(f"a plan has exactly the fields {', '.join(_FIELDS)} (tp_plan only when not empty)")
+            raise SpmdAotError(f"a plan has exactly the fields {', '.join(_FIELDS)} (tp_plan and "
+                               "mixed_precision only when set)")
         pairs = ("param_placements", "tp_plan")
         if not all(isinstance(d.get(f, []), list) for f in ("mesh_shape", "shard_groups", *pairs)) or \
                 not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
@@ -205,12 +212,14 @@ class Plan:
         return cls(d["world_size"], d["placement"], d["device_type"], tuple(d["mesh_shape"]),
                    tuple(tuple(p) for p in d["param_placements"]), d["bucket_cap_mb"],
                    d["first_bucket_cap_mb"], tuple(d["shard_groups"]), d["reshard_after_forward"],
-                   tuple(tuple(p) for p in d.get("tp_plan", [])))
+                   tuple(tuple(p) for p in d.get("tp_plan", [])),
+                   MixedPrecisionPolicy.from_dict(d["mixed_precision"]) if "mixed_precision" in d else None)
 
     def describe(self) -> str:
         mesh = "x".join(map(str, self.mesh_shape))
         extra = f" +{len(self.param_placements)} overrides" if self.param_placements else ""
         extra += f" tp={self.tp}" if self.tp else ""
+        extra += f" {self.mixed_precision.describe()}" if self.mixed_precision else ""
         return f"world={self.world_size} mesh={mesh} {self.placement}{extra} {self.device_type}"
 
 

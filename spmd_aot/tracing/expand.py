@@ -61,14 +61,26 @@ class Expander:
 
     def compute(self, leaf: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
         """The tensor a module computes with for a leaf whole over the data-parallel dimensions
-        (a sharded one's comes from its group), whose backward averages its gradient over them."""
+        (a sharded one's comes from its group), whose backward averages its gradient over them.
+        Under a mixed-precision policy it is cast to ``param_dtype`` after the average's boundary,
+        which itself sees ``reduce_dtype`` (so the gradient is averaged in it, then cast back)."""
+        policy = self.plan.mixed_precision
+        if policy is None:
+            return self._averaged(leaf, layout, lambda t: t)
+        reduced = self._averaged(leaf, layout, lambda t: t.to(policy.gradient_dtype(t.dtype)))
+        return reduced.to(policy.compute_dtype(leaf.dtype))
+
+    def _averaged(self, leaf: torch.Tensor, layout: TensorLayout, to_reduce) -> torch.Tensor:
+        """``leaf``'s local tensor, passed through ``to_reduce``, with its gradient averaged over
+        the data-parallel dimensions."""
         if self.plan.world_size == 1 or self.mesh is None:
-            return leaf
+            return to_reduce(leaf)
         if layout.sharded:
             raise AssertionError("a sharded parameter's compute tensor comes from its group (groups.py)")
         from torch.distributed.tensor import DTensor, Partial, Replicate
 
-        local = (lambda: leaf.to_local()) if self.dtensor_leaves else (lambda: leaf)  # traced once, when used
+        # traced once, when used
+        local = (lambda: to_reduce(leaf.to_local())) if self.dtensor_leaves else (lambda: to_reduce(leaf))
         if not leaf.requires_grad:
             return local()
         dp_dims = len(layout.dp_mesh_dims)
@@ -85,7 +97,7 @@ class Expander:
             dt = DTensor.from_local(local(), self.world_mesh, [Replicate()], run_check=False)
             return dt.to_local(grad_placements=[Partial("avg")])
         if not dp_dims:  # no data-parallel dimension: the gradient is the leaf's as it is
-            return leaf.to_local(grad_placements=leaf.placements)
+            return to_reduce(leaf.to_local(grad_placements=leaf.placements))
         # averaged over each data-parallel dimension; as the leaf is over the others (TP)
         grads = [Partial("avg")] * dp_dims + list(leaf.placements[dp_dims:])
         dt = DTensor.from_local(local(), leaf.device_mesh, leaf.placements, run_check=False)

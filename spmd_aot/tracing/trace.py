@@ -27,6 +27,7 @@ from torch.nn.utils import stateless
 from . import data_dependent
 from . import fused_meta
 from .accumulation import Accumulation
+from .casts import forward_casts
 from ..errors import UnsupportedError
 from .expand import Expander
 from ..parallel.groups import GroupGather, ParamGroup, assign_groups, resharding
@@ -148,7 +149,8 @@ class _StepTracer:
             _each_optimizer_swapped(state.optim, by_real, traced_state, lrs, self.accumulation)
         with (self.transform_model() if self.transform_model else contextlib.nullcontext()), \
                 stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
-                optimizer, self.where.tracking(state.model), self.axis_contexts, self.accumulation.recording():
+                optimizer, self.where.tracking(state.model), self.axis_contexts, self.accumulation.recording(), \
+                forward_casts(state.model, self.plan):
             result = self.step(state.model, batch) if forward_only else \
                 self.step(state.model, user_object(state.optim), batch)
         stale = [names[0] for (names, _), leaf in zip(state.params, leaves) if leaf.grad is not None]
@@ -186,7 +188,8 @@ class _StepTracer:
         gathers = []
         for g in self.groups:
             slots = [self.slot_of[f] for f in g.fqns]
-            gather = GroupGather(g, [leaves[i] for i in slots], [self.param_slots[i].layout for i in slots], self.mesh)
+            gather = GroupGather(g, [leaves[i] for i in slots], [self.param_slots[i].layout for i in slots], self.mesh,
+                                 self.plan.mixed_precision)
             gather.accumulation = self.accumulation
             gathers.append(gather)
         return gathers
