@@ -171,6 +171,12 @@ class DecodedNode:
     args: tuple
     kwargs: dict
 
+    @functools.cached_property
+    def refs(self) -> frozenset[int]:
+        """Indices of every value the node reads (args and kwargs), walked once: folding,
+        its safety check and the program's last-use table all ask."""
+        return frozenset(refs_in(self.args) | refs_in(self.kwargs))
+
 
 def decode_graph(data: bytes, *, groups: list[str], device: torch.device,
                  limits: LoadLimits | None = None) -> list[DecodedNode]:
