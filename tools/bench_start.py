@@ -40,6 +40,7 @@ import time
 VOCAB, HEADS = 256, 4
 VARIANTS = ("eager", "spmd-aot hit", "spmd-aot hit + kernels", "torch.compile (warm caches)")
 NOT_MEASURED = ("aot_compile whole step", "export + AOTInductor")
+_OWN_ENV = ("XDG_STATE_HOME", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def _config(args) -> dict:
@@ -116,10 +117,10 @@ def child(variant: str, cfg: dict, cache_dir: str, spawned_at: float) -> dict:
             "start_to_first_s": time.time() - spawned_at}
 
 
-def fresh_runs(variant: str, cfg: dict, cache_dir: str, repeats: int, env: dict) -> list[dict]:
-    """``repeats`` timed fresh processes after one untimed warm-up process."""
+def fresh_runs(variant: str, cfg: dict, cache_dir: str, repeats: int, env: dict, warmup: int = 1) -> list[dict]:
+    """``repeats`` timed fresh processes after ``warmup`` untimed ones."""
     runs = []
-    for i in range(repeats + 1):
+    for i in range(repeats + warmup):
         spawned_at = time.time()
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", variant,
                               "--cache-dir", cache_dir, "--spawned-at", repr(spawned_at),
@@ -127,7 +128,7 @@ def fresh_runs(variant: str, cfg: dict, cache_dir: str, repeats: int, env: dict)
                              timeout=900)
         if out.returncode != 0:
             raise RuntimeError(f"{variant} process failed:\n{out.stdout}\n{out.stderr}")
-        if i:
+        if i >= warmup:
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     return runs
 
@@ -193,7 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=int, default=10)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--with-torch-compile", action="store_true")
-    p.add_argument("--quick", action="store_true", help="1 layer, d_model 16, 1 repeat, 2 blocks of 1 step")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 1 layer, d_model 16, 1 repeat without a warm-up process, 2 blocks of 1 step")
     p.add_argument("--json", help="also write the figures here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)
@@ -208,15 +210,24 @@ def main(argv=None) -> int:
     cfg = _config(args)
     variants = ["eager", "spmd-aot hit"] + (["spmd-aot hit + kernels"] if kernels_supported() else [])
     variants += ["torch.compile (warm caches)"] if args.with_torch_compile else []
+    saved = {k: os.environ.get(k) for k in _OWN_ENV}
     with tempfile.TemporaryDirectory(prefix="bench_start_") as tmp:
         cache_dir = os.path.join(tmp, "cache")
-        # the children's per-user state (record of passed checks) and Inductor cache: this run's own
-        env = dict(os.environ, OMP_NUM_THREADS="1", XDG_STATE_HOME=os.path.join(tmp, "state"),
-                   TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"))
-        os.environ.update({k: env[k] for k in ("XDG_STATE_HOME", "TORCHINDUCTOR_CACHE_DIR")})
-        print(f"# built the artifact in {build(cfg, cache_dir):.1f} s", flush=True)
-        starts = {v: fresh_runs(v, cfg, cache_dir, args.repeats, env) for v in variants}
-        steady_ms = steady(variants, cfg, cache_dir, args.blocks, args.steps)
+        # this run's own per-user state (the record of passed load checks) and Inductor cache
+        own = dict(XDG_STATE_HOME=os.path.join(tmp, "state"), TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"))
+        env = dict(os.environ, OMP_NUM_THREADS="1", **own)
+        try:
+            os.environ.update(own)
+            print(f"# built the artifact in {build(cfg, cache_dir):.1f} s", flush=True)
+            starts = {v: fresh_runs(v, cfg, cache_dir, args.repeats, env, warmup=0 if args.quick else 1)
+                      for v in variants}
+            steady_ms = steady(variants, cfg, cache_dir, args.blocks, args.steps)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     print(table(cfg, starts, steady_ms))
     if args.json:
         with open(args.json, "w") as f:
