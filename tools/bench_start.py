@@ -8,7 +8,7 @@ World 1, one OpenMP thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``)
 transformer LM + ``AdamW(lr=1e-3)`` and ``train_step`` of ``spmd_aot.examples.models``.
 The artifact is built first (``spmd_aot.build``), then each variant runs in FRESH processes
 (``--repeats`` timed runs after one untimed warm-up run that fills the OS file cache, the
-per-user record of passed load checks and torch.compile's caches). Columns:
+per-user record of passed load checks and torch.compile's caches; the variants take turns). Columns:
 
   first call       the first ``step(model, optim, batch)`` of the process: for spmd-aot the
                    key, lookup, load and bind plus one step; for torch.compile its compile
@@ -117,19 +117,22 @@ def child(variant: str, cfg: dict, cache_dir: str, spawned_at: float) -> dict:
             "start_to_first_s": time.time() - spawned_at}
 
 
-def fresh_runs(variant: str, cfg: dict, cache_dir: str, repeats: int, env: dict, warmup: int = 1) -> list[dict]:
-    """``repeats`` timed fresh processes after ``warmup`` untimed ones."""
-    runs = []
+def fresh_runs(variants: list[str], cfg: dict, cache_dir: str, repeats: int, env: dict,
+               warmup: int = 1) -> dict[str, list[dict]]:
+    """Per variant, ``repeats`` timed fresh processes after ``warmup`` untimed ones; the
+    variants take turns, so a shared machine's load changes reach them alike."""
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
     for i in range(repeats + warmup):
-        spawned_at = time.time()
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", variant,
-                              "--cache-dir", cache_dir, "--spawned-at", repr(spawned_at),
-                              "--config", json.dumps(cfg)], env=env, capture_output=True, text=True,
-                             timeout=900)
-        if out.returncode != 0:
-            raise RuntimeError(f"{variant} process failed:\n{out.stdout}\n{out.stderr}")
-        if i >= warmup:
-            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        for variant in variants:
+            spawned_at = time.time()
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", variant,
+                                  "--cache-dir", cache_dir, "--spawned-at", repr(spawned_at),
+                                  "--config", json.dumps(cfg)], env=env, capture_output=True, text=True,
+                                 timeout=900)
+            if out.returncode != 0:
+                raise RuntimeError(f"{variant} process failed:\n{out.stdout}\n{out.stderr}")
+            if i >= warmup:
+                runs[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
     return runs
 
 
@@ -219,8 +222,7 @@ def main(argv=None) -> int:
         try:
             os.environ.update(own)
             print(f"# built the artifact in {build(cfg, cache_dir):.1f} s", flush=True)
-            starts = {v: fresh_runs(v, cfg, cache_dir, args.repeats, env, warmup=0 if args.quick else 1)
-                      for v in variants}
+            starts = fresh_runs(variants, cfg, cache_dir, args.repeats, env, warmup=0 if args.quick else 1)
             steady_ms = steady(variants, cfg, cache_dir, args.blocks, args.steps)
         finally:
             for k, v in saved.items():
