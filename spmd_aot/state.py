@@ -213,8 +213,8 @@ def _slot(kind, names, t: torch.Tensor, requires_grad: bool = False, layout=None
 def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) -> None:
     """Create the optimizer's lazily built state now, so the traced step is the steady one.
 
-    A dry run of ``optim.step()`` on meta-device stand-ins reveals which tensors the optimizer
-    creates; they are then made for real as zeros, which is exactly what eager creates for the
+    A dry run of ``optim.step()`` on meta-device stand-ins (one per param group and dtype:
+    ``_probed_state``) reveals which tensors the optimizer creates; they are then made for real as zeros, which is exactly what eager creates for the
     optimizers in ``_ZERO_INIT_OPTIMIZERS``. Parameters that already have state keep it.
     ``make_zeros(param, shape, dtype, device)`` lets sharded parameters get sharded state.
     """
@@ -237,28 +237,9 @@ def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) ->
             "SGD with momentum and dampening != 0 treats its first step specially; run one "
             "eager step before the first compiled step, or use dampening=0"
         )
-    meta = {p: torch.empty(p.shape, dtype=p.dtype, device="meta") for p in missing}  # global shape
-    for m in meta.values():
-        m.grad = torch.zeros_like(m)
-    saved_groups = [g["params"] for g in optim.param_groups]
     on_param_device = {id(p) for g in optim.param_groups if g.get("fused") or g.get("capturable")
                        for p in g["params"]}  # where eager keeps their step counters
-    # fused kernels do not run on meta tensors; the state they create is the same
-    saved_flags = [{k: g[k] for k in ("fused", "capturable") if k in g} for g in optim.param_groups]
-    saved_state = optim.state
-    try:
-        optim.state = defaultdict(dict)
-        for g in optim.param_groups:
-            g["params"] = [meta[p] for p in g["params"] if p in meta]
-            g.update({k: False for k in ("fused", "capturable") if k in g})
-        with torch.no_grad():
-            optim.step()
-        created = {p: dict(optim.state[m]) for p, m in meta.items()}
-    finally:
-        optim.state = saved_state
-        for g, params, flags in zip(optim.param_groups, saved_groups, saved_flags):
-            g["params"] = params
-            g.update(flags)
+    created = _probed_state(optim, missing)
     for p, entries in created.items():
         state = {}
         for key, value in entries.items():
@@ -268,3 +249,71 @@ def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) ->
             else:
                 state[key] = value
         optim.state[p] = state
+
+
+_PROBE_SHAPE = (2, 3)  # a stand-in parameter's shape; state of this shape is shaped like its parameter
+
+
+def _probed_state(optim: torch.optim.Optimizer, missing: list) -> dict:
+    """param -> the state entries a first ``optim.step()`` creates for it (tensors on meta).
+
+    The optimizers here create, per parameter, state shaped like the parameter or scalars,
+    decided by the parameter's group and dtype alone. So one dry step runs on a single meta
+    stand-in per (group, dtype) instead of on every parameter (the dry step of a 12-layer
+    model's AdamW cost more than the rest of a cache hit), and the stand-in's entries are
+    reshaped to each parameter. Any other shape falls back to a dry step on every parameter.
+    """
+    missing_ids = {id(p) for p in missing}
+    probes: dict = {}  # param -> its stand-in
+    per_group = []
+    for g in optim.param_groups:
+        by_dtype: dict = {}
+        for p in g["params"]:
+            if id(p) in missing_ids:
+                probes[p] = by_dtype.setdefault(p.dtype, torch.empty(_PROBE_SHAPE, dtype=p.dtype, device="meta"))
+        per_group.append(list(by_dtype.values()))
+    seen = _dry_step(optim, per_group)
+    created = {}
+    for p, probe in probes.items():
+        entries = {}
+        for key, value in seen[probe].items():
+            if isinstance(value, torch.Tensor) and tuple(value.shape) not in (_PROBE_SHAPE, ()):
+                return _dry_step_every_param(optim, missing)
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == _PROBE_SHAPE:
+                value = torch.empty(p.shape, dtype=value.dtype, device="meta")
+            entries[key] = value
+        created[p] = entries
+    return created
+
+
+def _dry_step_every_param(optim: torch.optim.Optimizer, missing: list) -> dict:
+    meta = {p: torch.empty(p.shape, dtype=p.dtype, device="meta") for p in missing}  # global shape
+    missing_ids = {id(p) for p in missing}
+    seen = _dry_step(optim, [[meta[p] for p in g["params"] if id(p) in missing_ids] for g in optim.param_groups])
+    return {p: seen[m] for p, m in meta.items()}
+
+
+def _dry_step(optim: torch.optim.Optimizer, stand_ins: list[list[torch.Tensor]]) -> dict:
+    """Run ``optim.step()`` once with each group's parameters replaced by ``stand_ins`` (meta
+    tensors, zero gradients); returns stand-in -> the state entries the step created. The
+    optimizer's own parameters, state and flags are restored."""
+    for group in stand_ins:
+        for m in group:
+            m.grad = torch.zeros_like(m)
+    saved_groups = [g["params"] for g in optim.param_groups]
+    # fused kernels do not run on meta tensors; the state they create is the same
+    saved_flags = [{k: g[k] for k in ("fused", "capturable") if k in g} for g in optim.param_groups]
+    saved_state = optim.state
+    try:
+        optim.state = defaultdict(dict)
+        for g, params in zip(optim.param_groups, stand_ins):
+            g["params"] = params
+            g.update({k: False for k in ("fused", "capturable") if k in g})
+        with torch.no_grad():
+            optim.step()
+        return {m: dict(optim.state[m]) for group in stand_ins for m in group}
+    finally:
+        optim.state = saved_state
+        for g, params, flags in zip(optim.param_groups, saved_groups, saved_flags):
+            g["params"] = params
+            g.update(flags)

@@ -68,3 +68,24 @@ def test_without_collectives_skips_every_collective_of_a_replicate_program(monke
     assert _without_collectives(program) == 2
     out = program(torch.ones(3))  # no process group exists: a collective left in would fail
     assert torch.equal(out[0], torch.full((3,), 2.0))
+
+
+def test_bench_start_quick_prints_every_row(tmp_path, monkeypatch, capsys):
+    """tools/bench_start.py --quick: fresh processes for eager and the hit, steady steps
+    interleaved here; the kernel row is marked n/a until spmd_aot has a kernel path."""
+    monkeypatch.syspath_prepend(TOOLS)
+    import bench_start
+
+    state = os.environ.get("XDG_STATE_HOME")
+    figures = tmp_path / "start.json"
+    assert bench_start.main(["--quick", "--json", str(figures)]) == 0
+    out = capsys.readouterr().out
+    assert os.environ.get("XDG_STATE_HOME") == state  # the run's own state dir is not left behind
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert set(bench_start.VARIANTS + bench_start.NOT_MEASURED) <= set(rows)
+    if not bench_start.kernels_supported():
+        assert "n/a (not built)" in rows["spmd-aot hit + kernels"]
+    starts = json.loads(figures.read_text())["starts"]
+    hit, eager = starts["spmd-aot hit"][0], starts["eager"][0]
+    assert 0 < hit["ready_s"] <= hit["first_s"] < hit["start_to_first_s"]
+    assert eager["ready_s"] is None and 0 < eager["first_s"] < eager["start_to_first_s"]

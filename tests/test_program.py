@@ -69,3 +69,35 @@ def test_huge_input_independent_values_are_left_to_the_step():
     assert program.n_folded == 0 or all(
         not isinstance(v, torch.Tensor) or v.numel() < 5_000_000 for v in program._template)
     assert torch.equal(program(torch.zeros(4)), torch.ones(4))
+
+
+def test_repeated_input_independent_nodes_share_one_folded_value():
+    """Each layer's causal mask is the same ops on the same arguments: folded once, shared."""
+    def step(x):
+        out = x
+        for _ in range(3):
+            mask = torch.ones(4, 4).tril().bool()
+            out = out.masked_fill(~mask, 0.0) @ x
+        return out
+
+    x = torch.randn(4, 4)
+    program = _program(step, x)
+    shared = [v for v in program._template if isinstance(v, torch.Tensor) and v.dtype == torch.bool]
+    assert program.n_folded >= 9 and len({id(v) for v in shared}) == 2  # the mask and its inverse
+    assert torch.equal(program(x), step(x))
+    assert torch.equal(program(x), _program(step, x, fold=False)(x))
+
+
+def test_a_repeat_written_in_place_unfolds_the_value_it_repeats_too():
+    """Sharing must not let one node's in-place write reach another node's constant."""
+    def step(x):
+        a = torch.zeros(4)       # folded alone
+        b = torch.zeros(4)       # a repeat of a, written below: neither may stay shared
+        b.add_(x)
+        return a + 1, b
+
+    x = torch.randn(4)
+    program = _program(step, x)
+    first, second = program(x), program(x)
+    assert torch.equal(first[0], torch.ones(4)) and torch.equal(second[0], torch.ones(4))
+    assert torch.equal(second[1], x)  # b started from zeros again

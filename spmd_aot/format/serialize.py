@@ -138,29 +138,44 @@ class Ref:
         return f"Ref({self.index})"
 
 
-def _refs(value):
-    """Every ``Ref`` inside a decoded value (lists, tuples, maps, slices), lazily."""
+def _walk(value, stop_at_first: bool) -> set[int]:
+    """Indices of the ``Ref``s inside a decoded value (lists, tuples, maps, slices); with
+    ``stop_at_first``, at most the first one found. A loop, not a generator: program
+    construction asks this of every node."""
+    out: set[int] = set()
     stack = [value]
+    containers = (list, tuple, dict, slice)
     while stack:
         x = stack.pop()
         if isinstance(x, Ref):
-            yield x
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
+            out.add(x.index)
+            if stop_at_first:
+                return out
+            continue
+        if isinstance(x, dict):
+            x = x.values()
         elif isinstance(x, slice):
-            stack.extend((x.start, x.stop, x.step))
+            x = (x.start, x.stop, x.step)
+        elif not isinstance(x, (list, tuple)):
+            continue
+        for y in x:
+            if isinstance(y, Ref):
+                out.add(y.index)
+                if stop_at_first:
+                    return out
+            elif isinstance(y, containers):
+                stack.append(y)
+    return out
 
 
 def refs_in(value) -> set[int]:
     """Indices of every ``Ref`` inside a decoded value."""
-    return {r.index for r in _refs(value)}
+    return _walk(value, stop_at_first=False)
 
 
 def has_ref(value) -> bool:
     """Any ``Ref`` inside a decoded value (stops at the first)."""
-    return next(_refs(value), None) is not None
+    return bool(_walk(value, stop_at_first=True))
 
 
 @dataclasses.dataclass
@@ -170,6 +185,12 @@ class DecodedNode:
     target: Any  # resolved OpOverload / operator.getitem, attribute name, or the node name
     args: tuple
     kwargs: dict
+
+    @functools.cached_property
+    def refs(self) -> frozenset[int]:
+        """Indices of every value the node reads (args and kwargs), walked once: folding,
+        its safety check and the program's last-use table all ask."""
+        return frozenset(refs_in(self.args) | refs_in(self.kwargs))
 
 
 def decode_graph(data: bytes, *, groups: list[str], device: torch.device,

@@ -67,11 +67,14 @@ def forget_meshes() -> None:
     """Drop every reference spmd-aot keeps to meshes (and so to their process groups): ours and
     DTensor's caches of sharding and redistribution decisions. Before a fake group is destroyed
     (they would hand a later build a destroyed group for an equal mesh) and at exit
-    (``teardown.py``)."""
+    (``teardown.py``). A process that never imported DTensor has none of its caches to clear,
+    and importing it only to clear them cost a world-1 hit's exit 0.6 s."""
+    _MESHES.clear()
+    if "torch.distributed.tensor" not in sys.modules:
+        return
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor import _redistribute
 
-    _MESHES.clear()
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
     type(propagator)._propagate_tensor_meta_cached.cache_clear()

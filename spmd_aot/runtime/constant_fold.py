@@ -19,11 +19,15 @@ What is folded, conservatively:
   elements read and written, or output elements x reduction length for contractions, plus a
   fixed charge per op); an op over ``LoadLimits.fold_op_flops`` is left to the step, and once
   ``fold_total_flops`` is spent nothing more is folded.
+- a node that repeats an earlier folded node (the same op on the same arguments, e.g. each
+  layer's causal mask) shares its value instead of running again, and the two are kept or
+  dropped together; the meta runs of a 12-layer model's masks were most of a hit's folding time.
 Anything that fails to fold simply runs every step, as it would have; folding never raises.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
@@ -60,13 +64,22 @@ def fold_constants(nodes: list[DecodedNode], template: list[Any], output: Any,
     available = {i for i, n in enumerate(nodes) if n.op == "get_attr"}  # constants, then folded values
     values: dict[int, Any] = {i: template[i] for i in available}
     folded: set[int] = set()
+    same_as: dict[int, int] = {}  # a folded node -> the earlier folded node it repeats
+    first_of: dict = {}  # a folded node's signature -> that node
     total = 0
     budget = limits.fold_total_flops
     with torch.no_grad():
         for i, node in enumerate(nodes):
             if node.op != "call_function" or not _pure(node.target):
                 continue
-            if not (refs_in(node.args) | refs_in(node.kwargs)) <= available:
+            if not node.refs <= available:
+                continue
+            signature = _signature(node, same_as)
+            if signature is not None and signature in first_of:
+                same_as[i] = first_of[signature]
+                values[i] = values[same_as[i]]
+                folded.add(i)
+                available.add(i)
                 continue
             if budget < _PER_OP:
                 break  # the load's folding budget is spent: the rest runs every step
@@ -91,7 +104,9 @@ def fold_constants(nodes: list[DecodedNode], template: list[Any], output: Any,
             folded.add(i)
             available.add(i)
             total += size
-    folded -= _unsafe(nodes, folded, output)
+            if signature is not None:
+                first_of[signature] = i
+    folded -= _unsafe(nodes, folded, output, same_as)
     for i in folded:
         template[i] = values[i]
     return folded
@@ -122,6 +137,7 @@ def _cost(target, args, kwargs, result) -> int:
     return out + sum(inputs)
 
 
+@functools.lru_cache(maxsize=None)  # per op overload: its schema and tags never change
 def _pure(target) -> bool:
     if target is operator.getitem:
         return True
@@ -136,7 +152,29 @@ def _takes_device(node: DecodedNode) -> bool:
         a.name == "device" and (a.kwarg_only or i >= len(node.args)) for i, a in enumerate(schema.arguments))
 
 
-def _unsafe(nodes: list[DecodedNode], folded: set[int], output: Any) -> set[int]:
+def _signature(node: DecodedNode, same_as: dict[int, int]):
+    """A hashable stand-in for (op, arguments), a repeat's refs read as the node it repeats;
+    None when an argument has no exact hashable form (that node is simply not shared)."""
+    try:
+        return node.target, _frozen(node.args, same_as), _frozen(node.kwargs, same_as)
+    except TypeError:
+        return None
+
+
+def _frozen(v, same_as: dict[int, int]):
+    if isinstance(v, Ref):
+        return "ref", same_as.get(v.index, v.index)
+    if isinstance(v, (list, tuple)):
+        return type(v).__name__, tuple(_frozen(x, same_as) for x in v)
+    if isinstance(v, dict):
+        return "dict", tuple((k, _frozen(x, same_as)) for k, x in sorted(v.items()))
+    if isinstance(v, float):
+        return "float", repr(v)  # -0.0 and 0.0 differ; nan equals itself
+    hash(v)  # TypeError: not hashable, not shared
+    return type(v).__name__, v
+
+
+def _unsafe(nodes: list[DecodedNode], folded: set[int], output: Any, same_as: dict[int, int]) -> set[int]:
     """Folded nodes that must run every step after all: the step returns them or writes them
     in place (through any view), with everything folded that shares their component."""
     if not folded:  # the common case: nothing to undo, and no need to walk every node's arguments
@@ -150,16 +188,18 @@ def _unsafe(nodes: list[DecodedNode], folded: set[int], output: Any) -> set[int]
         return i
 
     for i in folded:
-        for r in refs_in(nodes[i].args) | refs_in(nodes[i].kwargs):
+        for r in nodes[i].refs:
             if r in parent:
                 parent[root(r)] = root(i)
+        if i in same_as:  # a repeat holds the very same tensor as the node it repeats
+            parent[root(same_as[i])] = root(i)
     bad_roots = {root(r) for r in refs_in(output) if r in parent}
     for i, node in enumerate(nodes):
         if node.op != "call_function" or i in folded:
             continue
         suspect = _written_refs(node)
         if _returns_alias(node):  # a view of a folded value escapes into per-step values
-            suspect |= refs_in(node.args) | refs_in(node.kwargs)
+            suspect |= node.refs
         for r in suspect:
             if r in parent:
                 bad_roots.add(root(r))
@@ -167,7 +207,12 @@ def _unsafe(nodes: list[DecodedNode], folded: set[int], output: Any) -> set[int]
 
 
 def _returns_alias(node: DecodedNode) -> bool:
-    schema = getattr(node.target, "_schema", None)
+    return _schema_returns_alias(node.target)
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_returns_alias(target) -> bool:
+    schema = getattr(target, "_schema", None)
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
@@ -175,14 +220,19 @@ def _written_refs(node: DecodedNode) -> set[int]:
     """Values an op may write: arguments its schema marks ``(a!)``; unknown ops write all."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
-        return set() if node.target is operator.getitem else refs_in(node.args) | refs_in(node.kwargs)
+        return set() if node.target is operator.getitem else set(node.refs)
     written: set[int] = set()
-    for pos, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = node.args[pos] if pos < len(node.args) else node.kwargs.get(arg.name)
+    for pos, name in _written_arguments(node.target):
+        value = node.args[pos] if pos < len(node.args) else node.kwargs.get(name)
         written |= refs_in(value)
     return written
+
+
+@functools.lru_cache(maxsize=None)
+def _written_arguments(target) -> tuple[tuple[int, str], ...]:
+    """(position, name) of every argument the op's schema marks ``(a!)``."""
+    return tuple((pos, arg.name) for pos, arg in enumerate(target._schema.arguments)
+                 if arg.alias_info is not None and arg.alias_info.is_write)
 
 
 def _bind(v, values: dict[int, Any], meta: bool = False):

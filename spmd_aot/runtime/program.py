@@ -209,7 +209,7 @@ def _last_uses(nodes: list[DecodedNode], skip: set[int] = frozenset()) -> dict[i
     last: dict[int, int] = {}
     for i, n in enumerate(nodes):
         if n.op == "call_function" and i not in skip:
-            for r in refs_in(n.args) | refs_in(n.kwargs):
+            for r in n.refs:
                 last[r] = i
     outputs = refs_in(nodes[-1].args)  # what the output node reads
     return {v: user for v, user in last.items() if v not in outputs}  # graph outputs stay alive

@@ -1,0 +1,241 @@
+"""Start-up and steady step of a cache hit against eager and torch.compile, in one run.
+
+    python tools/bench_start.py                       # 12 layers, d_model 128, context 64, batch 2, AdamW
+    python tools/bench_start.py --with-torch-compile  # + torch.compile(model) with warm caches
+    python tools/bench_start.py --quick               # a smoke run (CI): 1 layer, 1 repeat
+
+World 1, one OpenMP thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``), the example
+transformer LM + ``AdamW(lr=1e-3)`` and ``train_step`` of ``spmd_aot.examples.models``.
+The artifact is built first (``spmd_aot.build``), then each variant runs in FRESH processes
+(``--repeats`` timed runs after one untimed warm-up run that fills the OS file cache, the
+per-user record of passed load checks and torch.compile's caches; the variants take turns). Columns:
+
+  first call       the first ``step(model, optim, batch)`` of the process: for spmd-aot the
+                   key, lookup, load and bind plus one step; for torch.compile its compile
+  ready            spmd-aot only: ``step.cache_info.seconds``, the first call less its step
+  start to first   from before the process was spawned to its first step done (interpreter,
+                   imports, model construction included)
+  steady step      ms per step, every variant in ONE process, timed in interleaved blocks
+                   (``bench_step.timed_blocks``); the ratio is taken block by block
+
+Rows: eager; spmd-aot hit (interpreted ``Program``); spmd-aot hit + kernels (KERNEL HOOK
+below: runs when ``spmd_aot.compile`` takes ``kernels=``, else "n/a (not built)"); with
+``--with-torch-compile``, torch.compile(model). The issue's other rows (``aot_compile`` of the
+whole step, export + AOTInductor) are not measured by this tool yet: they print "n/a".
+Figures are medians; on a shared machine take the ratios, not the absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+VOCAB, HEADS = 256, 4
+VARIANTS = ("eager", "spmd-aot hit", "spmd-aot hit + kernels", "torch.compile (warm caches)")
+NOT_MEASURED = ("aot_compile whole step", "export + AOTInductor")
+_OWN_ENV = ("XDG_STATE_HOME", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def _config(args) -> dict:
+    return dict(layers=args.layers, d_model=args.d_model, seq=args.seq, batch=args.batch)
+
+
+def _models():
+    """``spmd_aot/examples/models.py`` loaded by its path: an eager process imports torch and
+    the model's file, not the spmd_aot package."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "spmd_aot", "examples", "models.py")
+    spec = importlib.util.spec_from_file_location("bench_start_models", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _objects(cfg: dict):
+    """Model, optimizer and batch, identical in every process and variant."""
+    import torch
+
+    torch.manual_seed(0)
+    model = _models().Transformer(vocab=VOCAB, d_model=cfg["d_model"], n_heads=HEADS, n_layers=cfg["layers"],
+                        max_len=cfg["seq"])
+    g = torch.Generator().manual_seed(1000)
+    batch = (torch.randint(0, VOCAB, (cfg["batch"], cfg["seq"]), generator=g),
+             torch.randint(0, VOCAB, (cfg["batch"], cfg["seq"]), generator=g))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch
+
+
+def kernels_supported() -> bool:
+    """KERNEL HOOK: the kernel path (Inductor kernels stored in the artifact) is being built on
+    another branch; this row runs once ``spmd_aot.compile`` accepts ``kernels=``."""
+    import spmd_aot  # the parent process only
+
+    return "kernels" in inspect.signature(spmd_aot.compile).parameters
+
+
+def _step_for(variant: str, cfg: dict, cache_dir: str, model):
+    """The callable ``step(model, optim, batch)`` of one variant."""
+    import torch
+
+    if variant == "eager":
+        return _models().train_step
+    if variant == "torch.compile (warm caches)":
+        compiled, train_step = torch.compile(model), _models().train_step
+        return lambda _model, optim, batch: train_step(compiled, optim, batch)
+    import spmd_aot
+    from spmd_aot.examples.models import train_step
+
+    if variant == "spmd-aot hit":
+        return spmd_aot.compile(train_step, cache_dir=cache_dir, require_hit=True)
+    if variant == "spmd-aot hit + kernels":
+        return spmd_aot.compile(train_step, cache_dir=cache_dir, require_hit=True, kernels=True)
+    raise ValueError(variant)
+
+
+def child(variant: str, cfg: dict, cache_dir: str, spawned_at: float) -> dict:
+    """One fresh process's start-up: runs in the child, prints a JSON line."""
+    import torch
+
+    torch.set_num_threads(1)
+    model, optim, batch = _objects(cfg)
+    step = _step_for(variant, cfg, cache_dir, model)
+    start = time.perf_counter()
+    step(model, optim, batch)
+    first = time.perf_counter() - start
+    info = getattr(step, "cache_info", None)
+    if info is not None and not info.hit:
+        raise SystemExit(f"{variant}: expected a cache hit")
+    return {"first_s": first, "ready_s": info.seconds if info is not None else None,
+            "start_to_first_s": time.time() - spawned_at}
+
+
+def fresh_runs(variants: list[str], cfg: dict, cache_dir: str, repeats: int, env: dict,
+               warmup: int = 1) -> dict[str, list[dict]]:
+    """Per variant, ``repeats`` timed fresh processes after ``warmup`` untimed ones; the
+    variants take turns, so a shared machine's load changes reach them alike."""
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for i in range(repeats + warmup):
+        for variant in variants:
+            spawned_at = time.time()
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", variant,
+                                  "--cache-dir", cache_dir, "--spawned-at", repr(spawned_at),
+                                  "--config", json.dumps(cfg)], env=env, capture_output=True, text=True,
+                                 timeout=900)
+            if out.returncode != 0:
+                raise RuntimeError(f"{variant} process failed:\n{out.stdout}\n{out.stderr}")
+            if i >= warmup:
+                runs[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return runs
+
+
+def steady(variants: list[str], cfg: dict, cache_dir: str, blocks: int, steps: int) -> dict:
+    """ms per step of each variant, interleaved in this one process; with eager's ratio."""
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_step import median_ratio, timed_blocks
+
+    torch.set_num_threads(1)
+    calls = {}
+    for variant in variants:
+        model, optim, batch = _objects(cfg)
+        step = _step_for(variant, cfg, cache_dir, model)
+        calls[variant] = (lambda s=step, m=model, o=optim, b=batch: s(m, o, b))
+        for _ in range(2):
+            calls[variant]()  # warm-up: binds, loads or compiles
+    times = timed_blocks(calls, blocks, steps, sync=lambda: None)
+    return {v: (statistics.median(t), median_ratio(t, times["eager"])) for v, t in times.items()}
+
+
+def build(cfg: dict, cache_dir: str) -> float:
+    import torch
+
+    import spmd_aot
+    from spmd_aot.examples.models import train_step
+
+    job = spmd_aot.Job(step=train_step, model=lambda: _objects(cfg)[0],
+                       optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                       batch=lambda: _objects(cfg)[2])
+    return spmd_aot.build(job, world_size=1, cache_dir=cache_dir).seconds
+
+
+def table(cfg: dict, starts: dict, steady_ms: dict) -> str:
+    lines = [f"# {cfg['layers']} layers, d_model {cfg['d_model']}, context {cfg['seq']}, batch {cfg['batch']}, "
+             "AdamW, world 1, one OpenMP thread; medians",
+             "| | first call | ready (spmd-aot) | process start to first step | steady step | vs eager |",
+             "|---|---|---|---|---|---|"]
+    for variant in VARIANTS + NOT_MEASURED:
+        runs = starts.get(variant)
+        if runs is None:
+            why = "n/a (not built)" if variant == "spmd-aot hit + kernels" else "n/a (not measured)"
+            lines.append(f"| {variant} | {why} | | | | |")
+            continue
+        first = statistics.median(r["first_s"] for r in runs)
+        ready = [r["ready_s"] for r in runs if r["ready_s"] is not None]
+        total = statistics.median(r["start_to_first_s"] for r in runs)
+        ms, ratio = steady_ms.get(variant, (float("nan"), float("nan")))
+        lines.append(f"| {variant} | {first:.3f} s | {f'{statistics.median(ready):.3f} s' if ready else '-'} | "
+                     f"{total:.2f} s | {ms:.1f} ms | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5, help="timed fresh processes per variant")
+    p.add_argument("--blocks", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--with-torch-compile", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 1 layer, d_model 16, 1 repeat without a warm-up process, 2 blocks of 1 step")
+    p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    p.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, json.loads(args.config), args.cache_dir, args.spawned_at)))
+        return 0
+    if args.quick:
+        args.layers, args.d_model, args.seq, args.repeats, args.blocks, args.steps = 1, 16, 8, 1, 2, 1
+    cfg = _config(args)
+    variants = ["eager", "spmd-aot hit"] + (["spmd-aot hit + kernels"] if kernels_supported() else [])
+    variants += ["torch.compile (warm caches)"] if args.with_torch_compile else []
+    saved = {k: os.environ.get(k) for k in _OWN_ENV}
+    with tempfile.TemporaryDirectory(prefix="bench_start_") as tmp:
+        cache_dir = os.path.join(tmp, "cache")
+        # this run's own per-user state (the record of passed load checks) and Inductor cache
+        own = dict(XDG_STATE_HOME=os.path.join(tmp, "state"), TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"))
+        env = dict(os.environ, OMP_NUM_THREADS="1", **own)
+        try:
+            os.environ.update(own)
+            print(f"# built the artifact in {build(cfg, cache_dir):.1f} s", flush=True)
+            starts = fresh_runs(variants, cfg, cache_dir, args.repeats, env, warmup=0 if args.quick else 1)
+            steady_ms = steady(variants, cfg, cache_dir, args.blocks, args.steps)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    print(table(cfg, starts, steady_ms))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, "starts": starts, "steady": steady_ms}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
