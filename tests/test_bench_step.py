@@ -4,6 +4,7 @@ Smoke test only (no timing assertions): the benchmark is what the lead measures 
 """
 
 import json
+import os
 import xml.etree.ElementTree as ET
 
 from support.multiproc import preloaded_context
@@ -73,7 +74,6 @@ def test_without_collectives_skips_every_collective_of_a_replicate_program(monke
 def test_bench_start_quick_prints_every_row(tmp_path, monkeypatch, capsys):
     """tools/bench_start.py --quick: fresh processes for eager and the hit, steady steps
     interleaved here; the kernel row is marked n/a until spmd_aot has a kernel path."""
-    monkeypatch.syspath_prepend(TOOLS)
     import bench_start
 
     state = os.environ.get("XDG_STATE_HOME")

@@ -140,8 +140,7 @@ def steady(variants: list[str], cfg: dict, cache_dir: str, blocks: int, steps: i
     """ms per step of each variant, interleaved in this one process; with eager's ratio."""
     import torch
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_step import median_ratio, timed_blocks
+    from bench_step import median_ratio, timed_blocks  # a sibling of this script
 
     torch.set_num_threads(1)
     calls = {}
