@@ -218,6 +218,11 @@ def main(argv=None) -> int:
         # this run's own per-user state (the record of passed load checks) and Inductor cache
         own = dict(XDG_STATE_HOME=os.path.join(tmp, "state"), TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"))
         env = dict(os.environ, OMP_NUM_THREADS="1", **own)
+        # bytecode cached as an installed package has it (pip compiles it at install; torch's is),
+        # in this run's own folder: a PYTHONDONTWRITEBYTECODE environment would otherwise make
+        # every fresh process compile spmd_aot's source, a cost no installed user pays
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = os.path.join(tmp, "pycache")
         try:
             os.environ.update(own)
             print(f"# built the artifact in {build(cfg, cache_dir):.1f} s", flush=True)
