@@ -22,6 +22,7 @@ from .allowlist import extra_ops
 from .artifact import encode_artifact, layout_entries, read_artifact, store_artifact
 from .errors import CorruptArtifactError, UnsupportedError
 from .key import CacheKey
+from .kernels import with_kernels
 from .lookup import find_entry
 from .memory import graph_peak_bytes
 from .numpy_absent import numpy_lookups_skipped
@@ -90,7 +91,10 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     recorded = guards.record(ran, key)
     log.debug("key %s: guarding %d files, %d distributions, %d tensor values", key.key[:12],
               len(recorded["files"]), len(recorded["distributions"]), len(recorded["tensors"]))
-    return encode_artifact(traced, key, plan, slots, stats, recorded, previous)
+    blobs = encode_artifact(traced, key, plan, slots, stats, recorded, previous)
+    if "kernels" in key.values:  # the key asks for compiled kernels (``kernels.py``)
+        blobs = with_kernels(blobs, plan, key.values["kernels"])
+    return blobs
 
 
 def _checked(result, gm, who: str) -> torch.fx.GraphModule:
