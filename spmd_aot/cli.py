@@ -189,6 +189,9 @@ def _build_command(sub, common) -> None:
     p.add_argument("-p", "--placement", action="append", choices=sorted(PLACEMENT_NAMES),
                    help="placement to build for (repeat for several; default: replicate)")
     p.add_argument("--device", default="cpu", help="device type the job will run on (default: cpu)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also compile the graph with Inductor into the entry (jobs pass kernels=True; native "
+                        "code: it runs only from a signed entry or a trusted cache)")
     _add_shard_options(p)
     p.set_defaults(func=cmd_build)
 
@@ -440,7 +443,7 @@ def cmd_build(args) -> int:
         with Progress(len(plans)) as bar:
             for plan in plans:
                 bar.start(plan.describe())
-                result = build(job, plan=plan, store=store)
+                result = build(job, plan=plan, store=store, kernels=args.kernels)
                 results.append(result)
                 bar.finish("built" if result.traced else "cached")
     except (SpmdAotError, OSError) as exc:
@@ -544,12 +547,33 @@ def cmd_show(args) -> int:
     key, digest = _resolve_ref(store, args.ref)
     manifest = read_manifest(store, digest)
     _print_manifest(store, key, digest, manifest)
+    _print_kernels(store, manifest)
     if args.code:
         code = read_artifact(store, digest).code
         print()
         print("code:")
         print(_safe(code.rstrip("\n"), keep="\n\t"))
     return EXIT_OK
+
+
+def _print_kernels(store, manifest: dict) -> None:
+    """The compiled kernels blob (``kernels.py``), decoded as data: what built it, how much."""
+    from .kernels import describe
+
+    status = manifest["stats"].get("kernels")
+    if "kernels" not in manifest["blobs"]:
+        if status:
+            _say(f"kernels:      {status}")
+        return
+    try:
+        d = describe(store.get(manifest["blobs"]["kernels"]), "kernels")
+    except SpmdAotError as exc:
+        _say(f"kernels:      CORRUPT: {exc}")
+        return
+    _say(f"kernels:      {d['libraries']} libraries, {_human_bytes(d['bytes'])}, compiled in "
+         f"{manifest['stats'].get('kernel_seconds', '?')} s (native code: runs only from a signed entry or a "
+         "trusted cache)")
+    _say(f"  torch {d['torch']}, {d['cxx']}, cpu capability {d['cpu_capability']}, options {d['options']}")
 
 
 def _say(*parts) -> None:

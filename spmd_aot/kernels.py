@@ -130,6 +130,7 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
         root.register_buffer(name, tensor.to(device))
     gm = torch.fx.GraphModule(root, to_fx_graph(nodes))
     _functional_steps(gm)
+    _out_of_place_collectives(gm)
     _world_as_dimension(gm, groups)
     slots = unpack_bounded(layout, "layout", objects=load_limits().objects)["inputs"]
     fake = FakeTensorMode(shape_env=ShapeEnv())
@@ -161,6 +162,44 @@ def _built_libraries(cache_dir: pathlib.Path) -> dict[str, bytes]:
         if FILE_PATTERN.match(rel):
             files[rel] = path.read_bytes()
     return files
+
+
+_OUT_OF_PLACE_COLLECTIVES = {
+    torch.ops._c10d_functional.all_reduce_.default: torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.all_reduce_coalesced_.default: torch.ops._c10d_functional.all_reduce_coalesced.default,
+}
+
+
+def _out_of_place_collectives(gm: torch.fx.GraphModule) -> None:
+    """In-place collectives (the replicate buckets' ``all_reduce_``) have no functionalization
+    rule; their out-of-place twins compute the same result where nothing reads the input (or a
+    view of it) after the collective: the graph reads the reduced bucket through ``wait_tensor``."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        twin = _OUT_OF_PLACE_COLLECTIVES.get(node.target) if node.op == "call_function" else None
+        if twin is None:
+            continue
+        inputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+        for source in inputs:
+            late = _read_after(source, order[node], order, skip=node)
+            if late is not None:
+                raise KernelsUnavailable(f"{node.name} reduces {source.name} in place and {late.name} reads it after")
+        node.target = twin
+    gm.recompile()
+
+
+def _read_after(source, position: int, order, skip, depth: int = 0):
+    """A node after ``position`` that reads ``source`` or a view of it, or None."""
+    for user in source.users:
+        if user is skip:
+            continue
+        if order[user] > position:
+            return user
+        if depth < 8 and isinstance(user.target, torch._ops.OpOverload) and user.target.is_view:
+            late = _read_after(user, position, order, skip, depth + 1)
+            if late is not None:
+                return late
+    return None
 
 
 def _world_as_dimension(gm: torch.fx.GraphModule, groups: list[str]) -> None:
