@@ -20,6 +20,7 @@ group of each mesh dimension under the name the kernels were compiled with (``ke
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import pathlib
@@ -134,11 +135,30 @@ def _load(directory: str, artifact: bytes, digest: str):
     path = os.path.join(directory, "artifact.bin")
     pathlib.Path(path).write_bytes(artifact)
     try:
-        with temporary_cache_dir(directory):
+        with temporary_cache_dir(directory), kernels.inductor_settings(), _no_isa_probes():
             return CompiledArtifact.load(path=path, format="binary")
     except Exception as exc:  # torch's loader asserts on what it does not recognise
         raise CorruptArtifactError(f"artifact {digest[:12]}: its compiled kernels do not load "
                                    f"({type(exc).__name__}: {str(exc)[:200]}); rebuild it") from exc
+
+
+@contextlib.contextmanager
+def _no_isa_probes():
+    """Inductor proves each vector ISA the CPU reports by dlopen-ing a test library in a fresh
+    Python subprocess (about half a second each, several per process) before it loads a kernel.
+    The stored kernels were built for this CPU capability (it is in the key) and their libraries
+    are loaded directly; a library that cannot load fails the load, which then says so."""
+    from torch._inductor import cpu_vec_isa
+
+    probe = getattr(cpu_vec_isa.VecISA, "_probe_load", None)
+    if probe is None:  # another torch: nothing to skip
+        yield
+        return
+    cpu_vec_isa.VecISA._probe_load = lambda self, path: os.path.isfile(path)
+    try:
+        yield
+    finally:
+        cpu_vec_isa.VecISA._probe_load = probe
 
 
 def loaded_dirs() -> list[str]:

@@ -58,6 +58,11 @@ log = logging.getLogger(__name__)
 KERNELS_FORMAT = 1
 #: Inductor options the build passes (part of the key: other options, other kernels).
 OPTIONS: dict = {}
+#: Inductor settings of both the build and the load (in the key: they name the libraries). No
+#: precompiled header: with one, loading a kernel first runs the C++ preprocessor over torch's
+#: headers (a compiler on every job machine, and seconds at every start); the libraries' names
+#: hash the command line, so the build must not use one either.
+INDUCTOR_SETTINGS = {"cpp_cache_precompile_headers": False}
 #: A stored library's path inside Inductor's cache directory: two-letter folder, hashed name.
 FILE_PATTERN = re.compile(r"^[a-z0-9]{2}/[a-z0-9]{20,64}(\.main)?\.so$")
 _MAX_FILES = 4096
@@ -80,10 +85,18 @@ def ingredient(device_type: str) -> dict:
     the vector ISA the C++ kernels are built for (a job on another ISA would need a compiler to
     rebuild them). The C++ compiler that built the libraries is recorded in the blob (``show``),
     not keyed: a job never needs one."""
-    value = {"format": KERNELS_FORMAT, "torch": torch.__version__, "options": dict(sorted(OPTIONS.items()))}
+    value = {"format": KERNELS_FORMAT, "torch": torch.__version__, "options": dict(sorted(OPTIONS.items())),
+             "settings": dict(sorted(INDUCTOR_SETTINGS.items()))}
     if device_type == "cpu":
         value["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     return value
+
+
+def inductor_settings():
+    """``INDUCTOR_SETTINGS`` applied to Inductor's config for a block (build and load)."""
+    from torch._inductor import config
+
+    return config.patch(INDUCTOR_SETTINGS)
 
 
 def with_kernels(blobs: dict[str, bytes], plan, requested: dict) -> dict[str, bytes]:
@@ -139,7 +152,7 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
     # Inductor's cache pointed at a fresh directory: every kernel is built there (none reused from
     # the user's cache), so all that the compile built can be collected
     with tempfile.TemporaryDirectory(prefix="spmd-aot-inductor-") as cache_dir, temporary_cache_dir(cache_dir), \
-            registered(), _build_groups(groups):
+            registered(), _build_groups(groups), inductor_settings():
         try:
             compiled = torch._inductor.standalone_compile(
                 gm, example, dynamic_shapes="from_example_inputs", options=dict(requested["options"]),
@@ -246,11 +259,16 @@ _FUNCTIONAL = {torch.ops.aten._fused_adamw_.tensor_lr: (torch.ops.aten._fused_ad
 
 
 def _functional_steps(gm: torch.fx.GraphModule) -> None:
-    """Each in-place fused optimizer step -> its functional overload, then ``copy_`` of every
-    updated list back into the tensors it updated (params, state; grads are not read after)."""
+    """Each in-place fused optimizer step -> pointwise ops (Adam, AdamW: ``_adam_pointwise``,
+    which Inductor fuses into one loop per parameter writing it in place) or else its
+    functional overload (which clones every list it updates: a copy per tensor per step), then
+    ``copy_`` of every updated tensor back into the input it updates (grads are not read after)."""
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _FUNCTIONAL:
+            continue
+        if _adam_pointwise(graph, node):
+            graph.erase_node(node)
             continue
         functional, written = _FUNCTIONAL[node.target]
         with graph.inserting_before(node):
@@ -266,6 +284,49 @@ def _functional_steps(gm: torch.fx.GraphModule) -> None:
         graph.erase_node(node)
     graph.lint()
     gm.recompile()
+
+
+_ADAM = {torch.ops.aten._fused_adamw_.tensor_lr: True, torch.ops.aten._fused_adamw_.default: True,
+         torch.ops.aten._fused_adam_.tensor_lr: False, torch.ops.aten._fused_adam_.default: False}
+
+
+def _adam_pointwise(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    """Write fused (W) Adam step ``node`` as the pointwise ops of torch's fused CPU kernel, per
+    parameter, before ``node``; False (nothing written) for what it does not cover (amsgrad,
+    grad scaling). The scalars the kernel computes in double are tensor ops here: results agree
+    to float32 rounding."""
+    aten = torch.ops.aten
+    if node.target not in _ADAM:
+        return False
+    params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = node.args[:6]
+    kw = node.kwargs
+    if max_sqs or kw.get("amsgrad") or kw.get("grad_scale") is not None or kw.get("found_inf") is not None \
+            or len(node.args) != 6:
+        return False
+    lr, beta1, beta2, wd, eps = kw["lr"], kw["beta1"], kw["beta2"], kw["weight_decay"], kw["eps"]
+    op = graph.call_function
+    with graph.inserting_before(node):
+        for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+            if kw.get("maximize"):
+                g = op(aten.neg.default, (g,))
+            new_p = p
+            if wd and _ADAM[node.target]:  # AdamW: decoupled decay
+                new_p = op(aten.mul.Tensor, (p, op(aten.rsub.Scalar, (op(aten.mul.Tensor, (lr, wd)), 1))))
+            elif wd:
+                g = op(aten.add.Tensor, (g, p), {"alpha": wd})
+            new_m = op(aten.lerp.Scalar, (m, g, 1 - beta1))
+            new_v = op(aten.add.Tensor, (op(aten.mul.Tensor, (v, beta2)),
+                                         op(aten.mul.Tensor, (op(aten.mul.Tensor, (g, g)), 1 - beta2))))
+            bias1 = op(aten.rsub.Scalar, (op(aten.pow.Scalar, (beta1, step)), 1))
+            bias2 = op(aten.rsub.Scalar, (op(aten.pow.Scalar, (beta2, step)), 1))
+            step_size = op(aten.div.Tensor, (lr, bias1))
+            denom = op(aten.add.Tensor, (op(aten.div.Tensor, (op(aten.sqrt.default, (new_v,)),
+                                                              op(aten.sqrt.default, (bias2,)))), eps))
+            new_p = op(aten.sub.Tensor, (new_p, op(aten.mul.Tensor, (op(aten.div.Tensor, (new_m, denom)),
+                                                                      step_size))))
+            for target, value in ((p, new_p), (m, new_m), (v, new_v)):
+                op(aten.copy_.default, (target, value))
+    return True
 
 
 @functools.lru_cache(maxsize=None)
