@@ -134,8 +134,9 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
     device = torch.device(plan.device_type)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise KernelsUnavailable(
-            "Inductor generates CUDA kernels with Triton, which compiles and autotunes them on a GPU; "
-            "this build box has none. Build on a machine with the target GPU to store CUDA kernels")
+            "Inductor's CUDA lowering reads the GPU's properties (torch 2.13 without one: 'Found no NVIDIA "
+            "driver') and Triton compiles and autotunes its kernels for that GPU; this build box has none. "
+            "Build on a machine with the target GPU to store CUDA kernels")
     groups = [group_name(d) for d in range(len(plan.mesh_shape))] if plan.world_size > 1 else []
     nodes = decode_graph(graph, groups=groups, device=device)
     root = torch.nn.Module()

@@ -1,8 +1,8 @@
 """Compiled kernels in the artifact (``kernels.py``, ``kernel_load.py``): parity with eager and
 the interpreter, native code only from a trusted entry, tampering caught by ``verify``.
 
-One world-1 and one world-2 build with kernels per module (Inductor's CPU compile of the small
-test models takes tens of seconds on these cores); every test reads them.
+One world-1 and one world-2 build of the MLP with kernels (Inductor's CPU compile of the example
+transformer takes a minute on these cores, the MLP seconds); the world-1 build serves every test.
 """
 
 import logging
@@ -23,7 +23,7 @@ TOL = 1e-4  # AdamW at lr 1e-2 over 3 steps: Inductor's fused loops round differ
 @pytest.fixture(scope="module")
 def world1(tmp_path_factory):
     cache = tmp_path_factory.mktemp("kernels1")
-    result = spmd_aot.build(make_job("transformer", "adamw"), world_size=1, cache_dir=cache, kernels=True)
+    result = spmd_aot.build(make_job("mlp", "adamw"), world_size=1, cache_dir=cache, kernels=True)
     assert result.stats["kernels"] == "compiled", result.stats
     return cache, result
 
@@ -37,10 +37,10 @@ def _loaded_maps() -> list[str]:
 def _world1_worker(rank, world, cache_dir, trust):
     import spmd_aot.kernel_load as kernel_load
 
-    model, optim, losses, info = compiled_run("transformer", "adamw", rank, world, 3, cache_dir,
+    model, optim, losses, info = compiled_run("mlp", "adamw", rank, world, 3, cache_dir,
                                               require_hit=True, kernels=True, trust_cache=trust)
-    ref = eager_ddp("transformer", "adamw", rank, world, 3)
-    interp = compiled_run("transformer", "adamw", rank, world, 3, cache_dir, require_hit=True, kernels=True,
+    ref = eager_ddp("mlp", "adamw", rank, world, 3)
+    interp = compiled_run("mlp", "adamw", rank, world, 3, cache_dir, require_hit=True, kernels=True,
                           trust_cache=False)
     return (max_diffs(*ref, model, optim, losses), max_diffs(*interp[:3], model, optim, losses), info.hit,
             len(_loaded_maps()), len(kernel_load.loaded_dirs()))
@@ -66,9 +66,9 @@ def _untrusted_worker(rank, world, cache_dir):
     from jobs import fresh_objects, make_batch
 
     for step in steps:  # two compiled steps: the reason is logged once per process
-        model, optim = fresh_objects("transformer", "adamw")
+        model, optim = fresh_objects("mlp", "adamw")
         for s in range(2):
-            step(model, optim, make_batch("transformer", rank, s))
+            step(model, optim, make_batch("mlp", rank, s))
     programs = [type(step._bound.program).__name__ for step in steps]
     why = [r.getMessage() for r in records if "interpreted" in r.getMessage()]
     return programs, why, len(_loaded_maps()), len(kernel_load.loaded_dirs())
@@ -84,7 +84,7 @@ def test_unsigned_untrusted_entry_never_loads_native_code(world1, monkeypatch):
 
 
 def _signed_worker(rank, world, cache_dir):
-    _, _, _, info = compiled_run("transformer", "adamw", rank, world, 2, cache_dir, require_hit=True, kernels=True)
+    _, _, _, info = compiled_run("mlp", "adamw", rank, world, 2, cache_dir, require_hit=True, kernels=True)
     return info.hit, len(_loaded_maps())
 
 
@@ -132,14 +132,14 @@ def test_show_lists_the_kernels(world1, capsys):
 
 
 def _ddp_worker(rank, world, cache_dir):
-    model, optim, losses, info = compiled_run("transformer", "adamw", rank, world, 3, cache_dir,
+    model, optim, losses, info = compiled_run("mlp", "adamw", rank, world, 3, cache_dir,
                                               require_hit=True, kernels=True, trust_cache=True)
-    ref = eager_ddp("transformer", "adamw", rank, world, 3)
+    ref = eager_ddp("mlp", "adamw", rank, world, 3)
     return max_diffs(*ref, model, optim, losses), len(_loaded_maps())
 
 
 def test_world2_kernels_match_ddp(tmp_path):
-    result = spmd_aot.build(make_job("transformer", "adamw"), world_size=2, cache_dir=tmp_path, kernels=True)
+    result = spmd_aot.build(make_job("mlp", "adamw"), world_size=2, cache_dir=tmp_path, kernels=True)
     assert result.stats["kernels"] == "compiled", result.stats
     for diffs, maps in run_ranks(_ddp_worker, 2, str(tmp_path)):
         assert maps > 0
@@ -148,5 +148,5 @@ def test_world2_kernels_match_ddp(tmp_path):
 
 def test_kernels_are_in_the_key(world1, tmp_path):
     _, with_kernels = world1
-    without = spmd_aot.build(make_job("transformer", "adamw"), world_size=1, cache_dir=tmp_path)
+    without = spmd_aot.build(make_job("mlp", "adamw"), world_size=1, cache_dir=tmp_path)
     assert without.key != with_kernels.key and "kernels" not in without.stats
