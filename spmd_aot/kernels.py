@@ -49,7 +49,7 @@ import torch
 
 from .errors import CorruptArtifactError, UnsupportedError
 
-__all__ = ["KERNELS_FORMAT", "ingredient", "with_kernels", "compile_graph", "describe", "unpack", "group_name",
+__all__ = ["KERNELS_FORMAT", "ingredient", "kernel_parts", "compile_graph", "describe", "unpack", "group_name",
            "KernelsUnavailable"]
 
 log = logging.getLogger(__name__)
@@ -99,21 +99,20 @@ def inductor_settings():
     return config.patch(INDUCTOR_SETTINGS)
 
 
-def with_kernels(blobs: dict[str, bytes], plan, requested: dict) -> dict[str, bytes]:
-    """``blobs`` with a ``kernels`` part; or, when Inductor cannot compile the graph here, with
-    the reason in the manifest's ``stats["kernels"]`` (logged: the entry then runs interpreted)."""
-    from .artifact import amended
-
+def kernel_parts(blobs: dict[str, bytes], plan, requested: dict) -> tuple[dict[str, bytes], dict]:
+    """(parts, stats) to add to the entry of ``blobs``: ``{"kernels": blob}``; or, when Inductor
+    cannot compile the graph here, no part and the reason in ``stats["kernels"]`` (logged: the
+    entry then runs interpreted)."""
     start = time.perf_counter()
     try:
         data = compile_graph(blobs["graph"], blobs["constants"], blobs["layout"], plan, requested)
     except KernelsUnavailable as exc:
         log.warning("no compiled kernels for %s: %s; the entry holds the interpreted graph alone",
                     plan.describe(), exc)
-        return amended(blobs, {}, {"kernels": f"none: {exc}"})
+        return {}, {"kernels": f"none: {exc}"}
     seconds = round(time.perf_counter() - start, 3)
     log.info("compiled kernels for %s in %.1f s (%d bytes)", plan.describe(), seconds, len(data))
-    return amended(blobs, {"kernels": data}, {"kernels": "compiled", "kernel_seconds": seconds})
+    return {"kernels": data}, {"kernels": "compiled", "kernel_seconds": seconds}
 
 
 def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested: dict) -> bytes:

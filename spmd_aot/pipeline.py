@@ -19,10 +19,10 @@ import torch
 
 from . import guards
 from .allowlist import extra_ops
-from .artifact import encode_artifact, layout_entries, read_artifact, store_artifact
+from .artifact import amended, encode_artifact, layout_entries, read_artifact, store_artifact
 from .errors import CorruptArtifactError, UnsupportedError
 from .key import CacheKey
-from .kernels import with_kernels
+from .kernels import kernel_parts
 from .lookup import find_entry
 from .memory import graph_peak_bytes
 from .numpy_absent import numpy_lookups_skipped
@@ -93,7 +93,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
               len(recorded["files"]), len(recorded["distributions"]), len(recorded["tensors"]))
     blobs = encode_artifact(traced, key, plan, slots, stats, recorded, previous)
     if "kernels" in key.values:  # the key asks for compiled kernels (``kernels.py``)
-        blobs = with_kernels(blobs, plan, key.values["kernels"])
+        blobs = amended(blobs, *kernel_parts(blobs, plan, key.values["kernels"]))
     return blobs
 
 

@@ -10,12 +10,10 @@ import pathlib
 import shutil
 
 import pytest
-import torch
 
 import spmd_aot
 from jobs import compiled_run, eager_ddp, make_job, max_diffs
 from multiproc import run_ranks
-from spmd_aot.kernel_load import KernelProgram
 
 TOL = 1e-4  # AdamW at lr 1e-2 over 3 steps: Inductor's fused loops round differently (README "Parity floor")
 
