@@ -5,6 +5,7 @@
     python tools/bench_step.py --quick            # a smoke run of a few seconds per world
     python tools/bench_step.py --with-torch-compile --worlds 2 --placements replicate
     python tools/bench_step.py --sweep --fused-adamw   # every variant's AdamW fused=True
+    python tools/bench_step.py --kernels --with-torch-compile --layers 12 --batch 2   # compiled kernels
 
 For each (world, placement) the artifact is built offline first (``spmd_aot.build``), then
 one process group per world size runs every configuration of that world. Each rank holds
@@ -15,6 +16,11 @@ identical copies of the example transformer + AdamW, one per variant:
             block then the root for shard; HSDP: the same on a (2, 2) mesh
   compiled  (``--with-torch-compile``) ``torch.compile`` of that eager model; its first step
             is reported separately as compile seconds
+  kernels   (``--kernels``) the entry built with ``kernels=True``, loaded from a trusted cache:
+            the step runs Inductor's kernels compiled at build time (``spmd_aot/building/kernels.py``);
+            its first call (key, load, bind) is reported as kernels first s
+  whole     (``--kernels --with-torch-compile``, world 1) ``torch.compile`` of the whole train step
+            (forward, backward, AdamW: the kernels ``aot_compile`` of the step precompiles)
 
 The optimizer is ``AdamW(lr=1e-3)`` with torch's defaults, as users write it; the loaded step
 then runs the fused AdamW kernel (see README "Optimizer implementation") where eager runs
@@ -94,6 +100,7 @@ class Settings:
     with_compile: bool
     comm: dict
     fused_adamw: bool = False  # every variant's AdamW gets fused=True (not torch's default)
+    kernels: bool = False  # also the entry with compiled kernels (``kernels=True``)
 
 
 def _adamw(params, s: Settings):
@@ -119,7 +126,14 @@ def build(cfg: Config, s: Settings, cache_dir: str) -> float:
                        batch=lambda: _batch(s, 0))
     result = spmd_aot.build(job, world_size=cfg.world, placement=cfg.spmd_placement,
                             mesh_shape=cfg.mesh_shape, cache_dir=cache_dir, **s.comm)
-    return result.seconds if result.traced else 0.0
+    seconds = result.seconds if result.traced else 0.0
+    if s.kernels:
+        with_kernels = spmd_aot.build(job, world_size=cfg.world, placement=cfg.spmd_placement,
+                                      mesh_shape=cfg.mesh_shape, cache_dir=cache_dir, kernels=True, **s.comm)
+        if with_kernels.stats.get("kernels") != "compiled":
+            print(f"  no kernels for {cfg}: {with_kernels.stats.get('kernels')}", file=sys.stderr, flush=True)
+        seconds += with_kernels.seconds if with_kernels.traced else 0.0
+    return seconds
 
 
 # ---------------------------------------------------------------------------- on every rank
@@ -186,6 +200,8 @@ def _measure(cfg: Config, s: Settings, cache_dir: str, rank: int, world: int) ->
         compiled_module, compiled_optim = _eager_model(cfg, world, s)
         compiled_module = torch.compile(compiled_module)
         variants["compiled"] = lambda: train_step(compiled_module, compiled_optim, batch)
+    if s.kernels:
+        variants.update(_kernel_variants(cfg, s, cache_dir, world, batch))
 
     first_s = {}
     for name, fn in variants.items():  # warm up; the first call binds, loads or compiles
@@ -213,7 +229,26 @@ def _measure(cfg: Config, s: Settings, cache_dir: str, rank: int, world: int) ->
     if s.with_compile:
         row["compile_s"] = first_s["compiled"]
         torch._dynamo.reset()  # the next configuration compiles from scratch
+    for name in ("kernels", "whole"):
+        if name in first_s:
+            row[f"{name}_first_s"] = first_s[name]
+            row[f"{name}_delta_loss"] = abs(losses[name] - losses["eager"])
     return row
+
+
+def _kernel_variants(cfg: Config, s: Settings, cache_dir: str, world: int, batch) -> dict:
+    """The entry with compiled kernels, loaded from a trusted cache; at world 1 with
+    ``--with-torch-compile`` also torch.compile of the whole step (what aot_compile precompiles)."""
+    variants = {}
+    model, optim = _model_and_optim(cfg, s)
+    step = spmd_aot.compile(train_step, placement=cfg.spmd_placement, mesh_shape=cfg.mesh_shape,
+                            cache_dir=cache_dir, require_hit=True, kernels=True, trust_cache=True, **s.comm)
+    variants["kernels"] = lambda: step(model, optim, batch)
+    if s.with_compile and world == 1:
+        whole_model, whole_optim = _model_and_optim(cfg, s)
+        whole = torch.compile(train_step)
+        variants["whole"] = lambda: whole(whole_model, whole_optim, batch)
+    return variants
 
 
 def _rank_main(rank, world, port, configs, s, cache_dir, results):
@@ -308,6 +343,10 @@ def table(rows: list[dict], with_compile: bool) -> str:
               "loaded/eager", "target", "Δloss"]
     if with_compile:
         header += ["compiled ms", "compiled/eager", "compile s"]
+    kernels = any("kernels_ms" in r for r in rows)
+    if kernels:
+        header += ["kernels ms", "kernels/eager", "kernels/compiled", "kernels first s", "Δloss k", "whole-step ms",
+                   "kernels/whole"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
         ok = "yes" if r["loaded_ratio"] <= _target(r["world"]) else "no"
@@ -316,8 +355,24 @@ def table(rows: list[dict], with_compile: bool) -> str:
                  f"<={_target(r['world']):.2f} {ok}", f"{r['delta_loss']:.0e}"]
         if with_compile:
             cells += [f"{r['compiled_ms']:.2f}", f"{r['compiled_ratio']:.3f}", f"{r['compile_s']:.1f}"]
+        if kernels:
+            cells += _kernel_cells(r)
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def _kernel_cells(r: dict) -> list[str]:
+    """Kernels vs eager, vs torch.compile (same blocks: the ratio of the two median ratios' blocks)
+    and, at world 1, vs torch.compile of the whole step."""
+    if "kernels_ms" not in r:
+        return ["-"] * 7
+    def vs(name):
+        if f"{name}_blocks_ms" not in r:
+            return "-"
+        return f"{median_ratio(r['kernels_blocks_ms'], r[f'{name}_blocks_ms']):.3f}"
+    whole = f"{r['whole_ms']:.2f}" if "whole_ms" in r else "-"
+    return [f"{r['kernels_ms']:.2f}", f"{r['kernels_ratio']:.3f}", vs("compiled"), f"{r['kernels_first_s']:.2f}",
+            f"{r['kernels_delta_loss']:.0e}", whole, vs("whole")]
 
 
 def plot(path: str, rows: list[dict], with_compile: bool, title: str) -> None:
@@ -325,6 +380,8 @@ def plot(path: str, rows: list[dict], with_compile: bool, title: str) -> None:
     series = {"loaded": [r["loaded_ms"] for r in rows], "eager (DDP / FSDP2)": [r["eager_ms"] for r in rows]}
     if with_compile:
         series["torch.compile"] = [r["compiled_ms"] for r in rows]
+    if any("kernels_ms" in r for r in rows):
+        series["kernels"] = [r.get("kernels_ms", 0.0) for r in rows]
     write_svg(path, labels, series, title, notes=[f"{r['loaded_ratio']:.2f}x" for r in rows])
 
 
@@ -383,6 +440,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fused-adamw", action="store_true",
                         help="every variant's AdamW with fused=True, so the ratio does not count the loaded "
                              "step's own choice of the fused kernel (torch's default on CPU is the per-tensor loop)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also build with kernels=True and time the compiled-kernels step (trusted cache)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per world before giving up")
     args = parser.parse_args(argv)
 
@@ -402,7 +461,7 @@ def main(argv=None) -> int:
         parser.error(f"unknown placement(s) {sorted(unknown)}; expected replicate, shard, hsdp")
     s = Settings(seq=pick("seq"), batch=pick("batch"), steps=pick("steps"), blocks=pick("blocks"),
                  warmup=max(1, pick("warmup")), with_compile=args.with_torch_compile,
-                 comm=_parse_comm(args.comm), fused_adamw=args.fused_adamw)
+                 comm=_parse_comm(args.comm), fused_adamw=args.fused_adamw, kernels=args.kernels)
     configs = configs_for(args.worlds, placements, pick("layers"), pick("d_model"))
 
     command = "python tools/bench_step.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))

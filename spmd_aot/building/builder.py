@@ -48,7 +48,8 @@ class BuildResult:
 
 def build(job: Job, *, world_size: int | None = None, schema: Schema | None = None, cache_dir=None,
           device: str = "cpu", module_override=(), gm_transformation=None, extra_sources=(), store=None,
-          plan: Plan | None = None, allow_ops=(), trust_cache=None, **layout) -> BuildResult:
+          plan: Plan | None = None, allow_ops=(), trust_cache=None, kernels: bool = False,
+          **layout) -> BuildResult:
     """Build ``job`` for one configuration; a no-op (``traced=False``) when already cached.
 
     The options mean what they mean for ``spmd_aot.compile``; pass the same ones to both.
@@ -57,7 +58,8 @@ def build(job: Job, *, world_size: int | None = None, schema: Schema | None = No
     options); ``plan`` replaces schema, world size and device at once.
     ``cache_dir`` may be a path or an ``s3://bucket/prefix`` URL (written through a local cache).
     ``allow_ops`` names overloads beyond the allowlist the graph may call (``allowlist.py``); every
-    job that loads the entry must opt in to the same ones.
+    job that loads the entry must opt in to the same ones. ``kernels=True`` also compiles the
+    graph with Inductor into the entry (``kernels.py``; a job passes the same to ``compile``).
     """
     start = time.perf_counter()
     opt_in_names(allow_ops)  # a bad name fails before any work
@@ -76,7 +78,7 @@ def build(job: Job, *, world_size: int | None = None, schema: Schema | None = No
     plan = state.plan  # bound to the model (a tp_plan="hf" resolved)
     with fake_world(world_size):
         mesh = device_mesh(plan)
-        key = compute_key(job.step, state, plan, transforms.identities(), extra_sources)
+        key = compute_key(job.step, state, plan, transforms.identities(), extra_sources, kernels=kernels)
         with fake_mode:
             inputs = state.graph_inputs()
         for attempt in range(3):  # gc may evict the entry between storing (or finding) and reading it

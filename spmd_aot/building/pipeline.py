@@ -19,9 +19,10 @@ import torch
 
 from ..keying import guards
 from ..format.allowlist import extra_ops
-from ..format.artifact import encode_artifact, layout_entries, read_artifact, store_artifact
+from ..format.artifact import amended, encode_artifact, layout_entries, read_artifact, store_artifact
 from ..errors import CorruptArtifactError, UnsupportedError
 from ..keying.key import CacheKey
+from .kernels import kernel_parts
 from ..keying.lookup import find_entry
 from .memory import graph_peak_bytes
 from ..tracing.numpy_absent import numpy_lookups_skipped
@@ -90,7 +91,10 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     recorded = guards.record(ran, key)
     log.debug("key %s: guarding %d files, %d distributions, %d tensor values", key.key[:12],
               len(recorded["files"]), len(recorded["distributions"]), len(recorded["tensors"]))
-    return encode_artifact(traced, key, plan, slots, stats, recorded, previous)
+    blobs = encode_artifact(traced, key, plan, slots, stats, recorded, previous)
+    if "kernels" in key.values:  # the key asks for compiled kernels (``kernels.py``)
+        blobs = amended(blobs, *kernel_parts(blobs, plan, key.values["kernels"]))
+    return blobs
 
 
 def _checked(result, gm, who: str) -> torch.fx.GraphModule:

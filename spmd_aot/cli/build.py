@@ -61,7 +61,7 @@ def cmd_build(args) -> int:
         with Progress(len(plans)) as bar:
             for plan in plans:
                 bar.start(plan.describe())
-                result = build(job, plan=plan, store=store)
+                result = build(job, plan=plan, store=store, kernels=args.kernels)
                 results.append(result)
                 bar.finish("built" if result.traced else "cached")
     except (SpmdAotError, OSError) as exc:

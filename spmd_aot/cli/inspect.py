@@ -56,6 +56,7 @@ def cmd_show(args) -> int:
     key, digest = resolve_ref(store, args.ref)
     manifest = read_manifest(store, digest)
     _print_manifest(store, key, digest, manifest)
+    _print_kernels(store, manifest)
     if args.code:
         code = read_artifact(store, digest).code
         print()
@@ -102,6 +103,26 @@ def _print_manifest(store, key: str, digest: str, m: dict) -> None:
     width = max((len(n) for n in m["ingredients"]), default=0) + 2
     for name, d in m["ingredients"].items():
         say(f"  {name:<{width}}{d}")
+
+
+def _print_kernels(store, manifest: dict) -> None:
+    """The compiled kernels blob (``building/kernels.py``), decoded as data: what built it, how much."""
+    from ..building.kernels import describe
+
+    status = manifest["stats"].get("kernels")
+    if "kernels" not in manifest["blobs"]:
+        if status:
+            say(f"kernels:      {status}")
+        return
+    try:
+        d = describe(store.get(manifest["blobs"]["kernels"]), "kernels")
+    except SpmdAotError as exc:
+        say(f"kernels:      CORRUPT: {exc}")
+        return
+    say(f"kernels:      {d['libraries']} libraries, {human_bytes(d['bytes'])}, compiled in "
+        f"{manifest['stats'].get('kernel_seconds', '?')} s (native code: runs only from a signed entry or a "
+        "trusted cache)")
+    say(f"  torch {d['torch']}, {d['cxx']}, cpu capability {d['cpu_capability']}, options {d['options']}")
 
 
 def _print_communication(comm) -> None:

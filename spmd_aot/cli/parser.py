@@ -71,6 +71,9 @@ def _build_command(sub, common) -> None:
     p.add_argument("-p", "--placement", action="append", choices=sorted(PLACEMENT_NAMES),
                    help="placement to build for (repeat for several; default: replicate)")
     p.add_argument("--device", default="cpu", help="device type the job will run on (default: cpu)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also compile the graph with Inductor into the entry (jobs pass kernels=True; native "
+                        "code: it runs only from a signed entry or a trusted cache)")
     add_shard_options(p)
     p.set_defaults(func=cmd_build)
 

@@ -32,7 +32,7 @@ from .serialize import decode_graph, encode_graph, to_fx_graph
 from ..state import Slot
 from ..store.names import is_digest
 
-__all__ = ["Artifact", "encode_artifact", "store_artifact", "artifact_in_memory", "read_artifact", "read_manifest", "manifest_blobs", "artifact_bytes",
+__all__ = ["Artifact", "encode_artifact", "store_artifact", "artifact_in_memory", "read_artifact", "read_manifest", "manifest_blobs", "artifact_bytes", "amended",
            "layout_entries", "layout_mismatch", "pack_manifest", "check_entry", "FORMAT", "encode_spec", "decode_spec"]
 
 #: The artifact format (the manifest's ``format``; cache/README.md). 3: the manifest blob is an
@@ -41,6 +41,9 @@ __all__ = ["Artifact", "encode_artifact", "store_artifact", "artifact_in_memory"
 FORMAT = 3
 
 _PARTS = ("graph", "code", "schema", "layout", "constants")
+#: Parts an entry may hold beside ``_PARTS``: compiled kernels (``kernels.py``: native code,
+#: loaded only when trusted, ``kernel_load.py``).
+_OPTIONAL_PARTS = ("kernels",)
 
 
 @dataclasses.dataclass
@@ -53,6 +56,7 @@ class Artifact:
     layout: dict
     constants: dict[str, torch.Tensor]
     spec: pytree.TreeSpec | None = None  # the decoded output spec (``read_artifact`` sets it)
+    kernels: bytes | None = None  # the compiled kernels blob, when the entry has one (verified, not decoded)
 
     @property
     def plan(self) -> Plan:
@@ -172,6 +176,24 @@ def encode_artifact(traced, key: CacheKey, plan: Plan, slots: list[Slot], stats:
     return blobs
 
 
+def amended(blobs: dict[str, bytes], parts: dict[str, bytes], stats: dict) -> dict[str, bytes]:
+    """``blobs`` of ``encode_artifact`` with optional ``parts`` added and ``stats`` merged into
+    the manifest's, which is packed again (unsigned: ``store_artifact`` signs)."""
+    import hashlib
+
+    unknown = set(parts) - set(_OPTIONAL_PARTS)
+    if unknown:
+        raise ValueError(f"{sorted(unknown)} are not optional parts ({_OPTIONAL_PARTS})")
+    manifest = bounded.unpack(signing.split(blobs["manifest"], "manifest")[1], "manifest", objects=1 << 20)
+    manifest["stats"].update(stats)
+    out = {k: v for k, v in blobs.items() if k != "manifest"}
+    for name, data in parts.items():
+        manifest["blobs"][name] = hashlib.sha256(data).hexdigest()
+        out[name] = data
+    out["manifest"] = pack_manifest(manifest)
+    return out
+
+
 def pack_manifest(manifest: dict) -> bytes:
     """An (unsigned) manifest blob: the envelope header, then the canonical msgpack body."""
     return signing.wrap(_pack(manifest))
@@ -277,6 +299,8 @@ def read_artifact(store, digest: str) -> Artifact:
     _check_layout(layout, digest, plan_from_manifest(manifest["plan"]).world_size)
     artifact = Artifact(digest, manifest, parts["graph"], code,
                         _unpack(parts["schema"], f"schema of {digest[:12]}", limits), layout, constants)
+    if "kernels" in manifest["blobs"]:
+        artifact.kernels = _get(store, manifest["blobs"]["kernels"], limits.constants_bytes, "kernels")
     artifact.out_spec()  # parse now: a bad spec is a corrupt artifact, not a failure mid-step
     return artifact
 
@@ -284,12 +308,17 @@ def read_artifact(store, digest: str) -> Artifact:
 def check_entry(store, key: str, digest: str) -> Artifact:
     """Every check a load runs before it binds live state, for ``spmd-aot verify``: read and
     verify every blob (``read_artifact``), the manifest must be of ``key`` (a ref or ``previous``
-    naming another key's manifest is refused), and the graph must pass ``Artifact.check``."""
+    naming another key's manifest is refused), the graph must pass ``Artifact.check`` and a
+    kernels blob must be well formed (``kernels.unpack``)."""
     artifact = read_artifact(store, digest)
     if artifact.manifest["key"] != key:
         raise CorruptArtifactError(f"ref {key[:64]} leads to manifest {digest[:12]}, which is the manifest "
                                    f"of key {artifact.manifest['key'][:64]!r}")
     artifact.check()
+    if artifact.kernels is not None:  # decoded as data only (msgpack): compiled code is never run here
+        from ..building.kernels import unpack
+
+        unpack(artifact.kernels, f"artifact {digest[:12]}")
     return artifact
 
 
@@ -512,8 +541,8 @@ def _check_manifest(m: Any, digest: str) -> None:
     if m.get("format") != FORMAT:
         bad(f"format {str(m.get('format'))[:20]!r}, this spmd-aot reads format {FORMAT}; rebuild the artifact")
     blobs = m.get("blobs")
-    if not isinstance(blobs, dict) or set(blobs) != set(_PARTS):
-        bad(f"blobs must name exactly {list(_PARTS)}")
+    if not isinstance(blobs, dict) or not set(_PARTS) <= set(blobs) <= set(_PARTS + _OPTIONAL_PARTS):
+        bad(f"blobs must name exactly {list(_PARTS)}, and may name {list(_OPTIONAL_PARTS)}")
     for name, d in blobs.items():
         if not isinstance(d, str) or not is_digest(d):
             bad(f"blob {name} has invalid digest {str(d)[:80]!r}")

@@ -86,12 +86,19 @@ class CacheKey:
 
 
 def compute_key(step: Callable, state: TrainState, plan: Plan,
-                transformations: Iterable[Callable] = (), extra_sources: Iterable[Any] = ()) -> CacheKey:
+                transformations: Iterable[Callable] = (), extra_sources: Iterable[Any] = (),
+                kernels: bool = False) -> CacheKey:
+    """``kernels``: the entry holds compiled kernels (``kernels.py``); only then is the
+    ``kernels`` ingredient (Inductor's release, options, CPU capability) in the key."""
     tensors: dict[str, torch.Tensor] = {}
     inputs = frozenset(id(t) for _, t in state.params + state.buffers)
     values = {name: fn(step=step, state=state, plan=plan, transformations=list(transformations),
                        extra_sources=list(extra_sources), tensors=tensors, inputs=inputs)
               for name, fn in INGREDIENTS}
+    if kernels:
+        from ..building.kernels import ingredient
+
+        values["kernels"] = ingredient(plan.device_type)
     digests = {name: _digest(value) for name, value in values.items()}
     for name, d in digests.items():
         log.debug("key ingredient %s = %s", name, d)

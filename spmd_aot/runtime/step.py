@@ -33,6 +33,7 @@ from .device_check import check_device
 from ..keying.explain import explain_miss
 from ..hints import TARGET_PLACEHOLDER, build_command
 from ..keying.key import compute_key
+from .kernel_load import load_kernels
 from ..keying.lookup import find_entry
 from ..parallel import axes
 from ..building.pipeline import Transforms, UnstoredTrace, trace_and_store, trace_to_blobs
@@ -63,7 +64,7 @@ class CacheInfo:
 
 def compile(fn: Callable | None = None, *, schema: Schema | None = None, cache_dir=None,
             require_hit: bool = False, module_override=(), gm_transformation=None, extra_sources=(),
-            store=None, allow_ops=(), trust_cache=None, **layout):
+            store=None, allow_ops=(), trust_cache=None, kernels: bool = False, **layout):
     """Wrap a train step ``fn(model, optim, batch)``; also usable as ``@spmd_aot.compile(...)``.
 
     The returned step returns what ``fn`` returns, computed on this rank: for the usual
@@ -78,10 +79,13 @@ def compile(fn: Callable | None = None, *, schema: Schema | None = None, cache_d
     ones as the build. ``allow_ops``: overloads beyond the allowlist this job admits (the build's
     opt-in, ``allowlist.py``). ``trust_cache=True`` uses a cache directory other users can write
     without a signing key (``store/trust.py``; default: ``$SPMD_AOT_TRUST_CACHE``).
+    ``kernels=True``: the entry built with ``kernels=True``, whose compiled kernels run when the
+    entry is signed or the cache trusted (``kernel_load.py``); else its interpreted graph runs.
     """
     options = dict(schema=Schema.of(schema, **layout), cache_dir=cache_dir, require_hit=require_hit,
                    module_override=module_override, gm_transformation=gm_transformation,
-                   extra_sources=extra_sources, store=store, allow_ops=allow_ops, trust_cache=trust_cache)
+                   extra_sources=extra_sources, store=store, allow_ops=allow_ops, trust_cache=trust_cache,
+                   kernels=kernels)
     if fn is None:
         return functools.partial(compile, **options)
     return CompiledStep(fn, **options)
@@ -90,7 +94,7 @@ def compile(fn: Callable | None = None, *, schema: Schema | None = None, cache_d
 class CompiledStep:
     def __init__(self, fn, *, schema: Schema | None = None, cache_dir=None, require_hit=False,
                  module_override=(), gm_transformation=None, extra_sources=(), store=None, allow_ops=(),
-                 trust_cache=None):
+                 trust_cache=None, kernels: bool = False):
         self.schema = schema if schema is not None else Schema()
         self.allow_ops = tuple(opt_in_names(allow_ops))  # a bad name fails here, not at the first call
         self.fn = fn
@@ -100,6 +104,7 @@ class CompiledStep:
         self._store = store
         self._cache_dir = cache_dir
         self._trust_cache = trust_cache
+        self.kernels = kernels
         self._bound: _BoundStep | None = None
         self._unstored = None  # a traced artifact the cache could not take (rank 0 serves it)
         self.cache_info: CacheInfo | None = None
@@ -149,7 +154,8 @@ class CompiledStep:
         if optim is not None:
             initialize_optimizer_state(optim, axes.state_zeros if spread else None)
         state = TrainState(model, optim, batch, plan)
-        key = compute_key(self.fn, state, plan, self.transforms.identities(), self.extra_sources)
+        key = compute_key(self.fn, state, plan, self.transforms.identities(), self.extra_sources,
+                          kernels=self.kernels)
         ranks.check_ranks_agree(key, world)
 
         # Reader leases keep gc from deleting the artifact until every rank has loaded it.
@@ -180,7 +186,8 @@ class CompiledStep:
                         f"rank {rank}: artifact {digest[:12]} (key {key.key[:12]}) serves rank 0 but "
                         f"not this rank: {problem}. Every rank must run the same code and libraries.")
                 check_device(artifact.manifest, model)  # the artifact's own plan, not only the job's
-                program = artifact.program(ranks.live_groups(mesh), device)
+                program = (load_kernels(artifact, ranks.live_groups(mesh), self._trust_cache, device)
+                           or artifact.program(ranks.live_groups(mesh), device))
             except OpNotAllowedError as exc:  # not repaired by a rebuild: the job opts in, or not
                 failure = OpNotAllowedError(
                     f"{exc}. The entry for key {key.key[:12]} calls {exc.op}, which only an opt-in allows: if "

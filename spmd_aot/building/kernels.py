@@ -1,0 +1,376 @@
+"""Compiled kernels in the artifact: the per-rank graph compiled by Inductor at build time.
+
+Why: a loaded step runs op by op through ``program.Program``; Inductor fuses the pointwise ops
+of forward, backward and optimizer into a few generated C++ loops. The build compiles the very
+graph it stores (decoded back from the graph blob, so kernels and interpreter run the same
+graph) with ``torch._inductor.standalone_compile`` and stores the result as one more blob of
+the same entry, ``kernels``:
+
+* ``artifact``: ``CompiledArtifact.save(format="binary")`` bytes (AOTAutograd and FX-graph cache
+  entries: pickles holding Inductor's generated Python wrapper);
+* ``files``: every shared library the compile built (``xx/<hash>.main.so``), so a load finds its
+  kernels built and compiles nothing (a cache-artifact bundle alone rebuilds C++ at load: tens of
+  seconds, and a compiler on every job machine);
+* what built them: torch's full release, the C++ compiler, the CPU capability, the options.
+
+Why ``standalone_compile`` and not AOTInductor: AOTInductor compiles an exported forward (or
+forward+backward) and cannot hold the optimizer's in-place update; ``standalone_compile`` takes
+any ATen graph with input mutations, collectives included (``_c10d_functional`` ops are lowered
+and kept with their group name as a string, resolved when they run).
+
+Input mutation: the stored graph updates parameters and optimizer state in place. Plain
+``copy_`` into an input is fine (AOTAutograd keeps it as a final write); the fused optimizer
+steps (``_fused_adamw_`` ...) have no functionalization rule that accepts graph inputs, so they
+are rewritten to their functional form plus ``copy_`` before compiling (``_functional_steps``).
+
+Group names: the graph names mesh dimension ``d`` ``spmd_aot.kernels.d<d>``; a load registers
+the live group of that dimension under that name (``kernel_load``), so one artifact serves every
+rank and job. Meshes of more than one dimension are not compiled (their world-group collectives
+would need one more name): they run interpreted, and the build says so.
+
+The blob is native code: it loads only from a signed entry or a cache the user trusts
+(``kernel_load``). This module only builds and describes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import operator
+import os
+import pathlib
+import re
+import tempfile
+import time
+
+import msgpack
+import torch
+
+from ..errors import CorruptArtifactError, UnsupportedError
+
+__all__ = ["KERNELS_FORMAT", "ingredient", "kernel_parts", "compile_graph", "describe", "unpack", "group_name",
+           "KernelsUnavailable"]
+
+log = logging.getLogger(__name__)
+
+#: Version of the ``kernels`` blob's layout.
+KERNELS_FORMAT = 1
+#: Inductor options the build passes (part of the key: other options, other kernels).
+OPTIONS: dict = {}
+#: Inductor settings of both the build and the load (in the key: they name the libraries). No
+#: precompiled header: with one, loading a kernel first runs the C++ preprocessor over torch's
+#: headers (a compiler on every job machine, and seconds at every start); the libraries' names
+#: hash the command line, so the build must not use one either.
+INDUCTOR_SETTINGS = {"cpp_cache_precompile_headers": False}
+#: A stored library's path inside Inductor's cache directory: two-letter folder, hashed name.
+FILE_PATTERN = re.compile(r"^[a-z0-9]{2}/[a-z0-9]{20,64}(\.main)?\.so$")
+_MAX_FILES = 4096
+
+
+class KernelsUnavailable(UnsupportedError):
+    """Inductor cannot compile this graph here; the entry is stored with the interpreted graph alone."""
+
+
+def group_name(dim: int) -> str:
+    """The process-group name compiled into kernels for mesh dimension ``dim``."""
+    return f"spmd_aot.kernels.d{dim}"
+
+
+def ingredient(device_type: str) -> dict:
+    """The key ingredient ``kernels``: what decides whether stored kernels run in this process.
+
+    Inductor's release is torch's full version (its ``+cpu`` / ``+cu130`` suffix too: the two
+    builds generate different code); the options; for CPU targets the CPU capability, which picks
+    the vector ISA the C++ kernels are built for (a job on another ISA would need a compiler to
+    rebuild them). The C++ compiler that built the libraries is recorded in the blob (``show``),
+    not keyed: a job never needs one."""
+    value = {"format": KERNELS_FORMAT, "torch": torch.__version__, "options": dict(sorted(OPTIONS.items())),
+             "settings": dict(sorted(INDUCTOR_SETTINGS.items()))}
+    if device_type == "cpu":
+        value["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    return value
+
+
+def inductor_settings():
+    """``INDUCTOR_SETTINGS`` applied to Inductor's config for a block (build and load)."""
+    from torch._inductor import config
+
+    return config.patch(INDUCTOR_SETTINGS)
+
+
+def kernel_parts(blobs: dict[str, bytes], plan, requested: dict) -> tuple[dict[str, bytes], dict]:
+    """(parts, stats) to add to the entry of ``blobs``: ``{"kernels": blob}``; or, when Inductor
+    cannot compile the graph here, no part and the reason in ``stats["kernels"]`` (logged: the
+    entry then runs interpreted)."""
+    start = time.perf_counter()
+    try:
+        data = compile_graph(blobs["graph"], blobs["constants"], blobs["layout"], plan, requested)
+    except KernelsUnavailable as exc:
+        log.warning("no compiled kernels for %s: %s; the entry holds the interpreted graph alone",
+                    plan.describe(), exc)
+        return {}, {"kernels": f"none: {exc}"}
+    seconds = round(time.perf_counter() - start, 3)
+    log.info("compiled kernels for %s in %.1f s (%d bytes)", plan.describe(), seconds, len(data))
+    return {"kernels": data}, {"kernels": "compiled", "kernel_seconds": seconds}
+
+
+def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested: dict) -> bytes:
+    """The ``kernels`` blob for one stored graph (``KernelsUnavailable`` when it cannot be had)."""
+    from safetensors.torch import load as load_safetensors
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from ..format.bounded import unpack as unpack_bounded
+    from ..tracing.fused_meta import registered
+    from ..format.limits import load_limits
+    from ..format.serialize import decode_graph, to_fx_graph
+
+    if len(plan.mesh_shape) > 1:
+        raise KernelsUnavailable(f"a {len(plan.mesh_shape)}-D mesh {tuple(plan.mesh_shape)} (kernels are "
+                                 "compiled for one mesh dimension)")
+    device = torch.device(plan.device_type)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise KernelsUnavailable(
+            "Inductor's CUDA lowering reads the GPU's properties (torch 2.13 without one: 'Found no NVIDIA "
+            "driver') and Triton compiles and autotunes its kernels for that GPU; this build box has none. "
+            "Build on a machine with the target GPU to store CUDA kernels")
+    groups = [group_name(d) for d in range(len(plan.mesh_shape))] if plan.world_size > 1 else []
+    nodes = decode_graph(graph, groups=groups, device=device)
+    root = torch.nn.Module()
+    for name, tensor in load_safetensors(constants).items():
+        root.register_buffer(name, tensor.to(device))
+    gm = torch.fx.GraphModule(root, to_fx_graph(nodes))
+    _functional_steps(gm)
+    _out_of_place_collectives(gm)
+    _world_as_dimension(gm, groups)
+    slots = unpack_bounded(layout, "layout", objects=load_limits().objects)["inputs"]
+    fake = FakeTensorMode(shape_env=ShapeEnv())
+    with fake:
+        example = [torch.empty(s["local_shape"], dtype=getattr(torch, s["dtype"]), device=device) for s in slots]
+    # Inductor's cache pointed at a fresh directory: every kernel is built there (none reused from
+    # the user's cache), so all that the compile built can be collected
+    with tempfile.TemporaryDirectory(prefix="spmd-aot-inductor-") as cache_dir, temporary_cache_dir(cache_dir), \
+            registered(), _build_groups(groups), inductor_settings():
+        try:
+            compiled = torch._inductor.standalone_compile(
+                gm, example, dynamic_shapes="from_example_inputs", options=dict(requested["options"]),
+                fake_mode=fake)
+            path = os.path.join(cache_dir, "artifact.bin")
+            compiled.save(path=path, format="binary")
+        except Exception as exc:  # Inductor's own failures: an op it cannot lower, a compiler error
+            raise KernelsUnavailable(f"Inductor could not compile the graph: {type(exc).__name__}: "
+                                     f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from exc
+        artifact = pathlib.Path(path).read_bytes()
+        files = _built_libraries(pathlib.Path(cache_dir))
+    return msgpack.packb({"format": KERNELS_FORMAT, "requested": requested, "groups": groups,
+                          "cxx": _compiler(), "artifact": artifact, "files": files}, use_bin_type=True)
+
+
+def _built_libraries(cache_dir: pathlib.Path) -> dict[str, bytes]:
+    files = {}
+    for path in sorted(cache_dir.glob("*/*.so")):
+        rel = path.relative_to(cache_dir).as_posix()
+        if FILE_PATTERN.match(rel):
+            files[rel] = path.read_bytes()
+    return files
+
+
+_OUT_OF_PLACE_COLLECTIVES = {
+    torch.ops._c10d_functional.all_reduce_.default: torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.all_reduce_coalesced_.default: torch.ops._c10d_functional.all_reduce_coalesced.default,
+}
+
+
+def _out_of_place_collectives(gm: torch.fx.GraphModule) -> None:
+    """In-place collectives (the replicate buckets' ``all_reduce_``) have no functionalization
+    rule; their out-of-place twins compute the same result where nothing reads the input (or a
+    view of it) after the collective: the graph reads the reduced bucket through ``wait_tensor``."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        twin = _OUT_OF_PLACE_COLLECTIVES.get(node.target) if node.op == "call_function" else None
+        if twin is None:
+            continue
+        inputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+        for source in inputs:
+            late = _read_after(source, order[node], order, skip=node)
+            if late is not None:
+                raise KernelsUnavailable(f"{node.name} reduces {source.name} in place and {late.name} reads it after")
+        node.target = twin
+    gm.recompile()
+
+
+def _read_after(source, position: int, order, skip, depth: int = 0):
+    """A node after ``position`` that reads ``source`` or a view of it, or None."""
+    for user in source.users:
+        if user is skip:
+            continue
+        if order[user] > position:
+            return user
+        if depth < 8 and isinstance(user.target, torch._ops.OpOverload) and user.target.is_view:
+            late = _read_after(user, position, order, skip, depth + 1)
+            if late is not None:
+                return late
+    return None
+
+
+def _world_as_dimension(gm: torch.fx.GraphModule, groups: list[str]) -> None:
+    """On a 1-D mesh the world group is dimension 0's: collectives the decoder bound to the build
+    process's world group name get the compiled name instead."""
+    import torch.distributed as dist
+
+    if not groups or not dist.is_initialized():
+        return
+    world = dist.group.WORLD.group_name
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", "") == "_c10d_functional":
+            node.args = tuple(groups[0] if a == world else a for a in node.args)
+            node.kwargs = {k: groups[0] if v == world else v for k, v in node.kwargs.items()}
+    gm.recompile()
+
+
+@contextlib.contextmanager
+def _build_groups(groups: list[str]):
+    """The build's (fake) world group under each compiled name while Inductor lowers collectives."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+
+    if not groups:
+        yield
+        return
+    if not dist.is_initialized():
+        raise KernelsUnavailable("collectives are compiled under the build's process group, and none is initialized")
+    for name in groups:
+        _register_process_group(name, dist.group.WORLD)
+    try:
+        yield
+    finally:
+        for name in groups:
+            _unregister_process_group(name)
+
+
+_FUNCTIONAL = {torch.ops.aten._fused_adamw_.tensor_lr: (torch.ops.aten._fused_adamw.tensor_lr, (0, 2, 3, 4)),
+               torch.ops.aten._fused_adamw_.default: (torch.ops.aten._fused_adamw.default, (0, 2, 3, 4)),
+               torch.ops.aten._fused_adam_.tensor_lr: (torch.ops.aten._fused_adam.tensor_lr, (0, 2, 3, 4)),
+               torch.ops.aten._fused_adam_.default: (torch.ops.aten._fused_adam.default, (0, 2, 3, 4)),
+               torch.ops.aten._fused_sgd_.tensor_lr: (torch.ops.aten._fused_sgd.tensor_lr, (0, 2)),
+               torch.ops.aten._fused_sgd_.default: (torch.ops.aten._fused_sgd.default, (0, 2))}
+
+
+def _functional_steps(gm: torch.fx.GraphModule) -> None:
+    """Each in-place fused optimizer step -> pointwise ops (Adam, AdamW: ``_adam_pointwise``,
+    which Inductor fuses into one loop per parameter writing it in place) or else its
+    functional overload (which clones every list it updates: a copy per tensor per step), then
+    ``copy_`` of every updated tensor back into the input it updates (grads are not read after)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _FUNCTIONAL:
+            continue
+        if _adam_pointwise(graph, node):
+            graph.erase_node(node)
+            continue
+        functional, written = _FUNCTIONAL[node.target]
+        with graph.inserting_before(node):
+            call = graph.call_function(functional, node.args, node.kwargs)
+            for position in written:
+                targets = node.args[position]
+                if not targets:
+                    continue
+                results = graph.call_function(operator.getitem, (call, position))
+                for j, target in enumerate(targets):
+                    item = graph.call_function(operator.getitem, (results, j))
+                    graph.call_function(torch.ops.aten.copy_.default, (target, item))
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+_ADAM = {torch.ops.aten._fused_adamw_.tensor_lr: True, torch.ops.aten._fused_adamw_.default: True,
+         torch.ops.aten._fused_adam_.tensor_lr: False, torch.ops.aten._fused_adam_.default: False}
+
+
+def _adam_pointwise(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    """Write fused (W) Adam step ``node`` as the pointwise ops of torch's fused CPU kernel, per
+    parameter, before ``node``; False (nothing written) for what it does not cover (amsgrad,
+    grad scaling). The scalars the kernel computes in double are tensor ops here: results agree
+    to float32 rounding."""
+    aten = torch.ops.aten
+    if node.target not in _ADAM:
+        return False
+    params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = node.args[:6]
+    kw = node.kwargs
+    if max_sqs or kw.get("amsgrad") or kw.get("grad_scale") is not None or kw.get("found_inf") is not None \
+            or len(node.args) != 6:
+        return False
+    lr, beta1, beta2, wd, eps = kw["lr"], kw["beta1"], kw["beta2"], kw["weight_decay"], kw["eps"]
+    op = graph.call_function
+    with graph.inserting_before(node):
+        for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+            if kw.get("maximize"):
+                g = op(aten.neg.default, (g,))
+            new_p = p
+            if wd and _ADAM[node.target]:  # AdamW: decoupled decay
+                new_p = op(aten.mul.Tensor, (p, op(aten.rsub.Scalar, (op(aten.mul.Tensor, (lr, wd)), 1))))
+            elif wd:
+                g = op(aten.add.Tensor, (g, p), {"alpha": wd})
+            new_m = op(aten.lerp.Scalar, (m, g, 1 - beta1))
+            new_v = op(aten.add.Tensor, (op(aten.mul.Tensor, (v, beta2)),
+                                         op(aten.mul.Tensor, (op(aten.mul.Tensor, (g, g)), 1 - beta2))))
+            bias1 = op(aten.rsub.Scalar, (op(aten.pow.Scalar, (beta1, step)), 1))
+            bias2 = op(aten.rsub.Scalar, (op(aten.pow.Scalar, (beta2, step)), 1))
+            step_size = op(aten.div.Tensor, (lr, bias1))
+            denom = op(aten.add.Tensor, (op(aten.div.Tensor, (op(aten.sqrt.default, (new_v,)),
+                                                              op(aten.sqrt.default, (bias2,)))), eps))
+            new_p = op(aten.sub.Tensor, (new_p, op(aten.mul.Tensor, (op(aten.div.Tensor, (new_m, denom)),
+                                                                      step_size))))
+            for target, value in ((p, new_p), (m, new_m), (v, new_v)):
+                op(aten.copy_.default, (target, value))
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler() -> str:
+    """The C++ compiler Inductor used, as its ``--version`` names itself (recorded, not keyed)."""
+    import subprocess
+
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        out = subprocess.run([get_cpp_compiler(), "--version"], capture_output=True, text=True, timeout=30)
+        return (out.stdout.splitlines() or ["unknown"])[0][:200]
+    except Exception as exc:  # recorded for people; never a reason to fail a build
+        return f"unknown ({type(exc).__name__})"
+
+
+def unpack(data: bytes, where: str) -> dict:
+    """A ``kernels`` blob's fields, every one typed and every library path plain (no '..', no
+    absolute paths): ``CorruptArtifactError`` otherwise. Decodes msgpack only (no pickle)."""
+    from ..format.bounded import unpack as unpack_bounded
+
+    doc = unpack_bounded(data, where, objects=4 * _MAX_FILES + 64, max_array=_MAX_FILES, max_map=_MAX_FILES)
+
+    def bad(why):
+        raise CorruptArtifactError(f"{where}: kernels blob {why}; rebuild the entry with `spmd-aot build --kernels`")
+
+    if not isinstance(doc, dict) or doc.get("format") != KERNELS_FORMAT:
+        bad(f"has format {str(doc.get('format') if isinstance(doc, dict) else doc)[:20]!r}, not {KERNELS_FORMAT}")
+    if not isinstance(doc.get("artifact"), bytes) or not isinstance(doc.get("files"), dict) \
+            or not isinstance(doc.get("requested"), dict) or not isinstance(doc.get("cxx"), str):
+        bad("lacks its artifact, files, requested options or compiler")
+    groups = doc.get("groups")
+    if not isinstance(groups, list) or groups != [group_name(d) for d in range(len(groups))]:
+        bad(f"names groups {str(groups)[:80]}")
+    for rel, content in doc["files"].items():
+        if not (isinstance(rel, str) and FILE_PATTERN.match(rel) and isinstance(content, bytes)):
+            bad(f"holds a file named {str(rel)[:80]!r}")
+    return doc
+
+
+def describe(data: bytes, where: str) -> dict:
+    """What ``show`` prints about a kernels blob: sizes and what built it."""
+    doc = unpack(data, where)
+    return {"torch": doc["requested"].get("torch"), "cxx": doc["cxx"],
+            "cpu_capability": doc["requested"].get("cpu_capability"),
+            "options": doc["requested"].get("options"), "libraries": len(doc["files"]),
+            "bytes": len(data)}

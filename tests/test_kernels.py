@@ -1,0 +1,150 @@
+"""Compiled kernels in the artifact (``kernels.py``, ``kernel_load.py``): parity with eager and
+the interpreter, native code only from a trusted entry, tampering caught by ``verify``.
+
+One world-1 and one world-2 build of the MLP with kernels (Inductor's CPU compile of the example
+transformer takes a minute on these cores, the MLP seconds); the world-1 build serves every test.
+"""
+
+import logging
+import pathlib
+import shutil
+
+import pytest
+
+import spmd_aot
+from support.jobs import compiled_run, eager_ddp, make_job, max_diffs
+from support.multiproc import run_ranks
+
+TOL = 1e-4  # AdamW at lr 1e-2 over 3 steps: Inductor's fused loops round differently (README "Parity floor")
+
+
+@pytest.fixture(scope="module")
+def world1(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("kernels1")
+    result = spmd_aot.build(make_job("mlp", "adamw"), world_size=1, cache_dir=cache, kernels=True)
+    assert result.stats["kernels"] == "compiled", result.stats
+    return cache, result
+
+
+def _loaded_maps() -> list[str]:
+    """Shared libraries this process mapped from a private kernels directory."""
+    return [line for line in pathlib.Path("/proc/self/maps").read_text().splitlines()
+            if "spmd-aot-kernels-" in line]
+
+
+def _world1_worker(rank, world, cache_dir, trust):
+    import spmd_aot.runtime.kernel_load as kernel_load
+
+    model, optim, losses, info = compiled_run("mlp", "adamw", rank, world, 3, cache_dir,
+                                              require_hit=True, kernels=True, trust_cache=trust)
+    ref = eager_ddp("mlp", "adamw", rank, world, 3)
+    interp = compiled_run("mlp", "adamw", rank, world, 3, cache_dir, require_hit=True, kernels=True,
+                          trust_cache=False)
+    return (max_diffs(*ref, model, optim, losses), max_diffs(*interp[:3], model, optim, losses), info.hit,
+            len(_loaded_maps()), len(kernel_load.loaded_dirs()))
+
+
+def test_trusted_kernels_match_eager_and_the_interpreter(world1):
+    cache, _ = world1
+    [(vs_eager, vs_interpreted, hit, maps, dirs)] = run_ranks(_world1_worker, 1, str(cache), True)
+    assert hit and dirs == 1 and maps > 0, "the compiled kernels must have been loaded"
+    assert max(vs_eager.values()) < TOL, vs_eager
+    assert max(vs_interpreted.values()) < TOL, vs_interpreted
+
+
+def _untrusted_worker(rank, world, cache_dir):
+    import spmd_aot.runtime.kernel_load as kernel_load
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("spmd_aot.runtime.kernel_load").addHandler(handler)
+    steps = [spmd_aot.compile(__import__("spmd_aot.examples.models", fromlist=["x"]).train_step,
+                              cache_dir=cache_dir, require_hit=True, kernels=True) for _ in range(2)]
+    from support.jobs import fresh_objects, make_batch
+
+    for step in steps:  # two compiled steps: the reason is logged once per process
+        model, optim = fresh_objects("mlp", "adamw")
+        for s in range(2):
+            step(model, optim, make_batch("mlp", rank, s))
+    programs = [type(step._bound.program).__name__ for step in steps]
+    why = [r.getMessage() for r in records if "interpreted" in r.getMessage()]
+    return programs, why, len(_loaded_maps()), len(kernel_load.loaded_dirs())
+
+
+def test_unsigned_untrusted_entry_never_loads_native_code(world1, monkeypatch):
+    cache, _ = world1
+    monkeypatch.delenv("SPMD_AOT_SIGNING_KEY", raising=False)
+    monkeypatch.delenv("SPMD_AOT_TRUST_CACHE", raising=False)
+    [(programs, why, maps, dirs)] = run_ranks(_untrusted_worker, 1, str(cache))
+    assert programs == ["Program", "Program"] and maps == 0 and dirs == 0
+    assert len(why) == 1 and "not signed" in why[0] and "SPMD_AOT_TRUST_CACHE=1" in why[0], why
+
+
+def _signed_worker(rank, world, cache_dir):
+    _, _, _, info = compiled_run("mlp", "adamw", rank, world, 2, cache_dir, require_hit=True, kernels=True)
+    return info.hit, len(_loaded_maps())
+
+
+def test_a_signed_entry_loads_kernels_without_trusting_the_cache(tmp_path, world1, monkeypatch):
+    """The same entry, its manifest signed (the parts, kernels included, are unchanged)."""
+    from spmd_aot.format.signing import sign_manifest_blob
+    from spmd_aot.store import open_store
+
+    cache, result = world1
+    signed = tmp_path / "signed"
+    shutil.copytree(cache, signed)
+    store = open_store(signed)
+    store.set_ref(result.key, store.put(sign_manifest_blob(store.get(result.digest), b"test key")))
+    monkeypatch.setenv("SPMD_AOT_SIGNING_KEY", "test key")
+    monkeypatch.delenv("SPMD_AOT_TRUST_CACHE", raising=False)
+    [(hit, maps)] = run_ranks(_signed_worker, 1, str(signed))
+    assert hit and maps > 0
+
+
+def test_verify_detects_a_tampered_kernel_blob(tmp_path, world1):
+    cache, result = world1
+    copy = tmp_path / "copy"
+    shutil.copytree(cache, copy)
+    from spmd_aot.format.artifact import read_manifest
+    from spmd_aot.cli.app import main
+    from spmd_aot.store import open_store
+
+    store = open_store(copy)
+    kernels_digest = read_manifest(store, result.digest)["blobs"]["kernels"]
+    path = pathlib.Path(store.blob_path(kernels_digest))
+    path.chmod(0o600)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    assert main(["verify", "--cache-dir", str(copy)]) != 0
+
+
+def test_show_lists_the_kernels(world1, capsys):
+    cache, result = world1
+    from spmd_aot.cli.app import main
+
+    assert main(["show", result.key, "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "kernels" in out and "libraries" in out
+
+
+def _ddp_worker(rank, world, cache_dir):
+    model, optim, losses, info = compiled_run("mlp", "adamw", rank, world, 3, cache_dir,
+                                              require_hit=True, kernels=True, trust_cache=True)
+    ref = eager_ddp("mlp", "adamw", rank, world, 3)
+    return max_diffs(*ref, model, optim, losses), len(_loaded_maps())
+
+
+def test_world2_kernels_match_ddp(tmp_path):
+    result = spmd_aot.build(make_job("mlp", "adamw"), world_size=2, cache_dir=tmp_path, kernels=True)
+    assert result.stats["kernels"] == "compiled", result.stats
+    for diffs, maps in run_ranks(_ddp_worker, 2, str(tmp_path)):
+        assert maps > 0
+        assert max(diffs.values()) < TOL, diffs
+
+
+def test_kernels_are_in_the_key(world1, tmp_path):
+    _, with_kernels = world1
+    without = spmd_aot.build(make_job("mlp", "adamw"), world_size=1, cache_dir=tmp_path)
+    assert without.key != with_kernels.key and "kernels" not in without.stats
