@@ -167,3 +167,29 @@ def test_weight_gradients_are_written_straight_into_their_bucket(small_buckets):
             "aten.view.default", "aten.slice.Tensor", "aten.empty.memory_format")
         reducers = [m for m in by_target["_c10d_functional.all_reduce_.default"] if m.args[0].index == index[flat.name]]
         assert len(reducers) == 1 and index[reducers[0].name] > index[n.name]
+
+
+def test_a_view_of_a_reduced_gradient_read_late_does_not_split_its_bucket():
+    """torch 2.14's tracer puts the optimizer's ``alias`` of a reduced gradient right after its
+    wait, before the next gradient exists; the pass moves such views down and still buckets."""
+    from spmd_aot.passes.buckets import bucket_gradient_all_reduces
+
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+    graph = torch.fx.Graph()
+    grads = [graph.placeholder(f"g{i}") for i in range(2)]
+    for g in grads:
+        g.meta["val"] = torch.empty(4, device="meta")
+    aliases = []
+    for g in grads:
+        reduced = graph.call_function(c10d.all_reduce.default, (g, "avg", "0"))
+        waited = graph.call_function(c10d.wait_tensor.default, (reduced,))
+        aliases.append(graph.call_function(aten.alias.default, (waited,)))
+        for n in (reduced, waited, aliases[-1]):
+            n.meta["val"] = torch.empty(4, device="meta")
+    graph.output(graph.call_function(aten.add.Tensor, tuple(aliases)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    buckets = bucket_gradient_all_reduces(gm, cap_mb=1.0, first_cap_mb=1.0)
+    assert len(buckets) == 1
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(c10d.all_reduce_.default) == 1 and c10d.all_reduce.default not in targets
+    graph.lint()

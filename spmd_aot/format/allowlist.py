@@ -17,9 +17,12 @@ writer of the cache cannot widen the list: only the loading job's own opt-in cou
 opted-in op has no contract of its own (``contracts.py``): the generic checks of every loaded
 graph still run, and the user vouches for the rest.
 
-The list is tied to a torch release (``# torch-release:`` in the file): overload names can
-change between releases, so a process running another release logs a warning once and a
-test checks that every listed overload exists in the running torch.
+The list is tied to the torch releases it was verified on (``# torch-release: 2.13, 2.14`` in
+the file): overload names can change between releases, so a process running another release
+logs a warning once and a test checks that every listed overload exists in the running torch.
+One list serves both releases because 2.14 renamed no listed overload and its graphs call no
+new one (the suite and ``tools/fuzz_ops.py`` on 2.14.1); a release that needs a different set
+gets its own file, ``allowed_ops-<release>.txt``, chosen by the running release.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import re
 
 import torch
 
-__all__ = ["ALLOWED_OPS", "PYTHON_CALLABLES", "REFUSED", "TORCH_RELEASE", "ENV_ALLOW_OPS", "refusal",
+__all__ = ["ALLOWED_OPS", "PYTHON_CALLABLES", "REFUSED", "TORCH_RELEASE", "TORCH_RELEASES", "running_release", "ENV_ALLOW_OPS", "refusal",
            "allowed_ops", "is_allowed", "is_opted_in", "opted_in", "opted_in_ops", "opt_in_names", "extra_ops"]
 
 log = logging.getLogger(__name__)
@@ -83,14 +86,25 @@ def allowed_ops() -> frozenset:
     """Every allowed overload name, ``"aten::add.Tensor"`` style (read once from the data file)."""
     text = importlib.resources.files(__package__).joinpath("allowed_ops.txt").read_text()
     release, ops = _parse(text)
-    running = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    if release != running:
+    running = running_release()
+    if running not in _releases(release):
         log.warning("the op allowlist was made for torch %s, this is torch %s: graphs that call "
                     "renamed overloads will be refused", release, running)
     return ops
 
 
+def running_release() -> str:
+    """The running torch's ``major.minor`` (what the list's header names)."""
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _releases(header: str) -> tuple[str, ...]:
+    return tuple(r.strip() for r in header.split(",") if r.strip())
+
+
 TORCH_RELEASE = _parse(importlib.resources.files(__package__).joinpath("allowed_ops.txt").read_text())[0]
+#: The releases the list was verified on, e.g. ``("2.13", "2.14")``.
+TORCH_RELEASES = _releases(TORCH_RELEASE)
 ALLOWED_OPS = allowed_ops()
 
 

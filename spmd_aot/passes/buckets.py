@@ -35,6 +35,8 @@ __all__ = ["Bucket", "bucket_gradient_all_reduces", "assign_buckets"]
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 _MIB = 1 << 20
+#: Views that always alias their input (never copy), so where they sit does not change what they read.
+_ALIASING_VIEWS = frozenset({_aten.alias.default, _aten.view.default, _aten._unsafe_view.default, _aten.detach.default})
 
 
 @dataclasses.dataclass
@@ -83,11 +85,13 @@ def bucket_gradient_all_reduces(gm: torch.fx.GraphModule, cap_mb: float, first_c
     collective labelled in ``node.meta["comm"]``.
     """
     graph = gm.graph
+    candidates = [n for n in graph.nodes if n.target is _c10d.all_reduce.default and _single_wait(n) is not None]
+    for node in candidates:
+        for user in list(_single_wait(node).users):
+            _sink_view(user)
     order = {n: i for i, n in enumerate(graph.nodes)}
     families: dict[tuple, list[Node]] = {}
-    for node in graph.nodes:
-        if node.target is not _c10d.all_reduce.default or _single_wait(node) is None:
-            continue
+    for node in candidates:
         val = _val(node.args[0])
         if val is None:
             continue
@@ -108,6 +112,29 @@ def bucket_gradient_all_reduces(gm: torch.fx.GraphModule, cap_mb: float, first_c
             buckets.append(bucket)
     graph.lint()
     return buckets
+
+
+def _sink_view(node: Node) -> None:
+    """Move a view of a reduced gradient (and the views of it) down to just before its first
+    reader. torch 2.14's tracer places the ``alias`` the optimizer reads right after the wait,
+    mid-backward; a view computes nothing, so moving it keeps the values and lets the bucket's
+    readers all come after its last gradient."""
+    if node.op != "call_function" or node.target not in _ALIASING_VIEWS or not node.users:
+        return
+    for user in list(node.users):
+        _sink_view(user)
+    users = set(node.users)
+    first = next(n for n in _after(node) if n in users)
+    if first is not node.next:
+        first.prepend(node)
+
+
+def _after(node: Node):
+    """The nodes after ``node``, in graph order."""
+    node = node.next
+    while node.op != "root":
+        yield node
+        node = node.next
 
 
 def _read_after_last(members: list[Node], order: dict[Node, int]) -> bool:

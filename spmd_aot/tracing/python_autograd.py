@@ -238,7 +238,7 @@ def python_backward():
     def apply(cls, *args, **kwargs):
         # The C++ engine drops the gradients a Function's backward returns for non-tensor
         # arguments; its record of which arguments were tensors is not reachable from Python.
-        out = original_apply.__func__(cls, *args, **kwargs)
+        out = original_apply.__get__(None, cls)(*args, **kwargs)  # a classmethod (2.13) or a C one (2.14)
         mask = tuple(isinstance(a, torch.Tensor) for a in args)
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
