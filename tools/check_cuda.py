@@ -10,7 +10,7 @@ per task, all tries together), this one script is what to run there (``PYTHONPAT
 no install). It prints, in order:
 
 1. **What it found**: torch release and CUDA build, GPUs, NCCL, transformers, spmd-aot version.
-   A torch other than 2.13.x is named and the run continues: the cache key holds the release, so
+   A torch release the allowlist was not verified on is named and the run continues: the cache key holds the release, so
    artifacts built on another release miss and are built here instead (said per check).
 2. **World 1** (one process, no process group) for two models, the repo's example transformer LM
    (``spmd_aot.examples.models.Transformer``) and a transformers ``LlamaForCausalLM`` (random
@@ -209,10 +209,12 @@ def found(args) -> list[str]:
         import transformers
         tf = transformers.__version__
     lines.append(f"# transformers {tf}; spmd-aot {spmd_aot_version()}")
-    if not torch.__version__.startswith("2.13."):
-        lines.append(f"NOTE torch {torch.__version__} is not the 2.13.x spmd-aot is developed on: the cache key "
-                     "holds the torch release, so artifacts built elsewhere on 2.13 miss and are built here; "
-                     "continuing where possible")
+    from spmd_aot.format.allowlist import TORCH_RELEASES, running_release
+
+    if running_release() not in TORCH_RELEASES:
+        lines.append(f"NOTE torch {torch.__version__} is not a release spmd-aot was verified on "
+                     f"({', '.join(TORCH_RELEASES)}): the cache key holds the torch release, so artifacts built "
+                     "elsewhere miss and are built here; continuing where possible")
     z = args.sizes
     lines.append(f"# device {args.device}; models: {', '.join(NAMES[m] for m in args.models)}, {z.layers} layers, "
                  f"d_model {z.d_model}, context {z.seq}, batch {z.batch}/rank, AdamW(lr=1e-3); "
