@@ -29,7 +29,8 @@ rank and job. Meshes of more than one dimension are not compiled (their world-gr
 would need one more name): they run interpreted, and the build says so.
 
 The blob is native code: it loads only from a signed entry or a cache the user trusts
-(``kernel_load``). This module only builds and describes it.
+(``kernel_load``). This module only builds it; its format and check as data are
+``format/kernels_blob.py``.
 """
 
 from __future__ import annotations
@@ -40,22 +41,19 @@ import logging
 import operator
 import os
 import pathlib
-import re
 import tempfile
 import time
 
 import msgpack
 import torch
 
-from ..errors import CorruptArtifactError, UnsupportedError
+from ..errors import UnsupportedError
+from ..format.kernels_blob import FILE_PATTERN, KERNELS_FORMAT, group_name
 
-__all__ = ["KERNELS_FORMAT", "ingredient", "kernel_parts", "compile_graph", "describe", "unpack", "group_name",
-           "KernelsUnavailable"]
+__all__ = ["ingredient", "kernel_parts", "compile_graph", "KernelsUnavailable"]
 
 log = logging.getLogger(__name__)
 
-#: Version of the ``kernels`` blob's layout.
-KERNELS_FORMAT = 1
 #: Inductor options the build passes (part of the key: other options, other kernels).
 OPTIONS: dict = {}
 #: Inductor settings of both the build and the load (in the key: they name the libraries). No
@@ -63,18 +61,10 @@ OPTIONS: dict = {}
 #: headers (a compiler on every job machine, and seconds at every start); the libraries' names
 #: hash the command line, so the build must not use one either.
 INDUCTOR_SETTINGS = {"cpp_cache_precompile_headers": False}
-#: A stored library's path inside Inductor's cache directory: two-letter folder, hashed name.
-FILE_PATTERN = re.compile(r"^[a-z0-9]{2}/[a-z0-9]{20,64}(\.main)?\.so$")
-_MAX_FILES = 4096
 
 
 class KernelsUnavailable(UnsupportedError):
     """Inductor cannot compile this graph here; the entry is stored with the interpreted graph alone."""
-
-
-def group_name(dim: int) -> str:
-    """The process-group name compiled into kernels for mesh dimension ``dim``."""
-    return f"spmd_aot.kernels.d{dim}"
 
 
 def ingredient(device_type: str) -> dict:
@@ -341,36 +331,3 @@ def _compiler() -> str:
         return (out.stdout.splitlines() or ["unknown"])[0][:200]
     except Exception as exc:  # recorded for people; never a reason to fail a build
         return f"unknown ({type(exc).__name__})"
-
-
-def unpack(data: bytes, where: str) -> dict:
-    """A ``kernels`` blob's fields, every one typed and every library path plain (no '..', no
-    absolute paths): ``CorruptArtifactError`` otherwise. Decodes msgpack only (no pickle)."""
-    from ..format.bounded import unpack as unpack_bounded
-
-    doc = unpack_bounded(data, where, objects=4 * _MAX_FILES + 64, max_array=_MAX_FILES, max_map=_MAX_FILES)
-
-    def bad(why):
-        raise CorruptArtifactError(f"{where}: kernels blob {why}; rebuild the entry with `spmd-aot build --kernels`")
-
-    if not isinstance(doc, dict) or doc.get("format") != KERNELS_FORMAT:
-        bad(f"has format {str(doc.get('format') if isinstance(doc, dict) else doc)[:20]!r}, not {KERNELS_FORMAT}")
-    if not isinstance(doc.get("artifact"), bytes) or not isinstance(doc.get("files"), dict) \
-            or not isinstance(doc.get("requested"), dict) or not isinstance(doc.get("cxx"), str):
-        bad("lacks its artifact, files, requested options or compiler")
-    groups = doc.get("groups")
-    if not isinstance(groups, list) or groups != [group_name(d) for d in range(len(groups))]:
-        bad(f"names groups {str(groups)[:80]}")
-    for rel, content in doc["files"].items():
-        if not (isinstance(rel, str) and FILE_PATTERN.match(rel) and isinstance(content, bytes)):
-            bad(f"holds a file named {str(rel)[:80]!r}")
-    return doc
-
-
-def describe(data: bytes, where: str) -> dict:
-    """What ``show`` prints about a kernels blob: sizes and what built it."""
-    doc = unpack(data, where)
-    return {"torch": doc["requested"].get("torch"), "cxx": doc["cxx"],
-            "cpu_capability": doc["requested"].get("cpu_capability"),
-            "options": doc["requested"].get("options"), "libraries": len(doc["files"]),
-            "bytes": len(data)}

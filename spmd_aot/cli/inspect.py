@@ -107,7 +107,7 @@ def _print_manifest(store, key: str, digest: str, m: dict) -> None:
 
 def _print_kernels(store, manifest: dict) -> None:
     """The compiled kernels blob (``building/kernels.py``), decoded as data: what built it, how much."""
-    from ..building.kernels import describe
+    from ..format.kernels_blob import describe
 
     status = manifest["stats"].get("kernels")
     if "kernels" not in manifest["blobs"]:

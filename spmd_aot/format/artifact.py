@@ -309,14 +309,14 @@ def check_entry(store, key: str, digest: str) -> Artifact:
     """Every check a load runs before it binds live state, for ``spmd-aot verify``: read and
     verify every blob (``read_artifact``), the manifest must be of ``key`` (a ref or ``previous``
     naming another key's manifest is refused), the graph must pass ``Artifact.check`` and a
-    kernels blob must be well formed (``kernels.unpack``)."""
+    kernels blob must be well formed (``kernels_blob.unpack``)."""
     artifact = read_artifact(store, digest)
     if artifact.manifest["key"] != key:
         raise CorruptArtifactError(f"ref {key[:64]} leads to manifest {digest[:12]}, which is the manifest "
                                    f"of key {artifact.manifest['key'][:64]!r}")
     artifact.check()
     if artifact.kernels is not None:  # decoded as data only (msgpack): compiled code is never run here
-        from ..building.kernels import unpack
+        from .kernels_blob import unpack
 
         unpack(artifact.kernels, f"artifact {digest[:12]}")
     return artifact

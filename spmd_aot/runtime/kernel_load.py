@@ -14,7 +14,7 @@ Otherwise the step runs the interpreted graph (``program.Program``), exactly as 
 and the reason is logged once per process. A trusted load writes the libraries into a fresh
 private directory (``mkdtemp``: mode 0700), points Inductor's cache there for the load only, so
 no kernel is taken from (or left in) the user's Inductor cache, and registers the live process
-group of each mesh dimension under the name the kernels were compiled with (``kernels.group_name``).
+group of each mesh dimension under the name the kernels were compiled with (``kernels_blob.group_name``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 
 from ..building import kernels
 from ..errors import CorruptArtifactError
+from ..format import kernels_blob
 from ..format.signing import ENV_SIGNING_KEY, signing_key
 from ..store import trust
 
@@ -83,7 +84,7 @@ def load_kernels(artifact, live_groups: list[str], trust_cache: bool | None, dev
     if why is not None:
         _say_once(artifact.digest, why)
         return None
-    doc = kernels.unpack(artifact.kernels, f"artifact {artifact.digest[:12]}")
+    doc = kernels_blob.unpack(artifact.kernels, f"artifact {artifact.digest[:12]}")
     if doc["requested"] != kernels.ingredient(device.type):
         _say_once(artifact.digest, f"its kernels were built for {doc['requested']}, this process is "
                                    f"{kernels.ingredient(device.type)}")
@@ -119,7 +120,7 @@ def _private_dir(files: dict[str, bytes]) -> str:
         if not _dirs:
             atexit.register(_remove_dirs)
         _dirs.append(directory)
-    for rel, content in files.items():  # rel matched kernels.FILE_PATTERN: one plain folder, one name
+    for rel, content in files.items():  # rel matched kernels_blob.FILE_PATTERN: one plain folder, one name
         path = pathlib.Path(directory, rel)
         path.parent.mkdir(mode=0o700, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o700)
