@@ -292,6 +292,7 @@ def _argument_kinds(op) -> tuple[tuple[str, ...], dict[str, str]]:
 class _Decoder:
     def __init__(self, groups: list[str], device: torch.device, limits: LoadLimits):
         self.limits = limits
+        self.read: set[int] = set()  # the nodes the node being decoded refers to
         self.groups: dict = dict(enumerate(groups))
         if groups:
             import torch.distributed as dist
@@ -330,6 +331,7 @@ class _Decoder:
             if by_name is not None and len(entry["args"]) > len(positional):
                 raise CorruptArtifactError(f"node {name}: {len(entry['args'])} arguments for "
                                            f"{target}, which takes {len(positional)} positionally")
+            self.read = set()
             args = tuple(self.value(a, kind=positional[i] if i < len(positional) else _ANY)
                          for i, a in enumerate(entry["args"]))
             kwargs = {}
@@ -351,7 +353,9 @@ class _Decoder:
                     raise CorruptArtifactError("output node must have exactly one argument")
                 target = "output"
             self.index[name] = len(out)
-            out.append(DecodedNode(op, name, target, args, kwargs))
+            node = DecodedNode(op, name, target, args, kwargs)
+            node.__dict__["refs"] = frozenset(self.read)  # ``DecodedNode.refs``, known without a walk
+            out.append(node)
         if not out or out[-1].op != "output":
             raise CorruptArtifactError("graph has no output node")
         return out
@@ -397,7 +401,9 @@ class _Decoder:
         if tag == "~node":
             if not isinstance(payload, str) or payload not in self.index:
                 raise CorruptArtifactError(f"reference to unknown node {str(payload)[:80]!r}")
-            return Ref(self.index[payload])
+            index = self.index[payload]
+            self.read.add(index)
+            return Ref(index)
         if tag in ("~tuple", "~list") and isinstance(payload, list):
             items = [self.value(x, depth + 1) for x in payload]
             return tuple(items) if tag == "~tuple" else items

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from ..keying import guards
-from . import ranks
+from . import collector, ranks
 from ..format.allowlist import opt_in_names, opted_in
 from ..format.artifact import artifact_bytes, artifact_in_memory, layout_mismatch, read_artifact
 from ..errors import (ArtifactMismatchError, CacheIOError, CacheMissError, CorruptArtifactError, LockTimeoutError,
@@ -135,7 +135,7 @@ class CompiledStep:
                 else as_optimizer(optim)
         leaves, spec = pytree.tree_flatten(batch)
         if bound is None or not bound.fits(model, optim, leaves, spec):
-            with opted_in(self.allow_ops):
+            with opted_in(self.allow_ops), collector.paused():
                 bound = self._bound = self._prepare(model, optim, batch)
         return bound.run(leaves)
 
@@ -176,7 +176,8 @@ class CompiledStep:
             program, failure = None, None
             try:
                 artifact = self._read_everywhere(digest, world, artifact, leases)
-                problem = layout_mismatch(artifact.slots, state.slots(), plan)
+                slots = state.slots()
+                problem = layout_mismatch(artifact.slots, slots, plan)
                 if problem:
                     raise ArtifactMismatchError(
                         f"artifact {digest[:12]} (key {key.key[:12]}) does not fit: {problem}")
@@ -205,7 +206,7 @@ class CompiledStep:
         self.cache_info = CacheInfo(hit, key.key, digest, "trace" if traced else "cache", seconds,
                                     float(artifact.manifest["stats"].get("trace_seconds", 0.0)),
                                     self._traces)
-        return _BoundStep(program, state, artifact, spread)
+        return _BoundStep(program, state, artifact, spread, slots)
 
     def _read_everywhere(self, digest: str, world: int, artifact, leases):
         """Every rank reads the artifact (rank 0 already has); ranks that cannot (no shared
@@ -266,6 +267,12 @@ class CompiledStep:
                 f"this job and require_hit=True. {why} {build_it}")
         log.warning("%s: cache miss for key %s (%s) in %s; tracing the step now, the other ranks "
                     "wait. %s %s", _name(self.fn), key.key[:12], plan.describe(), store.root, why, build_it)
+        with collector.resumed():  # a trace builds cyclic garbage (FX graphs, fake tensors)
+            return self._trace_on_rank0(store, state, plan, key, mesh, leases)
+
+    def _trace_on_rank0(self, store, state, plan, key, mesh, leases) -> tuple[str, bool, bool, Any]:
+        """Rank 0 traces and stores the step; when the cache cannot take it, the job trains from
+        the trace held in memory (the other ranks get it from here)."""
         blobs = None
         try:
             digest, traced = trace_and_store(store, self.fn, state, plan, key, mesh, state.graph_inputs(),
@@ -317,11 +324,11 @@ class CompiledStep:
 class _BoundStep:
     """A loaded program bound to one model, optimizer and batch signature."""
 
-    def __init__(self, program, state: TrainState, artifact, spread: bool):
+    def __init__(self, program, state: TrainState, artifact, spread: bool, slots: list):
         self.program = program
         self.state = state
         self.spread = spread  # False at world size 1
-        self.slots = state.slots()
+        self.slots = slots  # ``state.slots()``, as the load checked them against the artifact's
         self.batch_spec = state.batch_spec
         self.batch_sig = [(tuple(t.shape), t.dtype) for t in state.batch_leaves]
         self.baked = state.baked_hyperparameters()
