@@ -18,7 +18,6 @@ with warnings.catch_warnings():
     import torch
     import torch._subclasses.functional_tensor  # noqa: F401
 
-from .building.builder import BuildResult, build  # noqa: E402
 from .errors import (ArtifactMismatchError, CacheMissError, CorruptArtifactError, LockTimeoutError,
                      SpmdAotError, TargetError, UnsafeArtifactError, UnsupportedError, OpNotAllowedError)
 from .keying.fingerprint import register_fingerprint
@@ -38,3 +37,13 @@ __all__ = [
     "CorruptArtifactError", "UnsafeArtifactError", "OpNotAllowedError", "LockTimeoutError",
 ]
 del teardown  # imported for the exit handler it registers, not part of the API
+
+
+def __getattr__(name: str):
+    """``build`` and ``BuildResult`` on first use: a job that only loads (``compile`` on a hit)
+    never imports the tracer and the build passes, part of its start-up."""
+    if name in ("build", "BuildResult"):
+        from .building import builder
+
+        return getattr(builder, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,20 +7,21 @@ import torch
 
 import spmd_aot
 import spmd_aot.runtime.step as step_module
+from spmd_aot.building import pipeline
 from spmd_aot.examples.models import train_step
 from spmd_aot.runtime import collector
 from support.jobs import fresh_objects, make_batch, make_job
 
 
-def _recording(monkeypatch, name: str) -> list[bool]:
-    """Wrap ``runtime.step.<name>`` to record whether the collector was on at each call."""
-    seen, real = [], getattr(step_module, name)
+def _recording(monkeypatch, name: str, module=step_module) -> list[bool]:
+    """Wrap ``module.<name>`` to record whether the collector was on at each call."""
+    seen, real = [], getattr(module, name)
 
     def wrapper(*args, **kwargs):
         seen.append(gc.isenabled())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(step_module, name, wrapper)
+    monkeypatch.setattr(module, name, wrapper)
     return seen
 
 
@@ -39,7 +40,7 @@ def test_a_hit_loads_with_the_collector_paused_and_restores_it(tmp_path, monkeyp
 def test_a_miss_traces_with_the_collector_on(tmp_path, monkeypatch):
     model, optim = fresh_objects("mlp", "sgd")
     step = spmd_aot.compile(train_step, cache_dir=tmp_path)
-    traced = _recording(monkeypatch, "trace_and_store")
+    traced = _recording(monkeypatch, "trace_and_store", pipeline)
     step(model, optim, make_batch("mlp"))
     assert not step.cache_info.hit
     assert traced == [True], "a trace builds cyclic garbage; the collector must be on during it"

@@ -22,7 +22,8 @@ from ..errors import SpmdAotError
 from ..tracing.fake_factories import fake_factories
 from ..job import Job
 from ..keying.key import CacheKey, compute_key
-from .pipeline import Transforms, trace_and_store
+from .pipeline import trace_and_store
+from ..tracing.override import Transforms
 from ..parallel.plan import Plan
 from ..schema import Schema
 from ..tracing.optimizers import as_optimizer

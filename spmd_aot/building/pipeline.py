@@ -9,11 +9,10 @@ which record what ran in the tracing process).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -26,7 +25,7 @@ from .kernels import kernel_parts
 from ..keying.lookup import find_entry
 from .memory import graph_peak_bytes
 from ..tracing.numpy_absent import numpy_lookups_skipped
-from ..tracing.override import Override, swapped_submodules
+from ..tracing.override import Transforms, swapped_submodules
 from ..passes import (collective_stats, dedupe_collectives, fold_views, prefetch_groups,
                      remove_detach, sink_waits, strip_profiler_ops)
 from ..parallel import axes
@@ -34,21 +33,9 @@ from ..parallel.plan import Plan
 from ..state import TrainState
 from ..tracing.trace import trace_step
 
-__all__ = ["Transforms", "trace_to_blobs", "trace_and_store", "UnstoredTrace"]
+__all__ = ["trace_to_blobs", "trace_and_store", "UnstoredTrace"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Transforms:
-    """User hooks applied at build time (see ``override.py``)."""
-
-    module_override: Sequence[Override] = ()
-    gm_transformation: Callable | None = None
-
-    def identities(self) -> list:
-        """What goes into the key's ``transformations`` ingredient."""
-        return list(self.module_override) + ([self.gm_transformation] if self.gm_transformation else [])
 
 
 def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey, mesh,

@@ -36,9 +36,9 @@ from ..keying.key import compute_key
 from .kernel_load import load_kernels
 from ..keying.lookup import find_entry
 from ..parallel import axes
-from ..building.pipeline import Transforms, UnstoredTrace, trace_and_store, trace_to_blobs
 from ..schema import Schema
 from ..tracing.optimizers import as_optimizer
+from ..tracing.override import Transforms
 from ..state import TrainState, initialize_optimizer_state
 from ..store import open_store
 from ..store.fsafe import LinkError
@@ -273,6 +273,9 @@ class CompiledStep:
     def _trace_on_rank0(self, store, state, plan, key, mesh, leases) -> tuple[str, bool, bool, Any]:
         """Rank 0 traces and stores the step; when the cache cannot take it, the job trains from
         the trace held in memory (the other ranks get it from here)."""
+        # imported here: a job that hits never loads the tracer and the build passes
+        from ..building.pipeline import UnstoredTrace, trace_and_store, trace_to_blobs
+
         blobs = None
         try:
             digest, traced = trace_and_store(store, self.fn, state, plan, key, mesh, state.graph_inputs(),

@@ -11,13 +11,14 @@ the cache key, so editing one rebuilds.
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+import dataclasses
+from typing import Callable, Sequence
 
 import torch
 
 from ..errors import UnsupportedError
 
-__all__ = ["Override", "swapped_submodules"]
+__all__ = ["Override", "Transforms", "swapped_submodules"]
 
 
 class Override:
@@ -63,3 +64,15 @@ def swapped_submodules(model: torch.nn.Module, overrides: Sequence[Override]):
     finally:
         for parent, name, child in reversed(swaps):
             setattr(parent, name, child)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transforms:
+    """User hooks applied at build time (``Override`` above, and a ``gm_transformation`` of the traced graph)."""
+
+    module_override: Sequence[Override] = ()
+    gm_transformation: Callable | None = None
+
+    def identities(self) -> list:
+        """What goes into the key's ``transformations`` ingredient."""
+        return list(self.module_override) + ([self.gm_transformation] if self.gm_transformation else [])
