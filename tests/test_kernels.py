@@ -129,18 +129,22 @@ def test_show_lists_the_kernels(world1, capsys):
     assert "kernels" in out and "libraries" in out
 
 
-def _ddp_worker(rank, world, cache_dir):
-    model, optim, losses, info = compiled_run("mlp", "adamw", rank, world, 3, cache_dir,
-                                              require_hit=True, kernels=True, trust_cache=True)
+def _ddp_worker(rank, world, cache_dir, trusting_ranks):
+    model, optim, losses, info = compiled_run("mlp", "adamw", rank, world, 3, cache_dir, require_hit=True,
+                                              kernels=True, trust_cache=rank in trusting_ranks)
     ref = eager_ddp("mlp", "adamw", rank, world, 3)
     return max_diffs(*ref, model, optim, losses), len(_loaded_maps())
 
 
-def test_world2_kernels_match_ddp(tmp_path):
+def test_world2_kernels_match_ddp_and_load_only_where_every_rank_trusts(tmp_path):
     result = spmd_aot.build(make_job("mlp", "adamw"), world_size=2, cache_dir=tmp_path, kernels=True)
     assert result.stats["kernels"] == "compiled", result.stats
-    for diffs, maps in run_ranks(_ddp_worker, 2, str(tmp_path)):
+    for diffs, maps in run_ranks(_ddp_worker, 2, str(tmp_path), (0, 1)):
         assert maps > 0
+        assert max(diffs.values()) < TOL, diffs
+    # rank 0 trusts the cache, rank 1 does not: no rank loads native code, both match DDP
+    for diffs, maps in run_ranks(_ddp_worker, 2, str(tmp_path), (0,)):
+        assert maps == 0
         assert max(diffs.values()) < TOL, diffs
 
 

@@ -2,8 +2,9 @@
 
 Every function here is collective (every rank calls it, in the same order) and a no-op at world
 size 1. The order in ``CompiledStep._prepare``: ``check_ranks_agree`` (the key), rank 0 decides
-and ``broadcast_decision`` tells the others, ``broadcast_blobs`` lends rank 0's artifact to ranks
-that cannot read it, ``all_ranks_ok`` fails every rank when one failed (none is left waiting).
+and ``broadcast_decision`` tells the others, ``all_ranks_allow`` settles whether stored kernels
+may load (every rank must allow it), ``broadcast_blobs`` lends rank 0's artifact to ranks that
+cannot read it, ``all_ranks_ok`` fails every rank when one failed (none is left waiting).
 Messages are bytes, never pickle: a rank trusts rank 0's decision, not code.
 """
 
@@ -19,7 +20,8 @@ from .device_check import DeviceMismatchError
 from ..errors import ArtifactMismatchError, SpmdAotError
 
 __all__ = ["ERRORS", "error_from_rank0", "comm_device", "broadcast_model_once", "check_ranks_agree",
-           "broadcast_decision", "needs_blobs", "broadcast_blobs", "all_ranks_ok", "live_groups"]
+           "broadcast_decision", "needs_blobs", "broadcast_blobs", "all_ranks_ok", "all_ranks_allow",
+           "live_groups"]
 
 # Rank 0's failure reaches the other ranks by class name; the error types the other ranks raise
 # again (any other name becomes SpmdAotError). One table: every public error type of the project.
@@ -129,6 +131,19 @@ def all_ranks_ok(failure: Exception | None, world: int) -> None:
             raise SpmdAotError(f"{flag.item()} rank(s) failed to load the artifact; see their errors")
     if failure is not None:
         raise failure
+
+
+def all_ranks_allow(allowed: bool, world: int) -> bool:
+    """Whether every rank allows something (each for its own reasons): the AND over ranks.
+
+    For what must be the same on every rank but that no rank may decide for another, such as
+    loading native code: ranks that ran different programs could order their collectives
+    differently and hang, and one rank's trust is no reason for another to run code."""
+    if world == 1:
+        return allowed
+    refusing = torch.tensor([0 if allowed else 1], dtype=torch.int64, device=comm_device())
+    dist.all_reduce(refusing)
+    return refusing.item() == 0
 
 
 def live_groups(mesh) -> list[str]:
