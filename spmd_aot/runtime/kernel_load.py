@@ -36,7 +36,7 @@ from ..format import kernels_blob
 from ..format.signing import ENV_SIGNING_KEY, signing_key
 from ..store import trust
 
-__all__ = ["untrusted_reason", "load_kernels", "KernelProgram", "loaded_dirs"]
+__all__ = ["untrusted_reason", "interpreting", "load_kernels", "KernelProgram", "loaded_dirs"]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,8 @@ def untrusted_reason(trust_cache: bool | None = None) -> str | None:
             f"{trust.ENV_TRUST_CACHE}=1 (API: trust_cache=True) if you trust everyone who can write the cache")
 
 
-def _say_once(digest: str, why: str) -> None:
+def interpreting(digest: str, why: str) -> None:
+    """Log that the entry's kernels are not run and why, once per reason per process."""
     with _lock:
         if why in _said:
             return
@@ -82,11 +83,11 @@ def load_kernels(artifact, live_groups: list[str], trust_cache: bool | None, dev
         return None
     why = untrusted_reason(trust_cache)
     if why is not None:
-        _say_once(artifact.digest, why)
+        interpreting(artifact.digest, why)
         return None
     doc = kernels_blob.unpack(artifact.kernels, f"artifact {artifact.digest[:12]}")
     if doc["requested"] != kernels.ingredient(device.type):
-        _say_once(artifact.digest, f"its kernels were built for {doc['requested']}, this process is "
+        interpreting(artifact.digest, f"its kernels were built for {doc['requested']}, this process is "
                                    f"{kernels.ingredient(device.type)}")
         return None
     _register_groups(doc["groups"], live_groups)

@@ -33,7 +33,7 @@ from .device_check import check_device
 from ..keying.explain import explain_miss
 from ..hints import TARGET_PLACEHOLDER, build_command
 from ..keying.key import compute_key
-from .kernel_load import load_kernels, untrusted_reason
+from .kernel_load import interpreting, load_kernels, untrusted_reason
 from ..keying.lookup import find_entry
 from ..parallel import axes
 from ..schema import Schema
@@ -173,7 +173,7 @@ class CompiledStep:
             if status != "ok":
                 raise ranks.error_from_rank0(status, payload)
             digest = payload
-            kernels_allowed = self._kernels_allowed(world)
+            kernels_refused = self._kernels_refused(world)
             program, failure = None, None
             try:
                 artifact = self._read_everywhere(digest, world, artifact, leases)
@@ -188,8 +188,10 @@ class CompiledStep:
                         f"rank {rank}: artifact {digest[:12]} (key {key.key[:12]}) serves rank 0 but "
                         f"not this rank: {problem}. Every rank must run the same code and libraries.")
                 check_device(artifact.manifest, model)  # the artifact's own plan, not only the job's
-                program = ((load_kernels(artifact, ranks.live_groups(mesh), self._trust_cache, device)
-                            if kernels_allowed else None)
+                if kernels_refused and artifact.kernels is not None:
+                    interpreting(artifact.digest, kernels_refused)
+                program = ((None if kernels_refused else
+                            load_kernels(artifact, ranks.live_groups(mesh), self._trust_cache, device))
                            or artifact.program(ranks.live_groups(mesh), device))
             except OpNotAllowedError as exc:  # not repaired by a rebuild: the job opts in, or not
                 failure = OpNotAllowedError(
@@ -210,18 +212,18 @@ class CompiledStep:
                                     self._traces)
         return _BoundStep(program, state, artifact, spread, slots)
 
-    def _kernels_allowed(self, world: int) -> bool:
-        """Whether stored kernels may load: only when every rank's own policy allows native code
-        (``kernel_load.untrusted_reason``). One rank running kernels and another the interpreter
-        could order collectives differently, and no rank's trust decides for another."""
+    def _kernels_refused(self, world: int) -> str | None:
+        """Why stored kernels may not load here (None: they may): every rank's own policy must
+        allow native code (``kernel_load.untrusted_reason``). One rank running kernels and
+        another the interpreter could order collectives differently, and no rank's trust
+        decides for another."""
         if not self.kernels:
-            return False
-        here = untrusted_reason(self._trust_cache) is None
-        everywhere = ranks.all_ranks_allow(here, world)
-        if here and not everywhere:
-            log.warning("%s: another rank may not load native code (unsigned entry, cache not trusted "
-                        "there); every rank runs the interpreted graph", _name(self.fn))
-        return everywhere
+            return "the step was compiled without kernels=True"
+        why = untrusted_reason(self._trust_cache)
+        if not ranks.all_ranks_allow(why is None, world) and why is None:
+            why = ("another rank may not load native code (its entry is not signed or its cache not "
+                   "trusted there), so every rank runs the interpreted graph")
+        return why
 
     def _read_everywhere(self, digest: str, world: int, artifact, leases):
         """Every rank reads the artifact (rank 0 already has); ranks that cannot (no shared
