@@ -199,7 +199,6 @@ def build_compiled(cfg: dict, cache_dir: str) -> float:
     import bench_start_compiled
 
     torch.set_num_threads(1)
-
     os.makedirs(_compiled_dir(cache_dir), exist_ok=True)
     return bench_start_compiled.build(lambda: _objects(cfg), _compiled_dir(cache_dir))
 
