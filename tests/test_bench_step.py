@@ -73,7 +73,8 @@ def test_without_collectives_skips_every_collective_of_a_replicate_program(monke
 
 def test_bench_start_quick_prints_every_row(tmp_path, monkeypatch, capsys):
     """tools/bench_start.py --quick: fresh processes for eager and the hit, steady steps
-    interleaved here; the kernel row (an Inductor compile at build) is left out."""
+    interleaved here; the kernel row and the aot_compile / AOTInductor rows (Inductor compiles
+    before the runs) are left out; every child's parameters match eager's."""
     import bench_start
 
     state = os.environ.get("XDG_STATE_HOME")
@@ -82,9 +83,13 @@ def test_bench_start_quick_prints_every_row(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert os.environ.get("XDG_STATE_HOME") == state  # the run's own state dir is not left behind
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
-    assert set(bench_start.VARIANTS + bench_start.NOT_MEASURED) <= set(rows)
+    assert set(bench_start.VARIANTS) <= set(rows)
     assert bench_start.KERNELS_SKIPPED in rows["spmd-aot hit + kernels"]  # compiling is not for a smoke run
+    assert bench_start.COMPILED_SKIPPED in rows[bench_start.AOT_COMPILE]
+    assert bench_start.COMPILED_SKIPPED in rows[bench_start.AOTI]
+    assert "# parity, spmd-aot hit: max |param - eager| after 3 steps" in out
     starts = json.loads(figures.read_text())["starts"]
     hit, eager = starts["spmd-aot hit"][0], starts["eager"][0]
+    assert hit["parity"] <= bench_start.PARITY_LIMIT and eager["parity"] == 0
     assert 0 < hit["ready_s"] <= hit["first_s"] < hit["start_to_first_s"]
     assert eager["ready_s"] is None and 0 < eager["first_s"] < eager["start_to_first_s"]

@@ -19,9 +19,18 @@ per-user record of passed load checks and torch.compile's caches; the variants t
                    (``bench_step.timed_blocks``); the ratio is taken block by block
 
 Rows: eager; spmd-aot hit (interpreted ``Program``); spmd-aot hit + kernels (the entry built
-with ``kernels=True``, loaded from this run's own, trusted cache; not in ``--quick``); with
-``--with-torch-compile``, torch.compile(model). The issue's other rows (``aot_compile`` of the
-whole step, export + AOTInductor) are not measured by this tool yet: they print "n/a".
+with ``kernels=True``, loaded from this run's own, trusted cache); with ``--with-torch-compile``,
+torch.compile(model); aot_compile whole step (forward, backward and AdamW as one Inductor
+artifact, ``torch.compile(..., fullgraph=True).aot_compile`` saved by this process, loaded by
+``torch.compiler.load_compiled_function``); export + AOTInductor (loss and gradients in a
+``.pt2`` package, ``aoti_load_package``, AdamW eager on its gradients). How the last two are
+built, and why their step is written as it is: ``bench_start_compiled.py``. The rows that
+compile with Inductor before the runs (tens of seconds each) are left out of ``--quick``.
+The children share this run's Inductor cache, so an aot_compile artifact finds its C++ kernels
+built (a ``.pt2`` package holds its own).
+
+Parity: every child, after its timed first step, runs to ``PARITY_STEPS`` steps and compares
+the parameters with eager ``train_step``'s on fresh copies; over ``PARITY_LIMIT`` the run fails.
 Figures are medians; on a shared machine take the ratios, not the absolute times.
 """
 
@@ -37,10 +46,13 @@ import sys
 import tempfile
 import time
 
+from bench_start_compiled import AOT_COMPILE, AOTI  # a sibling of this script
+
 VOCAB, HEADS = 256, 4
 KERNELS_SKIPPED = "n/a (not in --quick)"
-VARIANTS = ("eager", "spmd-aot hit", "spmd-aot hit + kernels", "torch.compile (warm caches)")
-NOT_MEASURED = ("aot_compile whole step", "export + AOTInductor")
+COMPILED_SKIPPED = "n/a (not in --quick: compiled by Inductor before the runs)"
+VARIANTS = ("eager", "spmd-aot hit", "spmd-aot hit + kernels", "torch.compile (warm caches)", AOT_COMPILE, AOTI)
+PARITY_STEPS, PARITY_LIMIT = 3, 1e-4
 _OWN_ENV = ("XDG_STATE_HOME", "TORCHINDUCTOR_CACHE_DIR", "SPMD_AOT_TRUST_CACHE")
 
 
@@ -50,13 +62,17 @@ def _config(args) -> dict:
 
 def _models():
     """``spmd_aot/examples/models.py`` loaded by its path: an eager process imports torch and
-    the model's file, not the spmd_aot package."""
+    the model's file, not the spmd_aot package. Registered in ``sys.modules`` under its own name,
+    once: Dynamo's ahead-of-time capture imports the model's module by name to read its globals."""
     import importlib.util
 
+    if "bench_start_models" in sys.modules:
+        return sys.modules["bench_start_models"]
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "spmd_aot", "examples", "models.py")
     spec = importlib.util.spec_from_file_location("bench_start_models", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -90,6 +106,10 @@ def _step_for(variant: str, cfg: dict, cache_dir: str, model):
     if variant == "torch.compile (warm caches)":
         compiled, train_step = torch.compile(model), _models().train_step
         return lambda _model, optim, batch: train_step(compiled, optim, batch)
+    if variant in (AOT_COMPILE, AOTI):
+        import bench_start_compiled
+
+        return bench_start_compiled.step_for(variant, _compiled_dir(cache_dir))
     import spmd_aot
     from spmd_aot.examples.models import train_step
 
@@ -98,6 +118,22 @@ def _step_for(variant: str, cfg: dict, cache_dir: str, model):
     if variant == "spmd-aot hit + kernels":
         return spmd_aot.compile(train_step, cache_dir=cache_dir, require_hit=True, kernels=True)
     raise ValueError(variant)
+
+
+def _compiled_dir(cache_dir: str) -> str:
+    """Where the parent saves the aot_compile and AOTInductor artifacts: beside the cache."""
+    return os.path.join(os.path.dirname(cache_dir), "compiled")
+
+
+def parity(step, model, optim, batch, cfg: dict) -> float:
+    """Max |parameter - eager's| once ``step`` has run ``PARITY_STEPS`` steps (one done already),
+    eager being ``train_step`` on fresh copies: the variant computed what eager does."""
+    for _ in range(PARITY_STEPS - 1):
+        step(model, optim, batch)
+    eager, eager_optim, eager_batch = _objects(cfg)
+    for _ in range(PARITY_STEPS):
+        _models().train_step(eager, eager_optim, eager_batch)
+    return max((a - b).abs().max().item() for a, b in zip(model.parameters(), eager.parameters()))
 
 
 def child(variant: str, cfg: dict, cache_dir: str, spawned_at: float) -> dict:
@@ -110,11 +146,12 @@ def child(variant: str, cfg: dict, cache_dir: str, spawned_at: float) -> dict:
     start = time.perf_counter()
     step(model, optim, batch)
     first = time.perf_counter() - start
+    start_to_first = time.time() - spawned_at
     info = getattr(step, "cache_info", None)
     if info is not None and not info.hit:
         raise SystemExit(f"{variant}: expected a cache hit")
     return {"first_s": first, "ready_s": info.seconds if info is not None else None,
-            "start_to_first_s": time.time() - spawned_at}
+            "start_to_first_s": start_to_first, "parity": parity(step, model, optim, batch, cfg)}
 
 
 def fresh_runs(variants: list[str], cfg: dict, cache_dir: str, repeats: int, env: dict,
@@ -154,6 +191,18 @@ def steady(variants: list[str], cfg: dict, cache_dir: str, blocks: int, steps: i
     return {v: (statistics.median(t), median_ratio(t, times["eager"])) for v, t in times.items()}
 
 
+def build_compiled(cfg: dict, cache_dir: str) -> float:
+    """Save the aot_compile whole step and the AOTInductor package (untimed by the rows); seconds.
+    One thread, as the children run: the saved step's guards check torch's thread count."""
+    import torch
+
+    import bench_start_compiled
+
+    torch.set_num_threads(1)
+    os.makedirs(_compiled_dir(cache_dir), exist_ok=True)
+    return bench_start_compiled.build(lambda: _objects(cfg), _compiled_dir(cache_dir))
+
+
 def build(cfg: dict, cache_dir: str, kernels: bool = False) -> float:
     """Build the artifact (with ``kernels``, the entry with compiled kernels too); seconds."""
     import torch
@@ -170,16 +219,33 @@ def build(cfg: dict, cache_dir: str, kernels: bool = False) -> float:
     return seconds
 
 
+def _skipped(variant: str) -> str:
+    if variant == "spmd-aot hit + kernels":
+        return KERNELS_SKIPPED
+    return COMPILED_SKIPPED if variant in (AOT_COMPILE, AOTI) else "n/a (not measured)"
+
+
+def check_parity(starts: dict) -> list[str]:
+    """One line per variant: its worst parameter difference from eager; over the limit fails."""
+    lines = []
+    for variant, runs in starts.items():
+        worst = max(r["parity"] for r in runs)
+        lines.append(f"# parity, {variant}: max |param - eager| after {PARITY_STEPS} steps {worst:.1e} "
+                     f"(limit {PARITY_LIMIT:.0e})")
+        if not worst <= PARITY_LIMIT:
+            raise RuntimeError("\n".join(lines) + f"\n{variant} does not compute what eager does")
+    return lines
+
+
 def table(cfg: dict, starts: dict, steady_ms: dict) -> str:
     lines = [f"# {cfg['layers']} layers, d_model {cfg['d_model']}, context {cfg['seq']}, batch {cfg['batch']}, "
              "AdamW, world 1, one OpenMP thread; medians",
              "| | first call | ready (spmd-aot) | process start to first step | steady step | vs eager |",
              "|---|---|---|---|---|---|"]
-    for variant in VARIANTS + NOT_MEASURED:
+    for variant in VARIANTS:
         runs = starts.get(variant)
         if runs is None:
-            why = KERNELS_SKIPPED if variant == "spmd-aot hit + kernels" else "n/a (not measured)"
-            lines.append(f"| {variant} | {why} | | | | |")
+            lines.append(f"| {variant} | {_skipped(variant)} | | | | |")
             continue
         first = statistics.median(r["first_s"] for r in runs)
         ready = [r["ready_s"] for r in runs if r["ready_s"] is not None]
@@ -214,10 +280,12 @@ def main(argv=None) -> int:
     if args.quick:
         args.layers, args.d_model, args.seq, args.repeats, args.blocks, args.steps = 1, 16, 8, 1, 2, 1
     cfg = _config(args)
-    # the kernel row compiles with Inductor at build (tens of seconds): not in a --quick smoke run
+    # the kernel row and the two compiled rows compile with Inductor first (tens of seconds
+    # each): not in a --quick smoke run
     with_kernels = kernels_supported() and not args.quick
     variants = ["eager", "spmd-aot hit"] + (["spmd-aot hit + kernels"] if with_kernels else [])
     variants += ["torch.compile (warm caches)"] if args.with_torch_compile else []
+    variants += [] if args.quick else [AOT_COMPILE, AOTI]
     saved = {k: os.environ.get(k) for k in _OWN_ENV}
     with tempfile.TemporaryDirectory(prefix="bench_start_") as tmp:
         cache_dir = os.path.join(tmp, "cache")
@@ -234,6 +302,9 @@ def main(argv=None) -> int:
         try:
             os.environ.update(own)
             print(f"# built the artifact in {build(cfg, cache_dir, with_kernels):.1f} s", flush=True)
+            if AOT_COMPILE in variants:
+                print(f"# saved the aot_compile step and the AOTInductor package in "
+                      f"{build_compiled(cfg, cache_dir):.1f} s", flush=True)
             starts = fresh_runs(variants, cfg, cache_dir, args.repeats, env, warmup=0 if args.quick else 1)
             steady_ms = steady(variants, cfg, cache_dir, args.blocks, args.steps)
         finally:
@@ -242,6 +313,7 @@ def main(argv=None) -> int:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+    print("\n".join(check_parity(starts)))
     print(table(cfg, starts, steady_ms))
     if args.json:
         with open(args.json, "w") as f:
