@@ -148,3 +148,84 @@ def test_kernels_are_in_the_key(world1, tmp_path):
     _, with_kernels = world1
     without = spmd_aot.build(make_job("mlp", "adamw"), world_size=1, cache_dir=tmp_path)
     assert without.key != with_kernels.key and "kernels" not in without.stats
+
+
+_NO_INDUCTOR_JOB = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import torch
+import spmd_aot
+from spmd_aot.examples.models import train_step
+from spmd_aot.format.artifact import read_artifact
+from spmd_aot.runtime.kernel_load import load_kernels
+from spmd_aot.store import open_store
+from support.jobs import fresh_objects, make_batch
+
+
+def compilers():
+    return sorted(m for m in sys.modules if m.split(".")[:2] in (["torch", "_inductor"], ["torch", "_dynamo"]))
+
+
+store = open_store(sys.argv[1])
+artifact = read_artifact(store, store.get_ref(sys.argv[3]))
+program = load_kernels(artifact, [], True, torch.device("cpu"))
+program(*[torch.zeros(s["local_shape"], dtype=getattr(torch, s["dtype"])) for s in artifact.slots])
+print(type(program).__name__, compilers())
+model, optim = fresh_objects("mlp", "adamw")  # torch.optim imports torch._dynamo (its _disable_dynamo)
+before = compilers()
+step = spmd_aot.compile(train_step, cache_dir=sys.argv[1], require_hit=True, kernels=True, trust_cache=True)
+for s in range(2):
+    step(model, optim, make_batch("mlp", 0, s))
+print(type(step._bound.program).__name__, sorted(set(compilers()) - set(before)))
+"""
+
+
+def test_loading_kernels_imports_neither_inductor_nor_dynamo(world1):
+    """In a fresh process, loading and calling the stored kernels imports nothing of
+    ``torch._inductor`` or ``torch._dynamo`` (1.2-2 s of a cold start); nor does a whole job
+    (whose optimizer imports ``torch._dynamo`` by itself) import any more of them."""
+    import subprocess
+    import sys
+
+    cache, result = world1
+    out = subprocess.run([sys.executable, "-c", _NO_INDUCTOR_JOB, str(cache), str(pathlib.Path(__file__).parent),
+                          result.key], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-2:] == ["KernelProgram []", "KernelProgram []"], out.stdout[-2000:]
+
+
+def _old_format_worker(rank, world, cache_dir):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("spmd_aot.runtime.kernel_load").addHandler(handler)
+    model, optim, losses, info = compiled_run("mlp", "adamw", rank, world, 2, cache_dir, require_hit=True,
+                                              kernels=True, trust_cache=True)
+    ref = eager_ddp("mlp", "adamw", rank, world, 2)
+    why = [r.getMessage() for r in records if "interpreted" in r.getMessage()]
+    return max(max_diffs(*ref, model, optim, losses).values()), why, len(_loaded_maps())
+
+
+def test_a_kernels_blob_of_the_old_format_runs_interpreted(tmp_path, world1):
+    """Format 1 (Inductor's pickled artifact + libraries) under a trusted entry: skipped by its
+    format, nothing of it loaded, the step interpreted; ``verify`` refuses it."""
+    import msgpack
+
+    from spmd_aot.cli.app import main
+    from spmd_aot.format.artifact import pack_manifest, read_manifest
+    from spmd_aot.store import open_store
+
+    cache, result = world1
+    old = tmp_path / "old"
+    shutil.copytree(cache, old)
+    store = open_store(old)
+    manifest = read_manifest(store, result.digest)
+    requested = msgpack.unpackb(store.get(manifest["blobs"]["kernels"]))["requested"]
+    manifest["blobs"]["kernels"] = store.put(msgpack.packb(
+        {"format": 1, "requested": requested, "groups": [], "cxx": "c++", "artifact": b"\x80\x04pickle",
+         "files": {"ab/" + "c" * 52 + ".main.so": b"\x7fELF"}}, use_bin_type=True))
+    store.set_ref(result.key, store.put(pack_manifest(manifest)))
+    [(diff, why, maps)] = run_ranks(_old_format_worker, 1, str(old))
+    assert maps == 0 and diff < TOL
+    assert len(why) == 1 and "format 1" in why[0], why
+    assert main(["verify", "--cache-dir", str(old)]) != 0
