@@ -79,7 +79,11 @@ class KernelProgram:
         if len(inputs) != self.n_inputs:
             raise TypeError(f"compiled step takes {self.n_inputs} inputs, got {len(inputs)}")
         handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(list(inputs))
-        return torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(self._entry(handles))
+        outputs = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(self._entry(handles))
+        if len(outputs) != self.n_outputs:
+            raise CorruptArtifactError(f"compiled step returned {len(outputs)} outputs, its blob says "
+                                       f"{self.n_outputs}; rebuild the entry")
+        return outputs
 
 
 def load_kernels(artifact, live_groups: list[str], trust_cache: bool | None, device: torch.device):
