@@ -37,6 +37,10 @@ def library(cache_dir: pathlib.Path) -> bytes:
     found = sorted(cache_dir.glob("*/*.main.so"))
     if len(found) != 1:
         raise NotPlain(f"the compile built {len(found)} wrapper libraries, expected one (cpp_wrapper)")
+    source = found[0].with_suffix(".cpp")
+    if not source.is_file() or "PyImport_ImportModule" in source.read_text(errors="replace"):
+        # an op with no C shim and no boxed call: the library would import torch._inductor.codecache
+        raise NotPlain("the library calls an operator back through Inductor's Python (custom_op_wrapper)")
     return found[0].read_bytes()
 
 

@@ -46,7 +46,7 @@ import torch
 
 from ..errors import UnsupportedError
 from ..format.kernels_blob import ENTRY, KERNELS_FORMAT, group_name
-from . import kernel_library
+from . import kernel_collectives, kernel_library
 
 __all__ = ["ingredient", "kernel_parts", "compile_graph", "KernelsUnavailable"]
 
@@ -132,6 +132,7 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
     _functional_steps(gm)
     _out_of_place_collectives(gm)
     _world_as_dimension(gm, groups)
+    _shimmable_collectives(gm)
     slots = unpack_bounded(layout, "layout", objects=load_limits().objects)["inputs"]
     fake = FakeTensorMode(shape_env=ShapeEnv())
     with fake:
@@ -207,6 +208,15 @@ def _world_as_dimension(gm: torch.fx.GraphModule, groups: list[str]) -> None:
         if node.op == "call_function" and getattr(node.target, "namespace", "") == "_c10d_functional":
             node.args = tuple(groups[0] if a == world else a for a in node.args)
             node.kwargs = {k: groups[0] if v == world else v for k, v in node.kwargs.items()}
+    gm.recompile()
+
+
+def _shimmable_collectives(gm: torch.fx.GraphModule) -> None:
+    """All-gathers and reduce-scatters as ``kernel_collectives``' operators, which the C++ wrapper
+    calls through the dispatcher (the functional ones it cannot call: see that module)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in kernel_collectives.REWRITES:
+            node.target = kernel_collectives.REWRITES[node.target]
     gm.recompile()
 
 

@@ -111,6 +111,8 @@ def load_kernels(artifact, live_groups: list[str], trust_cache: bool | None, dev
                                    f"{kernels.ingredient(device.type)}")
         return None
     _register_groups(doc["groups"], live_groups)
+    from ..building import kernel_collectives  # noqa: F401  (defines the operators the library calls)
+
     directory, path = _private_library(doc["library"])
     entry = _load(path, artifact.digest)
     log.info("artifact %s: running its compiled kernels (%d bytes of native code, built by %s)",
