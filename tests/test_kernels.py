@@ -8,8 +8,10 @@ transformer takes a minute on these cores, the MLP seconds); the world-1 build s
 import logging
 import pathlib
 import shutil
+from types import SimpleNamespace as NS
 
 import pytest
+from torch._functorch._aot_autograd.schemas import OutputType
 
 import spmd_aot
 from support.jobs import compiled_run, eager_ddp, make_job, max_diffs
@@ -262,3 +264,32 @@ def test_world2_sharded_kernels_match_fsdp2(tmp_path):
     for params, loss, maps, codecache in run_ranks(_fsdp_worker, 2, str(tmp_path)):
         assert maps > 0 and not codecache
         assert params < TOL and loss < TOL, (params, loss)
+
+
+def _compile_entries(**changes):
+    """Stand-ins for the compile's AOTAutograd and FX graph entries of a plain step, with ``changes``."""
+    meta = NS(input_info=[None] * 3, num_mutated_inp_runtime_indices=0, output_info=[NS(output_type=OutputType.non_alias)],
+              num_intermediate_bases=0, tokens={}, num_graphsafe_rng_states=0)
+    entry = NS(runtime_metadata=meta, compiled_bw=None, maybe_subclass_meta=None,
+               dispatch_wrappers=[NS(needs_post_compile=False)], indices_of_inps_to_detach=[])
+    graph = NS(constants={}, torchbind_constants={}, inputs_to_check=[], source_code="    return output_tensors\n")
+    for name, value in changes.items():
+        owner, _, field = name.partition("__")
+        setattr({"meta": meta, "entry": entry, "graph": graph}[owner], field, value)
+    return entry, graph
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({}, None),
+    ({"meta__num_mutated_inp_runtime_indices": 1}, "input mutations applied outside the graph"),
+    ({"meta__output_info": [NS(output_type=OutputType.alias_of_input)]}, "alias"),
+    ({"meta__input_info": [None] * 2}, "2 inputs where the graph has 3"),
+    ({"entry__dispatch_wrappers": [NS(needs_post_compile=True)]}, "deduplicated"),
+    ({"graph__constants": {"c": 1}}, "constants passed after the inputs"),
+    ({"graph__source_code": "    return [output_tensors[0].item()]\n"}, "Python numbers"),
+])
+def test_a_bare_call_is_refused_when_a_wrapper_would_do_something(changes, named):
+    from spmd_aot.building.kernel_library import _needs
+
+    needs = _needs(*_compile_entries(**changes), n_inputs=3)
+    assert (needs == []) if named is None else (len(needs) == 1 and named in needs[0]), needs

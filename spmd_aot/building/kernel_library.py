@@ -49,6 +49,17 @@ def plain_call(cache_dir: pathlib.Path, n_inputs: int) -> int:
     ``n_inputs`` inputs in order is all the step does; ``NotPlain`` saying what else it needs."""
     entry = _one_entry(cache_dir / "aotautograd", "AOTAutograd")
     graph = _one_entry(cache_dir / "fxgraph", "FX graph")
+    try:
+        needs = _needs(entry, graph, n_inputs)
+    except AttributeError as exc:  # another torch release's entries: what a bare call skips is unknown
+        raise NotPlain(f"this torch's compile entries lack a field the check reads ({exc})") from exc
+    if needs:
+        raise NotPlain("the compiled step needs Inductor's Python around it: " + "; ".join(needs))
+    return len(entry.runtime_metadata.output_info)
+
+
+def _needs(entry, graph, n_inputs: int) -> list[str]:
+    """What AOTAutograd's and Inductor's wrappers would do around the library for this graph."""
     meta = entry.runtime_metadata
     needs = []
     if entry.compiled_bw is not None or entry.maybe_subclass_meta is not None:
@@ -72,9 +83,7 @@ def plain_call(cache_dir: pathlib.Path, n_inputs: int) -> int:
         needs.append("inputs Inductor realigns before the call")
     if "return output_tensors\n" not in (graph.source_code or ""):
         needs.append("outputs converted to Python numbers")
-    if needs:
-        raise NotPlain("the compiled step needs Inductor's Python around it: " + "; ".join(needs))
-    return len(meta.output_info)
+    return needs
 
 
 def _one_entry(folder: pathlib.Path, what: str):
