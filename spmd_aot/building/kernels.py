@@ -3,15 +3,13 @@
 Why: a loaded step runs op by op through ``program.Program``; Inductor fuses the pointwise ops
 of forward, backward and optimizer into a few generated C++ loops. The build compiles the very
 graph it stores (decoded back from the graph blob, so kernels and interpreter run the same
-graph) with ``torch._inductor.standalone_compile`` and stores the result as one more blob of
-the same entry, ``kernels``:
-
-* ``artifact``: ``CompiledArtifact.save(format="binary")`` bytes (AOTAutograd and FX-graph cache
-  entries: pickles holding Inductor's generated Python wrapper);
-* ``files``: every shared library the compile built (``xx/<hash>.main.so``), so a load finds its
-  kernels built and compiles nothing (a cache-artifact bundle alone rebuilds C++ at load: tens of
-  seconds, and a compiler on every job machine);
-* what built them: torch's full release, the C++ compiler, the CPU capability, the options.
+graph) with ``torch._inductor.standalone_compile`` and Inductor's C++ wrapper (``cpp_wrapper``):
+the whole step, kernels and the calls between them, becomes one C++ Python extension library.
+The ``kernels`` blob (``format/kernels_blob.py``) stores that library and how to call it, once
+``kernel_library.plain_call`` has shown a bare call of it is the whole step (no AOTAutograd or
+Inductor Python around it); so a job loads it with a ``dlopen`` and never imports Inductor
+(``runtime/kernel_load.py``). It also records what built it: torch's full release, the C++
+compiler, the CPU capability, the options.
 
 Why ``standalone_compile`` and not AOTInductor: AOTInductor compiles an exported forward (or
 forward+backward) and cannot hold the optimizer's in-place update; ``standalone_compile`` takes
@@ -39,7 +37,6 @@ import contextlib
 import functools
 import logging
 import operator
-import os
 import pathlib
 import tempfile
 import time
@@ -48,7 +45,8 @@ import msgpack
 import torch
 
 from ..errors import UnsupportedError
-from ..format.kernels_blob import FILE_PATTERN, KERNELS_FORMAT, group_name
+from ..format.kernels_blob import ENTRY, KERNELS_FORMAT, group_name
+from . import kernel_collectives, kernel_library
 
 __all__ = ["ingredient", "kernel_parts", "compile_graph", "KernelsUnavailable"]
 
@@ -56,11 +54,10 @@ log = logging.getLogger(__name__)
 
 #: Inductor options the build passes (part of the key: other options, other kernels).
 OPTIONS: dict = {}
-#: Inductor settings of both the build and the load (in the key: they name the libraries). No
-#: precompiled header: with one, loading a kernel first runs the C++ preprocessor over torch's
-#: headers (a compiler on every job machine, and seconds at every start); the libraries' names
-#: hash the command line, so the build must not use one either.
-INDUCTOR_SETTINGS = {"cpp_cache_precompile_headers": False}
+#: Inductor settings of the build (in the key: other settings, other library). ``cpp_wrapper``: the
+#: whole step as one C++ library (see the module doc). No precompiled header: the library is the
+#: same without one, and building one costs a compile of torch's headers.
+INDUCTOR_SETTINGS = {"cpp_cache_precompile_headers": False, "cpp_wrapper": True}
 
 
 class KernelsUnavailable(UnsupportedError):
@@ -83,7 +80,7 @@ def ingredient(device_type: str) -> dict:
 
 
 def inductor_settings():
-    """``INDUCTOR_SETTINGS`` applied to Inductor's config for a block (build and load)."""
+    """``INDUCTOR_SETTINGS`` applied to Inductor's config for a block (the build)."""
     from torch._inductor import config
 
     return config.patch(INDUCTOR_SETTINGS)
@@ -121,11 +118,11 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
         raise KernelsUnavailable(f"a {len(plan.mesh_shape)}-D mesh {tuple(plan.mesh_shape)} (kernels are "
                                  "compiled for one mesh dimension)")
     device = torch.device(plan.device_type)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type != "cpu":
         raise KernelsUnavailable(
-            "Inductor's CUDA lowering reads the GPU's properties (torch 2.13 without one: 'Found no NVIDIA "
-            "driver') and Triton compiles and autotunes its kernels for that GPU; this build box has none. "
-            "Build on a machine with the target GPU to store CUDA kernels")
+            f"stored kernels are CPU kernels: for {device.type}, Inductor's C++ wrapper loads Triton kernels "
+            "from files by path, which the kernels blob does not hold (and Inductor's CUDA lowering needs the "
+            "GPU at build time)")
     groups = [group_name(d) for d in range(len(plan.mesh_shape))] if plan.world_size > 1 else []
     nodes = decode_graph(graph, groups=groups, device=device)
     root = torch.nn.Module()
@@ -135,6 +132,7 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
     _functional_steps(gm)
     _out_of_place_collectives(gm)
     _world_as_dimension(gm, groups)
+    _shimmable_collectives(gm)
     slots = unpack_bounded(layout, "layout", objects=load_limits().objects)["inputs"]
     fake = FakeTensorMode(shape_env=ShapeEnv())
     with fake:
@@ -144,27 +142,20 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
     with tempfile.TemporaryDirectory(prefix="spmd-aot-inductor-") as cache_dir, temporary_cache_dir(cache_dir), \
             registered(), _build_groups(groups), inductor_settings():
         try:
-            compiled = torch._inductor.standalone_compile(
+            torch._inductor.standalone_compile(
                 gm, example, dynamic_shapes="from_example_inputs", options=dict(requested["options"]),
                 fake_mode=fake)
-            path = os.path.join(cache_dir, "artifact.bin")
-            compiled.save(path=path, format="binary")
         except Exception as exc:  # Inductor's own failures: an op it cannot lower, a compiler error
             raise KernelsUnavailable(f"Inductor could not compile the graph: {type(exc).__name__}: "
                                      f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from exc
-        artifact = pathlib.Path(path).read_bytes()
-        files = _built_libraries(pathlib.Path(cache_dir))
-    return msgpack.packb({"format": KERNELS_FORMAT, "requested": requested, "groups": groups,
-                          "cxx": _compiler(), "artifact": artifact, "files": files}, use_bin_type=True)
-
-
-def _built_libraries(cache_dir: pathlib.Path) -> dict[str, bytes]:
-    files = {}
-    for path in sorted(cache_dir.glob("*/*.so")):
-        rel = path.relative_to(cache_dir).as_posix()
-        if FILE_PATTERN.match(rel):
-            files[rel] = path.read_bytes()
-    return files
+        try:
+            outputs = kernel_library.plain_call(pathlib.Path(cache_dir), len(slots))
+            native = kernel_library.library(pathlib.Path(cache_dir))
+        except kernel_library.NotPlain as exc:
+            raise KernelsUnavailable(str(exc)) from exc
+    return msgpack.packb({"format": KERNELS_FORMAT, "requested": requested, "groups": groups, "cxx": _compiler(),
+                          "library": native, "entry": ENTRY, "inputs": len(slots), "outputs": outputs},
+                         use_bin_type=True)
 
 
 _OUT_OF_PLACE_COLLECTIVES = {
@@ -217,6 +208,15 @@ def _world_as_dimension(gm: torch.fx.GraphModule, groups: list[str]) -> None:
         if node.op == "call_function" and getattr(node.target, "namespace", "") == "_c10d_functional":
             node.args = tuple(groups[0] if a == world else a for a in node.args)
             node.kwargs = {k: groups[0] if v == world else v for k, v in node.kwargs.items()}
+    gm.recompile()
+
+
+def _shimmable_collectives(gm: torch.fx.GraphModule) -> None:
+    """All-gathers and reduce-scatters as ``kernel_collectives``' operators, which the C++ wrapper
+    calls through the dispatcher (the functional ones it cannot call: see that module)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in kernel_collectives.REWRITES:
+            node.target = kernel_collectives.REWRITES[node.target]
     gm.recompile()
 
 

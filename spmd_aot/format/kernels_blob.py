@@ -1,26 +1,32 @@
 """The ``kernels`` blob's format, and its check as data: what ``verify``, ``show`` and a load read
 before anything in it may run.
 
-The blob (written by ``building/kernels.py``) is msgpack: the Inductor artifact, the libraries it
-built by their path in Inductor's cache, the options they were built with, the compiler, and the
-process-group names the kernels call collectives on. Decoding it runs nothing (no pickle); the
-native code in it loads only from a signed entry or a trusted cache (``runtime/kernel_load.py``).
+The blob (written by ``building/kernels.py``) is msgpack: one native library (the whole step,
+compiled by Inductor's C++ wrapper into a Python extension module whose init is
+``PyInit_<ENTRY>``), how it is called (inputs in, outputs out), the options it was built with, the
+compiler, and the process-group names it calls collectives on. Decoding it runs nothing (no
+pickle, and since format 2 no pickle is stored at all); the library loads only from a signed
+entry or a trusted cache (``runtime/kernel_load.py``).
+
+Format 1 held Inductor's saved artifact (pickles) and the libraries of its Python wrapper; a
+format-1 blob is refused here (``verify``) and skipped at load (the step runs interpreted).
 """
 
 from __future__ import annotations
 
-import re
-
 from ..errors import CorruptArtifactError
 from .bounded import unpack as unpack_bounded
 
-__all__ = ["KERNELS_FORMAT", "FILE_PATTERN", "group_name", "unpack", "describe"]
+__all__ = ["KERNELS_FORMAT", "ENTRY", "group_name", "decode", "check", "unpack", "describe"]
 
 #: Version of the ``kernels`` blob's layout.
-KERNELS_FORMAT = 1
-#: A stored library's path inside Inductor's cache directory: two-letter folder, hashed name.
-FILE_PATTERN = re.compile(r"^[a-z0-9]{2}/[a-z0-9]{20,64}(\.main)?\.so$")
-_MAX_FILES = 4096
+KERNELS_FORMAT = 2
+#: The library's module name: its init is ``PyInit_<ENTRY>``, its one function ``<ENTRY>``.
+ENTRY = "inductor_entry_cpp"
+_MAX_SLOTS = 1 << 20
+#: Decode limits: those of format 1 (up to 4096 libraries), so that an older blob still decodes
+#: and is skipped by its ``format`` rather than refused as corrupt.
+_MAX_ITEMS = 4096
 
 
 def group_name(dim: int) -> str:
@@ -28,26 +34,42 @@ def group_name(dim: int) -> str:
     return f"spmd_aot.kernels.d{dim}"
 
 
-def unpack(data: bytes, where: str) -> dict:
-    """A ``kernels`` blob's fields, every one typed and every library path plain (no '..', no
-    absolute paths): ``CorruptArtifactError`` otherwise. Decodes msgpack only (no pickle)."""
-    doc = unpack_bounded(data, where, objects=4 * _MAX_FILES + 64, max_array=_MAX_FILES, max_map=_MAX_FILES)
+def decode(data: bytes, where: str) -> dict:
+    """The blob's top-level map, decoded as bounded msgpack and not yet checked (a load reads its
+    ``format`` first: an older blob is skipped, not misread)."""
+    doc = unpack_bounded(data, where, objects=4 * _MAX_ITEMS + 64, max_array=_MAX_ITEMS,
+                         max_map=_MAX_ITEMS)
+    if not isinstance(doc, dict):
+        raise CorruptArtifactError(f"{where}: kernels blob is not a map; rebuild the entry with "
+                                   "`spmd-aot build --kernels`")
+    return doc
 
+
+def check(doc: dict, where: str) -> dict:
+    """``doc`` when every field is present and typed: ``CorruptArtifactError`` otherwise."""
     def bad(why):
         raise CorruptArtifactError(f"{where}: kernels blob {why}; rebuild the entry with `spmd-aot build --kernels`")
 
-    if not isinstance(doc, dict) or doc.get("format") != KERNELS_FORMAT:
-        bad(f"has format {str(doc.get('format') if isinstance(doc, dict) else doc)[:20]!r}, not {KERNELS_FORMAT}")
-    if not isinstance(doc.get("artifact"), bytes) or not isinstance(doc.get("files"), dict) \
-            or not isinstance(doc.get("requested"), dict) or not isinstance(doc.get("cxx"), str):
-        bad("lacks its artifact, files, requested options or compiler")
+    if doc.get("format") != KERNELS_FORMAT:
+        bad(f"has format {str(doc.get('format'))[:20]!r}, this spmd_aot reads {KERNELS_FORMAT}")
+    if not isinstance(doc.get("library"), bytes) or not doc["library"] or not isinstance(doc.get("requested"), dict) \
+            or not isinstance(doc.get("cxx"), str):
+        bad("lacks its library, requested options or compiler")
+    if doc.get("entry") != ENTRY:
+        bad(f"names entry {str(doc.get('entry'))[:40]!r}, not {ENTRY!r}")
+    for field in ("inputs", "outputs"):
+        count = doc.get(field)
+        if type(count) is not int or not 0 <= count <= _MAX_SLOTS:
+            bad(f"has {field} {str(count)[:20]!r}")
     groups = doc.get("groups")
     if not isinstance(groups, list) or groups != [group_name(d) for d in range(len(groups))]:
         bad(f"names groups {str(groups)[:80]}")
-    for rel, content in doc["files"].items():
-        if not (isinstance(rel, str) and FILE_PATTERN.match(rel) and isinstance(content, bytes)):
-            bad(f"holds a file named {str(rel)[:80]!r}")
     return doc
+
+
+def unpack(data: bytes, where: str) -> dict:
+    """A ``kernels`` blob's fields, every one typed (``decode`` then ``check``)."""
+    return check(decode(data, where), where)
 
 
 def describe(data: bytes, where: str) -> dict:
@@ -55,5 +77,6 @@ def describe(data: bytes, where: str) -> dict:
     doc = unpack(data, where)
     return {"torch": doc["requested"].get("torch"), "cxx": doc["cxx"],
             "cpu_capability": doc["requested"].get("cpu_capability"),
-            "options": doc["requested"].get("options"), "libraries": len(doc["files"]),
+            "options": doc["requested"].get("options"), "libraries": 1,
+            "library_bytes": len(doc["library"]), "inputs": doc["inputs"], "outputs": doc["outputs"],
             "bytes": len(data)}

@@ -1,7 +1,6 @@
 """Stored kernels at job start: loaded only from an entry the user trusts, else the interpreter.
 
-Compiled kernels are code: Inductor's saved artifact is pickles and generated Python, its
-libraries are native code that ``dlopen`` runs. Everything else spmd-aot loads is data checked
+Compiled kernels are code: the stored library is native code that ``dlopen`` runs. Everything else spmd-aot loads is data checked
 against an allowlist, so kernels need a stronger reason to run than the cache's directory
 permissions (which any copy into the cache, a shared filesystem or a remote layer bypasses):
 
@@ -11,19 +10,23 @@ permissions (which any copy into the cache, a shared filesystem or a remote laye
   (``store/trust.py``), which says "I trust everyone who can write this cache".
 
 Otherwise the step runs the interpreted graph (``program.Program``), exactly as without kernels,
-and the reason is logged once per process. A trusted load writes the libraries into a fresh
-private directory (``mkdtemp``: mode 0700), points Inductor's cache there for the load only, so
-no kernel is taken from (or left in) the user's Inductor cache, and registers the live process
-group of each mesh dimension under the name the kernels were compiled with (``kernels_blob.group_name``).
+and the reason is logged once per process; so does a blob of an older format (its ``format`` is
+read first, nothing else of it). A trusted load writes the one library into a fresh private
+directory (``mkdtemp``: mode 0700), loads it as the Python extension module it is
+(``importlib.machinery.ExtensionFileLoader``: a ``dlopen`` and its ``PyInit``), and registers the
+live process group of each mesh dimension under the name the kernels were compiled with
+(``kernels_blob.group_name``). No ``torch._inductor`` or ``torch._dynamo`` import: the build
+proved a bare call of the library is the whole step (``building/kernel_library.py``); calling it
+is the two conversions Inductor's own wrapper makes, tensors to handles and back.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
-import pathlib
 import shutil
 import tempfile
 import threading
@@ -64,15 +67,24 @@ def interpreting(digest: str, why: str) -> None:
 
 
 class KernelProgram:
-    """The compiled step, called like ``program.Program``: inputs in, the graph's outputs out."""
+    """The compiled step, called like ``program.Program``: inputs in, the graph's outputs out.
 
-    def __init__(self, compiled, n_inputs: int, directory: str):
-        self._compiled, self.n_inputs, self.directory = compiled, n_inputs, directory
+    The library's entry takes a list of new tensor handles (it steals them: each is a new
+    reference to the input's tensor, so the caller's tensors stay valid, and are updated in
+    place where the step writes them) and returns handles the caller owns."""
+
+    def __init__(self, entry, n_inputs: int, n_outputs: int, directory: str):
+        self._entry, self.n_inputs, self.n_outputs, self.directory = entry, n_inputs, n_outputs, directory
 
     def __call__(self, *inputs: torch.Tensor):
         if len(inputs) != self.n_inputs:
             raise TypeError(f"compiled step takes {self.n_inputs} inputs, got {len(inputs)}")
-        return self._compiled(*inputs)
+        handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(list(inputs))
+        outputs = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(self._entry(handles))
+        if len(outputs) != self.n_outputs:
+            raise CorruptArtifactError(f"compiled step returned {len(outputs)} outputs, its blob says "
+                                       f"{self.n_outputs}; rebuild the entry")
+        return outputs
 
 
 def load_kernels(artifact, live_groups: list[str], trust_cache: bool | None, device: torch.device):
@@ -85,17 +97,28 @@ def load_kernels(artifact, live_groups: list[str], trust_cache: bool | None, dev
     if why is not None:
         interpreting(artifact.digest, why)
         return None
-    doc = kernels_blob.unpack(artifact.kernels, f"artifact {artifact.digest[:12]}")
+    where = f"artifact {artifact.digest[:12]}"
+    doc = kernels_blob.decode(artifact.kernels, where)
+    if doc.get("format") != kernels_blob.KERNELS_FORMAT:  # read nothing else of it
+        interpreting(artifact.digest, f"its kernels blob has format {str(doc.get('format'))[:20]}, this spmd_aot "
+                                   f"loads format {kernels_blob.KERNELS_FORMAT}; rebuild it with --kernels")
+        return None
+    kernels_blob.check(doc, where)
+    if doc["inputs"] != len(artifact.slots):
+        raise CorruptArtifactError(f"{where}: its kernels take {doc['inputs']} inputs, its layout has "
+                                   f"{len(artifact.slots)}; rebuild it")
     if doc["requested"] != kernels.ingredient(device.type):
         interpreting(artifact.digest, f"its kernels were built for {doc['requested']}, this process is "
                                    f"{kernels.ingredient(device.type)}")
         return None
     _register_groups(doc["groups"], live_groups)
-    directory = _private_dir(doc["files"])
-    compiled = _load(directory, doc["artifact"], artifact.digest)
-    log.info("artifact %s: running its compiled kernels (%d libraries, built by %s)",
-             artifact.digest[:12], len(doc["files"]), doc["cxx"])
-    return KernelProgram(compiled, len(artifact.slots), directory)
+    from ..building import kernel_collectives  # noqa: F401  (defines the operators the library calls)
+
+    directory, path = _private_library(doc["library"])
+    entry = _load(path, artifact.digest)
+    log.info("artifact %s: running its compiled kernels (%d bytes of native code, built by %s)",
+             artifact.digest[:12], len(doc["library"]), doc["cxx"])
+    return KernelProgram(entry, doc["inputs"], doc["outputs"], directory)
 
 
 def _register_groups(names: list[str], live: list[str]) -> None:
@@ -115,52 +138,38 @@ def _register_groups(names: list[str], live: list[str]) -> None:
         _register_process_group(name, group)
 
 
-def _private_dir(files: dict[str, bytes]) -> str:
+def _private_library(content: bytes) -> tuple[str, str]:
+    """(directory, path): ``content`` written to a new file in a new private directory."""
     directory = tempfile.mkdtemp(prefix="spmd-aot-kernels-")  # 0700, a new name: nobody else writes here
     with _lock:
         if not _dirs:
             atexit.register(_remove_dirs)
         _dirs.append(directory)
-    for rel, content in files.items():  # rel matched kernels_blob.FILE_PATTERN: one plain folder, one name
-        path = pathlib.Path(directory, rel)
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o700)
-        with os.fdopen(fd, "wb") as f:
-            f.write(content)
-    return directory
+    path = os.path.join(directory, f"{kernels_blob.ENTRY}.so")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o700)
+    with os.fdopen(fd, "wb") as f:
+        f.write(content)
+    return directory, path
 
 
-def _load(directory: str, artifact: bytes, digest: str):
-    from torch._inductor import CompiledArtifact
-    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+#: What the library's init reads (Inductor sets it the same way before loading its own): the
+#: address of torch's function from a Python tensor to its data pointer.
+_DATA_PTR_ENV = "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"
 
-    path = os.path.join(directory, "artifact.bin")
-    pathlib.Path(path).write_bytes(artifact)
+
+def _load(path: str, digest: str):
+    """The library's entry function, the module imported from ``path`` under a name of its own
+    (not put in ``sys.modules``: nothing imports it by name)."""
+    os.environ[_DATA_PTR_ENV] = str(torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr)
+    name = f"spmd_aot_kernels_{digest[:16]}.{kernels_blob.ENTRY}"  # PyInit_<ENTRY>: the last part
     try:
-        with temporary_cache_dir(directory), kernels.inductor_settings(), _no_isa_probes():
-            return CompiledArtifact.load(path=path, format="binary")
-    except Exception as exc:  # torch's loader asserts on what it does not recognise
+        loader = importlib.machinery.ExtensionFileLoader(name, path)
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+        loader.exec_module(module)
+        return getattr(module, kernels_blob.ENTRY)
+    except (ImportError, OSError, RuntimeError, AttributeError) as exc:  # dlopen, PyInit or entry failed
         raise CorruptArtifactError(f"artifact {digest[:12]}: its compiled kernels do not load "
                                    f"({type(exc).__name__}: {str(exc)[:200]}); rebuild it") from exc
-
-
-@contextlib.contextmanager
-def _no_isa_probes():
-    """Inductor proves each vector ISA the CPU reports by dlopen-ing a test library in a fresh
-    Python subprocess (about half a second each, several per process) before it loads a kernel.
-    The stored kernels were built for this CPU capability (it is in the key) and their libraries
-    are loaded directly; a library that cannot load fails the load, which then says so."""
-    from torch._inductor import cpu_vec_isa
-
-    probe = getattr(cpu_vec_isa.VecISA, "_probe_load", None)
-    if probe is None:  # another torch: nothing to skip
-        yield
-        return
-    cpu_vec_isa.VecISA._probe_load = lambda self, path: os.path.isfile(path)
-    try:
-        yield
-    finally:
-        cpu_vec_isa.VecISA._probe_load = probe
 
 
 def loaded_dirs() -> list[str]:
