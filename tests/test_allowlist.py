@@ -66,3 +66,43 @@ def test_cli_lists_the_allowlist(capsys):
     assert "aten::add.Tensor" in lines and "operator.getitem" in lines
     assert "aten::_reshape_alias.default" not in lines
     assert len([l for l in lines if not l.startswith("#")]) == len(allowlist.allowed_ops()) + 1
+
+
+def _lists(tmp_path, header: str, own: str | None = None):
+    (tmp_path / "allowed_ops.txt").write_text(f"# torch-release: {header}\naten::add.Tensor\n")
+    if own:
+        (tmp_path / f"allowed_ops-{own}.txt").write_text(f"# torch-release: {own}\naten::sub.Tensor\n")
+    return str(tmp_path)
+
+
+def test_a_release_with_its_own_list_uses_it_over_the_shared_one(tmp_path, caplog):
+    directory = _lists(tmp_path, "2.13, 2.14", own="2.14")
+    choice = allowlist.choose_list("2.14", directory)
+    assert choice.path.name == "allowed_ops-2.14.txt" and choice.verified and "own list" in choice.why
+    assert allowlist.load_list("2.14", directory) == {"aten::sub.Tensor"}
+    assert allowlist.load_list("2.13", directory) == {"aten::add.Tensor"}  # the other release keeps the shared one
+    assert not caplog.records
+
+
+def test_a_header_naming_the_release_selects_the_shared_list_silently(tmp_path, caplog):
+    directory = _lists(tmp_path, "2.13, 2.14")
+    choice = allowlist.choose_list("2.13", directory)
+    assert choice.path.name == "allowed_ops.txt" and choice.verified
+    assert allowlist.load_list("2.13", directory) == {"aten::add.Tensor"}
+    assert not caplog.records
+
+
+def test_an_unnamed_release_uses_the_shared_list_and_warns_once(tmp_path, caplog):
+    directory = _lists(tmp_path, "2.13, 2.14", own="2.14")
+    choice = allowlist.choose_list("2.15", directory)
+    assert choice.path.name == "allowed_ops.txt" and not choice.verified and "not 2.15" in choice.why
+    with caplog.at_level("WARNING", logger=allowlist.__name__):
+        assert allowlist.load_list("2.15", directory) == {"aten::add.Tensor"}
+        assert allowlist.load_list("2.15", directory) == {"aten::add.Tensor"}
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "not made for torch 2.15" in warnings[0], warnings
+
+
+def test_the_running_process_uses_the_chosen_list():
+    assert allowlist.allowed_ops() == allowlist.load_list(allowlist.running_release(), str(allowlist.LIST_DIR))
+    assert allowlist.chosen_list().path.parent == allowlist.LIST_DIR

@@ -501,10 +501,10 @@ def run_children(cases: list, timeout: float, verbose: bool) -> dict:
 
 
 def allowed_ops() -> list[str]:
-    from spmd_aot.format.allowlist import _parse
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "spmd_aot", "format", "allowed_ops.txt")
-    with open(path) as f:
-        return sorted(_parse(f.read())[1])  # read now: the list may have grown since import
+    """The overloads of the list this torch release uses (``allowlist.choose_list``), read now:
+    the list may have grown since import."""
+    from spmd_aot.format.allowlist import _parse, chosen_list
+    return sorted(_parse(chosen_list().path.read_text())[1])
 
 
 REVIEW_OPS = ("aten::_fused_adam_.default", "aten::_fused_adamw_.tensor_lr", "aten::_fused_sgd_.default",
@@ -553,6 +553,8 @@ def main(argv=None) -> int:
     if a.child:
         child(a.child[0], int(a.child[1]), a.child[2])
         return 0
+    from spmd_aot.format.allowlist import chosen_list
+    print(f"# allowlist: {chosen_list().describe()}")
     ops = allowed_ops()
     if a.op:
         ops = [o for o in ops if o in a.op]

@@ -21,7 +21,7 @@ import msgpack
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import spmd_aot  # noqa: E402
-from spmd_aot.format.allowlist import allowed_ops  # noqa: E402
+from spmd_aot.format.allowlist import allowed_ops, chosen_list  # noqa: E402
 from spmd_aot.format.artifact import read_manifest  # noqa: E402
 from spmd_aot.job import load_target  # noqa: E402
 from spmd_aot.store import LocalStore  # noqa: E402
@@ -72,6 +72,7 @@ def main(argv=None) -> int:
         cpu, cuda = inventory(job, cache_dir, **options)
     print(f"# {args.target} world {args.world_size} {args.placement}: {len(cpu)} overloads on cpu, "
           f"{len(cuda)} on cuda ({sum(cpu.values())} / {sum(cuda.values())} nodes)")
+    print(f"# statuses against the op allowlist {chosen_list().describe()}")
     for op in sorted(set(cpu) - set(cuda)):
         print(f"- cpu only   {op} x{cpu[op]}")
     for op in sorted(set(cuda) - set(cpu)):

@@ -184,6 +184,8 @@ def cmd_verify(args) -> int:
             digest = _previous(store, digest)  # an older entry gc removed ends the chain, as in lookups
     for line in problems:
         print(safe(line))
+    from ..format.allowlist import chosen_list
+    print(f"# graphs checked against the op allowlist {chosen_list().describe()}")
     n = len(problems)
     print(f"{n_blobs} blobs, {len(entries)} artifacts checked, {n} problem{'s' if n != 1 else ''}")
     return EXIT_PROBLEMS if problems else EXIT_OK
@@ -214,11 +216,11 @@ def _previous(store, digest: str) -> str | None:
 
 
 def cmd_ops(args) -> int:
-    """Print the op allowlist (``spmd_aot/allowed_ops.txt``), one overload per line."""
-    from ..format.allowlist import PYTHON_CALLABLES, TORCH_RELEASE, allowed_ops
+    """Print the op allowlist this torch release uses (``allowlist.choose_list``), one overload per line."""
+    from ..format.allowlist import PYTHON_CALLABLES, allowed_ops, chosen_list
 
     ops = sorted(allowed_ops()) + list(PYTHON_CALLABLES)
-    print(f"# {len(ops)} call targets a stored graph may name (made for torch {TORCH_RELEASE})")
+    print(f"# {len(ops)} call targets a stored graph may name (list: {chosen_list().describe()})")
     for op in ops:
         print(op)
     return EXIT_OK

@@ -22,22 +22,26 @@ the file): overload names can change between releases, so a process running anot
 logs a warning once and a test checks that every listed overload exists in the running torch.
 One list serves both releases because 2.14 renamed no listed overload and its graphs call no
 new one (the suite and ``tools/fuzz_ops.py`` on 2.14.1); a release that needs a different set
-gets its own file, ``allowed_ops-<release>.txt``, chosen by the running release.
+gets its own file, ``allowed_ops-<major.minor>.txt`` next to the shared one. ``choose_list`` is
+the one place that decides which file a process uses (and says why): the release's own file when
+it exists, else the shared file (silently when its header names the release, with the warning
+otherwise).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
-import importlib.resources
 import logging
 import os
+import pathlib
 import re
 
 import torch
 
-__all__ = ["ALLOWED_OPS", "PYTHON_CALLABLES", "REFUSED", "TORCH_RELEASE", "TORCH_RELEASES", "running_release", "ENV_ALLOW_OPS", "refusal",
+__all__ = ["ALLOWED_OPS", "ListChoice", "choose_list", "chosen_list", "load_list", "PYTHON_CALLABLES", "REFUSED", "TORCH_RELEASE", "TORCH_RELEASES", "running_release", "ENV_ALLOW_OPS", "refusal",
            "allowed_ops", "is_allowed", "is_opted_in", "opted_in", "opted_in_ops", "opt_in_names", "extra_ops"]
 
 log = logging.getLogger(__name__)
@@ -81,16 +85,57 @@ def _parse(text: str) -> tuple[str, frozenset]:
     return release, frozenset(ops)
 
 
+#: Where the shipped lists are: ``allowed_ops.txt`` (shared) and any ``allowed_ops-<release>.txt``.
+LIST_DIR = pathlib.Path(__file__).parent
+SHARED_LIST = "allowed_ops.txt"
+
+
+@dataclasses.dataclass(frozen=True)
+class ListChoice:
+    """The allowlist file a process uses for torch ``release``, and why that one."""
+    path: pathlib.Path
+    release: str
+    why: str
+    verified: bool  # False: the list was not made for this release (loading warns once)
+
+    def describe(self) -> str:
+        return f"{self.path.name} ({self.why})"
+
+
+def choose_list(release: str | None = None, directory: pathlib.Path | str | None = None) -> ListChoice:
+    """The one place that decides which allowlist file torch ``release`` (default: the running
+    one) uses, from the files in ``directory`` (default: this package's)."""
+    release = release or running_release()
+    directory = pathlib.Path(directory) if directory is not None else LIST_DIR
+    own = directory / f"allowed_ops-{release}.txt"
+    if own.is_file():
+        return ListChoice(own, release, f"torch {release}'s own list", True)
+    shared = directory / SHARED_LIST
+    header = _parse(shared.read_text())[0]
+    if release in _releases(header):
+        return ListChoice(shared, release, f"shared list, made for torch {header}", True)
+    return ListChoice(shared, release, f"shared list, made for torch {header}, not {release}", False)
+
+
 @functools.lru_cache(maxsize=None)
+def load_list(release: str, directory: str) -> frozenset:
+    """The overloads of the list ``choose_list`` picks; warns once per (release, directory) when
+    the list was not made for ``release`` (what is not listed is refused, as always)."""
+    choice = choose_list(release, directory)
+    if not choice.verified:
+        log.warning("the op allowlist %s was not made for torch %s: graphs that call renamed or new "
+                    "overloads will be refused", choice.describe(), release)
+    return _parse(choice.path.read_text())[1]
+
+
+def chosen_list() -> ListChoice:
+    """The list this process uses (for ``show``/``ops`` and the key)."""
+    return choose_list(running_release(), LIST_DIR)
+
+
 def allowed_ops() -> frozenset:
-    """Every allowed overload name, ``"aten::add.Tensor"`` style (read once from the data file)."""
-    text = importlib.resources.files(__package__).joinpath("allowed_ops.txt").read_text()
-    release, ops = _parse(text)
-    running = running_release()
-    if running not in _releases(release):
-        log.warning("the op allowlist was made for torch %s, this is torch %s: graphs that call "
-                    "renamed overloads will be refused", release, running)
-    return ops
+    """Every allowed overload name, ``"aten::add.Tensor"`` style (read once from the chosen file)."""
+    return load_list(running_release(), str(LIST_DIR))
 
 
 def running_release() -> str:
@@ -102,8 +147,9 @@ def _releases(header: str) -> tuple[str, ...]:
     return tuple(r.strip() for r in header.split(",") if r.strip())
 
 
-TORCH_RELEASE = _parse(importlib.resources.files(__package__).joinpath("allowed_ops.txt").read_text())[0]
-#: The releases the list was verified on, e.g. ``("2.13", "2.14")``.
+#: The chosen list's header, e.g. ``"2.13, 2.14"`` (a release's own file may name just itself).
+TORCH_RELEASE = _parse(chosen_list().path.read_text())[0] or running_release()
+#: The releases the chosen list was verified on, e.g. ``("2.13", "2.14")``.
 TORCH_RELEASES = _releases(TORCH_RELEASE)
 ALLOWED_OPS = allowed_ops()
 

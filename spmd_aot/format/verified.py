@@ -30,7 +30,8 @@ import torch
 __all__ = ["known", "remember", "record_dir"]
 
 # the files whose code decides what a load check accepts, relative to the package
-_CHECKER_FILES = ("format/validate.py", "format/contracts", "format/allowlist.py", "format/allowed_ops.txt",
+# (and the allowlist file this process chose: allowlist.chosen_list)
+_CHECKER_FILES = ("format/validate.py", "format/contracts", "format/allowlist.py",
                   "format/limits.py", "tracing/fused_meta.py", "format/serialize.py", "format/bounded.py",
                   "format/verified.py")
 
@@ -48,6 +49,9 @@ def _checker_code() -> str:
         path = here / name
         for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
             h.update(b"\0" + f.relative_to(here).as_posix().encode() + b"\0" + f.read_bytes())
+    from .allowlist import chosen_list
+    listed = chosen_list().path
+    h.update(b"\0" + listed.name.encode() + b"\0" + listed.read_bytes())
     return h.hexdigest()
 
 

@@ -170,6 +170,9 @@ def spmd_aot_code(**_) -> str:
             continue
         h.update(rel.as_posix().encode() + b"\0")
         h.update(f.read_bytes())
+    from ..format.allowlist import chosen_list  # the op list this release uses (a data file, not *.py)
+    listed = chosen_list().path
+    h.update(b"format/" + listed.name.encode() + b"\0" + listed.read_bytes())
     return h.hexdigest()
 
 
