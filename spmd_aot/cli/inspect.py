@@ -151,8 +151,16 @@ def cmd_verify(args) -> int:
     tensors against its layout: ``Artifact.check``); exit 1 on any problem.
 
     Read-only: an artifact whose blobs the re-hash already found damaged is reported without
-    being read, since reading a corrupt blob moves it to quarantine/.
+    being read, since reading a corrupt blob moves it to quarantine/. Decoding runs with Python's
+    cyclic collector paused, as a job's load does (``runtime/collector.py``).
     """
+    from ..runtime import collector
+
+    with collector.paused():
+        return _verify(args)
+
+
+def _verify(args) -> int:
     from ..format.artifact import check_entry
     from ..keying.lookup import MAX_ENTRIES
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import math
 from typing import Any
 
@@ -87,9 +86,8 @@ class Artifact:
 
         if groups is None:
             groups = [str(d) for d in range(len(self.plan.mesh_shape))] if self.plan.world_size > 1 else []
-        # Decoding allocates ~10 small objects per node and no reference cycles; with the
-        # cyclic GC on, its generation-2 sweeps over a job's large heap doubled the load time.
-        with _gc_paused(), numpy_lookups_skipped():
+        # a job's load runs with Python's cyclic collector paused (``runtime/collector.py``)
+        with numpy_lookups_skipped():
             nodes = decode_graph(self.graph, groups=groups, device=device or torch.device("cpu"))
             if not (remember and verified.known(self.digest)):
                 check_graph(nodes, self.constants, self.slots)
@@ -452,17 +450,6 @@ def decode_spec(stored, where: str, limits: LoadLimits | None = None) -> pytree.
 # ---------------------------------------------------------------------------- helpers
 def plan_from_manifest(p: dict) -> Plan:
     return Plan.from_dict(p)
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def layout_entries(slots: list[Slot], plan: Plan) -> list[dict]:

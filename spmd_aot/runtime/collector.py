@@ -10,7 +10,8 @@ the heap, far below the quarter of it that makes the collector run a full pass l
 pass is skipped, not postponed.
 
 A trace (a miss) runs with the collector on: FX graphs and fake tensors are full of cycles, and a
-long trace must not grow without bound.
+long trace must not grow without bound. ``spmd-aot verify``, which decodes every stored graph,
+pauses it the same way.
 """
 
 from __future__ import annotations
