@@ -48,6 +48,7 @@ def test_every_check_passes_on_cpu(check_cuda, capsys):
     # what it found comes first
     assert out.startswith("# python "), out
     assert f"torch {torch.__version__}" in out and "NCCL available" in out and "spmd-aot 0.1" in out and "transformers" in out
+    assert "# SDPA backend eager picks on cpu" in out and "bfloat16 causal GQA 4/2: " in out, out
     verdicts = _verdicts(out)
     assert verdicts == {c: "PASS" for c in CHECKS}, out
     assert "|loaded - FSDP2(mp_policy)|" in out and "|loaded - replicate(mp_policy)|" in out

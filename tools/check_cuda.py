@@ -9,7 +9,8 @@ This project's own machines have no GPU. When a session is lent one (15 minutes 
 per task, all tries together), this one script is what to run there (``PYTHONPATH=.``; it needs
 no install). It prints, in order:
 
-1. **What it found**: torch release and CUDA build, GPUs, NCCL, transformers, spmd-aot version.
+1. **What it found**: torch release and CUDA build, GPUs, NCCL, transformers, spmd-aot version,
+   and which SDPA kernel eager picks there (fp32 and bf16, causal, with and without GQA).
    A torch release the allowlist was not verified on is named and the run continues: the cache key holds the release, so
    artifacts built on another release miss and are built here instead (said per check).
 2. **World 1** (one process, no process group) for two models, the repo's example transformer LM
@@ -216,10 +217,34 @@ def found(args) -> list[str]:
                      f"({', '.join(TORCH_RELEASES)}): the cache key holds the torch release, so artifacts built "
                      "elsewhere miss and are built here; continuing where possible")
     z = args.sizes
+    lines.append(sdpa_choices(args.device, z))
     lines.append(f"# device {args.device}; models: {', '.join(NAMES[m] for m in args.models)}, {z.layers} layers, "
                  f"d_model {z.d_model}, context {z.seq}, batch {z.batch}/rank, AdamW(lr=1e-3); "
                  f"{args.steps} parity steps; budget {args.budget_seconds:.0f}s")
     return lines
+
+
+def sdpa_choices(device: str, z: Sizes) -> str:
+    """Which attention kernel eager picks on this device (``torch._fused_sdp_choice``), for the
+    checks' head shapes: a GPU-less CUDA build records math attention, and only a real device
+    says what eager would have run (issue 19: the SDPA backend of the target GPU)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        return "# SDPA backend eager picks: unknown (no CUDA device visible)"
+    from torch.nn.attention import SDPBackend
+
+    heads, kv_heads = 4, 2
+    picks = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for label, n_kv, gqa in (("causal", heads, False), (f"causal GQA {heads}/{kv_heads}", kv_heads, True)):
+            q = torch.randn(z.batch, heads, z.seq, z.d_model // heads, dtype=dtype, device=device)
+            kv = torch.randn(z.batch, n_kv, z.seq, z.d_model // heads, dtype=dtype, device=device)
+            try:
+                choice = SDPBackend(torch._fused_sdp_choice(q, kv, kv, is_causal=True, enable_gqa=gqa)).name
+            except Exception as exc:  # noqa: BLE001  (reported, not a failure of the run)
+                choice = f"error {type(exc).__name__}"
+            picks.append(f"{str(dtype).removeprefix('torch.')} {label}: {choice}")
+    return (f"# SDPA backend eager picks on {device} (torch._fused_sdp_choice, head dim {z.d_model // heads}, "
+            f"context {z.seq}): " + "; ".join(picks))
 
 
 # ---------------------------------------------------------------------------- a deadline
