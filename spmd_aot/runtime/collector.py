@@ -23,24 +23,21 @@ __all__ = ["paused", "resumed"]
 
 
 @contextlib.contextmanager
+def _switched(on: bool):
+    """The collector on (or off) for the block, then back as the caller had it."""
+    was_on = gc.isenabled()
+    gc.enable() if on else gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable() if was_on else gc.disable()
+
+
 def paused():
     """The collector off for the block, then back as it was (a caller that disabled it keeps it off)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
+    return _switched(False)
 
 
-@contextlib.contextmanager
 def resumed():
     """Inside ``paused``: the collector on for a block that builds cyclic garbage (a trace)."""
-    was_enabled = gc.isenabled()
-    gc.enable()
-    try:
-        yield
-    finally:
-        if not was_enabled:
-            gc.disable()
+    return _switched(True)
