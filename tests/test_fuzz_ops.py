@@ -46,3 +46,20 @@ def test_every_allowed_op_gets_a_valid_sample():
                 refused[name] = why
     # torch's meta kernel of these refuses a scalars tensor on the meta device (not a contract)
     assert set(refused) <= {"aten::_foreach_addcdiv_.Tensor", "aten::_foreach_addcmul_.Tensor"}, refused
+
+
+def test_a_spent_budget_runs_nothing_and_says_how_much():
+    """``--budget-seconds``: no child starts after the deadline; the cases left are counted."""
+    import time
+
+    r = fuzz_ops.fuzz(["aten::add.Tensor"], deadline=time.monotonic() - 1)
+    assert r["run"] > 0 and r["not_run"] == r["run"]
+    assert r["run_ok"] == r["run_raised"] == 0 and r["crashes"] == []
+
+
+def test_cuda_faults_are_told_from_argument_errors():
+    """On ``--device cuda`` a fault of the device ends the child (a crash); a refusal does not."""
+    assert fuzz_ops._is_cuda_fault(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert fuzz_ops._is_cuda_fault(RuntimeError("CUDA error: device-side assert triggered"))
+    assert not fuzz_ops._is_cuda_fault(RuntimeError("index 7 is out of bounds for dimension 0 with size 3"))
+    assert not fuzz_ops._is_cuda_fault(ValueError("Expected all tensors to be on the same device"))

@@ -8,7 +8,8 @@ of the wrong length, dims and sizes out of range, negative and out-of-range inde
 sizes (as stride-0 views and size arguments: refused by the load limits, never allocated).
 Each set first goes through the check a loaded graph goes through (``validate.check_node``: the
 op's contract, its meta kernel, the result checks) on meta tensors; whatever it accepts then runs
-for real on CPU in a child process (``MALLOC_CHECK_=3``, ``faulthandler``, a timeout), after the
+for real on CPU (``--device cuda``: on the GPU, each run synchronized, a CUDA fault counted
+as a crash) in a child process (``MALLOC_CHECK_=3``, ``faulthandler``, a timeout), after the
 run-time index check ``program.py`` applies. A Python exception from torch is fine; a signal,
 an abort or a hang is a crash, reported with its case.
 
@@ -18,6 +19,7 @@ case and the parent restarts a child from the next one.
     python tools/fuzz_ops.py                 # every op, every mutation
     python tools/fuzz_ops.py --slice 8       # every 8th op plus the review's crash ops (CI)
     python tools/fuzz_ops.py --op aten::native_batch_norm.default -v
+    python tools/fuzz_ops.py --device cuda   # on a lent GPU: the kernels a CUDA artifact calls
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ def materialize(args, kwargs, device: str, group: str | None = None):
         else:
             bases[key] = (torch.rand(n, generator=gen) + 0.5).to(dtype) if dtype.is_floating_point or \
                 dtype.is_complex else torch.randint(0, 3, (n,), generator=gen).to(dtype)
+        if device not in ("meta", "cpu"):
+            bases[key] = bases[key].to(device)  # the same values on every device
     counter = iter(range(len(recipes)))
 
     def build(v):
@@ -413,7 +417,10 @@ def check(name: str, args, kwargs, limit: int) -> str | None:
 
 
 # ------------------------------------------------------------------ the child (real runs)
-def child(case_file: str, start: int, progress: str) -> None:
+def child(case_file: str, start: int, progress: str, device: str = "cpu") -> None:
+    """Run cases from ``start`` on ``device``. A CUDA error (an illegal access, a device-side
+    assert) leaves the process's CUDA context unusable: the child reports it on stderr and exits
+    at once, so the parent records that case as a crash and starts a new child after it."""
     import faulthandler
 
     faulthandler.enable()
@@ -433,24 +440,39 @@ def child(case_file: str, start: int, progress: str) -> None:
             outcome = "ok"
             try:
                 op = resolve_target(name)
-                rargs, rkwargs = materialize(args, kwargs, "cpu", group)
+                rargs, rkwargs = materialize(args, kwargs, device, group)
                 if "device" in rkwargs:
-                    rkwargs["device"] = None
+                    rkwargs["device"] = None if device == "cpu" else torch.device(device)
                 check_values = VALUE_CHECKS.get(name)
                 if check_values:
                     check_values(tuple(rargs), dict(rkwargs))
                 result = op(*rargs, **rkwargs)
                 if name.startswith("_c10d_functional") and isinstance(result, torch.Tensor):
                     torch.ops._c10d_functional.wait_tensor(result)
-            except Exception:  # noqa: BLE001 - a Python error is a safe refusal
+                if device == "cuda":
+                    torch.cuda.synchronize()  # kernels are asynchronous: their faults surface here
+            except Exception as exc:  # noqa: BLE001 - a Python error is a safe refusal
+                if device == "cuda" and _is_cuda_fault(exc):
+                    print(f"CUDA fault: {str(exc).strip().splitlines()[0][:300]}", file=sys.stderr, flush=True)
+                    os._exit(86)
                 outcome = "raised"
             log.write(f"E {i} {outcome}\n")
     dist.destroy_process_group()
 
 
-def run_children(cases: list, timeout: float, verbose: bool) -> dict:
-    """Run ``cases`` in child processes; restart after a crash or hang from the next case."""
-    stats = {"ok": 0, "raised": 0, "crashes": []}
+def _is_cuda_fault(exc: Exception) -> bool:
+    """An error of the device, not of the arguments: after one, the CUDA context is unusable."""
+    text = str(exc)
+    return isinstance(exc, getattr(torch, "AcceleratorError", ())) or any(
+        s in text for s in ("CUDA error", "illegal memory access", "device-side assert", "misaligned address",
+                            "unspecified launch failure", "CUBLAS_STATUS_EXECUTION_FAILED"))
+
+
+def run_children(cases: list, timeout: float, verbose: bool, device: str = "cpu",
+                 deadline: float = float("inf")) -> dict:
+    """Run ``cases`` in child processes; restart after a crash or hang from the next case. No
+    child starts after ``deadline`` (``time.monotonic``): the cases left are counted as not run."""
+    stats = {"ok": 0, "raised": 0, "crashes": [], "not_run": 0}
     with tempfile.TemporaryDirectory() as tmp:
         case_file, progress = os.path.join(tmp, "cases.pkl"), os.path.join(tmp, "progress")
         with open(case_file, "wb") as f:
@@ -460,9 +482,12 @@ def run_children(cases: list, timeout: float, verbose: bool) -> dict:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         while start < len(cases):
+            if time.monotonic() > deadline:
+                stats["not_run"] = len(cases) - start
+                break
             open(progress, "w").close()
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", case_file, str(start),
-                                     progress], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                     progress, "--device", device], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             last, since, hung = -1, time.monotonic(), False
             while proc.poll() is None:
                 time.sleep(0.05)
@@ -512,7 +537,8 @@ REVIEW_OPS = ("aten::_fused_adam_.default", "aten::_fused_adamw_.tensor_lr", "at
               "aten::max_pool2d_with_indices_backward.default", "aten::embedding_dense_backward.default")
 
 
-def fuzz(ops: list[str], *, timeout: float = 20.0, verbose: bool = False, limit: int = 16 << 20) -> dict:
+def fuzz(ops: list[str], *, timeout: float = 20.0, verbose: bool = False, limit: int = 16 << 20,
+         device: str = "cpu", deadline: float = float("inf")) -> dict:
     """Generate, check and run; returns the figures (and the cases behind any failure)."""
     from spmd_aot.format.serialize import resolve_target
 
@@ -536,9 +562,10 @@ def fuzz(ops: list[str], *, timeout: float = 20.0, verbose: bool = False, limit:
                     accepted.append((name, label, [args, kwargs]))
                 else:
                     refused += 1
-    stats = run_children(accepted, timeout, verbose)
+    stats = run_children(accepted, timeout, verbose, device, deadline)
     return {"ops": len(ops), "tried": tried, "refused": refused + len(bad_samples), "run": len(accepted),
             "run_ok": stats["ok"], "run_raised": stats["raised"], "crashes": stats["crashes"],
+            "not_run": stats["not_run"],
             "valid_samples_refused": bad_samples}
 
 
@@ -548,23 +575,31 @@ def main(argv=None) -> int:
     p.add_argument("--slice", type=int, default=1, help="fuzz every Nth op (plus the review's crash ops)")
     p.add_argument("--op", action="append", help="fuzz only these overloads")
     p.add_argument("--timeout", type=float, default=20.0, help="seconds one case may run")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where accepted cases run (cuda: the kernels a CUDA artifact calls)")
+    p.add_argument("--budget-seconds", type=float, default=float("inf"),
+                   help="start no child after this long; the cases left are reported as not run")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     if a.child:
-        child(a.child[0], int(a.child[1]), a.child[2])
+        child(a.child[0], int(a.child[1]), a.child[2], a.device)
         return 0
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device visible", file=sys.stderr)
+        return 2
     from spmd_aot.format.allowlist import chosen_list
-    print(f"# allowlist: {chosen_list().describe()}")
+    print(f"# allowlist: {chosen_list().describe()}; torch {torch.__version__}; accepted cases run on {a.device}")
     ops = allowed_ops()
     if a.op:
         ops = [o for o in ops if o in a.op]
     elif a.slice > 1:
         ops = sorted(set(ops[::a.slice]) | (set(REVIEW_OPS) & set(ops)))
     start = time.monotonic()
-    r = fuzz(ops, timeout=a.timeout, verbose=a.verbose)
+    r = fuzz(ops, timeout=a.timeout, verbose=a.verbose, device=a.device, deadline=start + a.budget_seconds)
     print(f"ops {r['ops']}, argument sets {r['tried']}, refused {r['refused']}, accepted and run {r['run']} "
           f"({r['run_ok']} returned, {r['run_raised']} raised), crashes {len(r['crashes'])}, "
-          f"valid samples refused {len(r['valid_samples_refused'])} ({time.monotonic() - start:.0f} s)")
+          f"valid samples refused {len(r['valid_samples_refused'])}, not run (budget) {r['not_run']} "
+          f"({time.monotonic() - start:.0f} s)")
     for c in r["crashes"]:
         print("CRASH", *c)
     for name, why in r["valid_samples_refused"]:
