@@ -124,6 +124,35 @@ def test_graph_objects_are_bounded_by_its_declared_node_count():
         bounded.unpack(_pack({"a": msgpack.ExtType(1, b"x")}), "doc", objects=100)
 
 
+def test_a_document_decodes_to_at_most_twice_its_bytes_in_counted_objects():
+    """Why ``bounded`` may skip counting for a document of at most ``objects / 2`` bytes: the
+    count (containers plus their elements) never passes twice the bytes, for the densest
+    documents there are (nested and flat empty containers, maps of one-byte keys)."""
+    import random
+
+    rng = random.Random(0)
+
+    def doc(depth):
+        kind = rng.randrange(5) if depth < 6 else 4
+        if kind == 0:
+            return [doc(depth + 1) for _ in range(rng.randrange(4))]
+        if kind == 1:
+            return {chr(97 + i): doc(depth + 1) for i in range(rng.randrange(4))}
+        return [[[[]]]] if kind == 2 else ([] if kind == 3 else rng.choice([0, None, True, ""]))
+
+    cases = [[[]] * 1000, [[[[[]]]]], {"": []}, [{}] * 500] + [doc(0) for _ in range(300)]
+    for case in cases:
+        data = _pack(case)
+        bounded.unpack(data, "doc", objects=2 * len(data))  # at exactly twice the bytes: never over
+        counted = []
+        msgpack.unpackb(data, list_hook=lambda o: counted.append(len(o) + 1) or o,
+                        object_hook=lambda o: counted.append(len(o) + 1) or o)
+        assert sum(counted) <= 2 * len(data), case
+    # over the size bound the count still runs and still refuses
+    with pytest.raises(CorruptArtifactError, match="objects"):
+        bounded.unpack(_pack([[]] * 1000), "doc", objects=1500)
+
+
 def test_signature_is_checked_before_the_manifest_is_decoded(store, built, monkeypatch):
     garbage = signing.wrap(b"\xdd\x7f\xff\xff\xff" + b"\x90" * 1000)  # unsigned, and hostile inside
     digest = store.put(garbage)

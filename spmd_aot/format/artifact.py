@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -51,7 +52,7 @@ class Artifact:
     manifest: dict
     graph: bytes
     code: str
-    schema: dict
+    schema_blob: bytes  # decoded on first use (``schema``): inspection reads it, a load does not
     layout: dict
     constants: dict[str, torch.Tensor]
     spec: pytree.TreeSpec | None = None  # the decoded output spec (``read_artifact`` sets it)
@@ -61,6 +62,12 @@ class Artifact:
     def plan(self) -> Plan:
         p = self.manifest["plan"]
         return plan_from_manifest(p)
+
+    @functools.cached_property
+    def schema(self) -> dict:
+        """The schema map (per node: placements, parameter names, collectives), for ``show``,
+        ``verify`` and tests."""
+        return _unpack(self.schema_blob, f"schema of {self.digest[:12]}", load_limits())
 
     @property
     def slots(self) -> list[dict]:
@@ -295,8 +302,7 @@ def read_artifact(store, digest: str) -> Artifact:
         raise CorruptArtifactError(f"artifact {digest[:12]}: code blob is not UTF-8") from None
     layout = _unpack(parts["layout"], f"layout of {digest[:12]}", limits)
     _check_layout(layout, digest, plan_from_manifest(manifest["plan"]).world_size)
-    artifact = Artifact(digest, manifest, parts["graph"], code,
-                        _unpack(parts["schema"], f"schema of {digest[:12]}", limits), layout, constants)
+    artifact = Artifact(digest, manifest, parts["graph"], code, parts["schema"], layout, constants)
     if "kernels" in manifest["blobs"]:
         artifact.kernels = _get(store, manifest["blobs"]["kernels"], limits.constants_bytes, "kernels")
     artifact.out_spec()  # parse now: a bad spec is a corrupt artifact, not a failure mid-step
@@ -309,6 +315,7 @@ def check_entry(store, key: str, digest: str) -> Artifact:
     naming another key's manifest is refused), the graph must pass ``Artifact.check`` and a
     kernels blob must be well formed (``kernels_blob.unpack``)."""
     artifact = read_artifact(store, digest)
+    artifact.schema  # noqa: B018  (decoded here: a load never reads it, verify must)
     if artifact.manifest["key"] != key:
         raise CorruptArtifactError(f"ref {key[:64]} leads to manifest {digest[:12]}, which is the manifest "
                                    f"of key {artifact.manifest['key'][:64]!r}")

@@ -10,6 +10,11 @@ bytes decode to 2.4 GiB of lists. So every decode here
   ``CorruptArtifactError``) as soon as that count passes ``objects``: the memory a document
   can cost is then bounded by its limits, not by its bytes.
 
+Counting costs a Python call per container. Every msgpack object takes at least one byte and
+is counted at most twice (as an element of its container and as a container itself), so a
+document of ``n`` bytes decodes to at most ``2 n`` counted objects: when ``2 n <= objects`` the
+count can never pass the limit, and it is skipped (same bound, no hook).
+
 Only msgpack's native types come out (nil, bool, int, float, str, bytes, lists, maps with str
 keys); nothing is imported or constructed from type names. Nothing here imports torch.
 """
@@ -43,15 +48,21 @@ def _counter(objects: int, what: str) -> Callable:
     return charge
 
 
+def _never_over(size: int, objects: int) -> bool:
+    """Whether ``size`` bytes can never decode to more than ``objects`` counted objects (module doc)."""
+    return 2 * size <= objects
+
+
 def unpacker(data: bytes, what: str, *, objects: int, max_array: int, max_map: int,
              max_str: int | None = None) -> msgpack.Unpacker:
     """A streaming msgpack reader over ``data`` within these limits (see the module doc)."""
     size = max(len(data), 1)
-    hook = _counter(objects, what)
+    charge = None if _never_over(len(data), objects) else _counter(objects, what)
+    hooks = dict(list_hook=charge, object_hook=charge) if charge else {}  # one budget for both
     reader = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True, max_buffer_size=size,
                               max_str_len=min(max_str or size, size), max_bin_len=size,
                               max_array_len=min(max_array, size), max_map_len=min(max_map, size),
-                              max_ext_len=0, list_hook=hook, object_hook=hook)
+                              max_ext_len=0, **hooks)
     reader.feed(data)
     return reader
 

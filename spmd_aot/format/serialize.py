@@ -175,6 +175,11 @@ def refs_in(value) -> set[int]:
 
 def has_ref(value) -> bool:
     """Any ``Ref`` inside a decoded value (stops at the first)."""
+    kind = type(value)
+    if kind is Ref:
+        return True
+    if kind is not list and kind is not tuple and kind is not dict and kind is not slice or not value:
+        return False  # a scalar, a dtype, a device, ``{}``: program construction asks this of every argument
     return bool(_walk(value, stop_at_first=True))
 
 
@@ -273,6 +278,7 @@ def to_fx_graph(nodes: list[DecodedNode]) -> torch.fx.Graph:
 
 
 _ANY, _GROUP, _DEVICE = "any", "group", "device"
+_NO_OP = (None, (), None)  # ``op_kinds`` of a node that calls nothing
 
 
 @functools.lru_cache(maxsize=None)
@@ -300,7 +306,9 @@ class _Decoder:
             self.groups["world"] = dist.group.WORLD.group_name if dist.is_initialized() else groups[0]
         self.device = device
         self.index: dict[str, int] = {}
+        self.refs: list[Ref] = []  # one ``Ref`` per decoded node, shared by its readers
         self.targets: dict[str, Callable] = {}
+        self.kinds: dict[str, tuple] = {}  # op name -> ``op_kinds``
 
     def document(self, unpacker: msgpack.Unpacker, count: int) -> list[DecodedNode]:
         """The ``count`` nodes after the header, and nothing after them."""
@@ -312,38 +320,41 @@ class _Decoder:
         raise CorruptArtifactError("graph blob has bytes after its node list")
 
     def nodes(self, entries) -> list[DecodedNode]:
-        out = []
+        """Validate and resolve each raw node entry. Written for speed (a load decodes every node
+        of the step): locals instead of attribute lookups, each op's schema kinds looked up once
+        per target name, and references and scalars taken without a call (``arguments``)."""
+        out: list[DecodedNode] = []
+        index, name_ok, is_keyword = self.index, _NAME.match, keyword.iskeyword
+        last_op = None
         for entry in entries:
-            if not isinstance(entry, dict) or len(entry) != 5 or not _NODE_FIELDS.issuperset(entry):
+            if type(entry) is not dict or len(entry) != 5 or not _NODE_FIELDS.issuperset(entry):
                 raise CorruptArtifactError(f"malformed node entry {str(entry)[:80]}")
             op, name = entry["op"], entry["name"]
             if op not in _OPCODES:
                 raise UnsafeArtifactError(f"node opcode {str(op)[:40]!r} is not allowed")
-            if not isinstance(name, str) or not _NAME.match(name) or keyword.iskeyword(name) or name in self.index:
+            if type(name) is not str or not name_ok(name) or is_keyword(name) or name in index:
                 raise CorruptArtifactError(f"invalid or duplicate node name {str(name)[:80]!r}")
-            if out and out[-1].op == "output":
+            if last_op == "output":
                 raise CorruptArtifactError("nodes after the output node")
-            if not isinstance(entry["args"], list) or not isinstance(entry["kwargs"], dict):
+            raw_args, raw_kwargs = entry["args"], entry["kwargs"]
+            if type(raw_args) is not list or type(raw_kwargs) is not dict:
                 raise CorruptArtifactError(f"node {name}: args must be a list and kwargs a map")
-            target = self.target(entry["target"]) if op == "call_function" else None
-            positional, by_name = (_argument_kinds(target) if isinstance(target, torch._ops.OpOverload)
-                                   else ((), None))
-            if by_name is not None and len(entry["args"]) > len(positional):
-                raise CorruptArtifactError(f"node {name}: {len(entry['args'])} arguments for "
+            target, positional, by_name = self.op_kinds(entry["target"]) if op == "call_function" else _NO_OP
+            if by_name is not None and len(raw_args) > len(positional):
+                raise CorruptArtifactError(f"node {name}: {len(raw_args)} arguments for "
                                            f"{target}, which takes {len(positional)} positionally")
             self.read = set()
-            args = tuple(self.value(a, kind=positional[i] if i < len(positional) else _ANY)
-                         for i, a in enumerate(entry["args"]))
+            args = self.arguments(raw_args, positional)
             kwargs = {}
-            for k, v in entry["kwargs"].items():
+            for k, v in raw_kwargs.items():
                 k = self.kwarg_name(k)
                 if by_name is not None and k not in by_name:
                     raise CorruptArtifactError(f"node {name}: {target} has no argument {k!r}")
                 kwargs[k] = self.value(v, kind=by_name[k] if by_name is not None else _ANY)
             if by_name is not None:
-                self.check_groups(name, target, entry["args"], entry["kwargs"], positional)
+                self.check_groups(name, target, raw_args, raw_kwargs, positional)
             if op == "placeholder":
-                if out and out[-1].op != "placeholder":
+                if last_op is not None and last_op != "placeholder":
                     raise CorruptArtifactError(f"placeholder {name} after non-placeholder nodes")
                 target = name
             elif op == "get_attr":
@@ -352,13 +363,50 @@ class _Decoder:
                 if len(args) != 1 or kwargs:
                     raise CorruptArtifactError("output node must have exactly one argument")
                 target = "output"
-            self.index[name] = len(out)
+            index[name] = len(out)
+            self.refs.append(Ref(len(out)))
             node = DecodedNode(op, name, target, args, kwargs)
             node.__dict__["refs"] = frozenset(self.read)  # ``DecodedNode.refs``, known without a walk
             out.append(node)
-        if not out or out[-1].op != "output":
+            last_op = op
+        if last_op != "output":
             raise CorruptArtifactError("graph has no output node")
         return out
+
+    def arguments(self, raw: list, kinds: tuple) -> tuple:
+        """A node's positional arguments; a reference or a scalar where any value may stand is
+        taken here, everything else goes through ``value`` (the same checks, one call each)."""
+        out = []
+        n_kinds, index, read = len(kinds), self.index, self.read
+        for i, a in enumerate(raw):
+            if i >= n_kinds or kinds[i] is _ANY:
+                t = type(a)
+                if t is dict and len(a) == 1:
+                    payload = a.get("~node", a)
+                    if payload is not a:
+                        found = index.get(payload) if type(payload) is str else None
+                        if found is None:
+                            raise CorruptArtifactError(f"reference to unknown node {str(payload)[:80]!r}")
+                        read.add(found)
+                        out.append(self.refs[found])
+                        continue
+                elif a is None or t is int or t is float or t is str or t is bool:
+                    out.append(a)
+                    continue
+                out.append(self.value(a))
+            else:
+                out.append(self.value(a, kind=kinds[i]))
+        return tuple(out)
+
+    def op_kinds(self, name) -> tuple:
+        """(resolved target, positional argument kinds, keyword kinds or None), once per name."""
+        known = self.kinds.get(name) if type(name) is str else None
+        if known is None:
+            target = self.target(name)
+            positional, by_name = (_argument_kinds(target) if isinstance(target, torch._ops.OpOverload)
+                                   else ((), None))
+            known = self.kinds[name] = (target, positional, by_name)
+        return known
 
     def check_groups(self, name, target, args, kwargs, positional) -> None:
         """A collective's group must be given, and only as a bound mesh dimension."""
@@ -403,7 +451,7 @@ class _Decoder:
                 raise CorruptArtifactError(f"reference to unknown node {str(payload)[:80]!r}")
             index = self.index[payload]
             self.read.add(index)
-            return Ref(index)
+            return self.refs[index]
         if tag in ("~tuple", "~list") and isinstance(payload, list):
             items = [self.value(x, depth + 1) for x in payload]
             return tuple(items) if tag == "~tuple" else items

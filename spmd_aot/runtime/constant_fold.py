@@ -70,7 +70,7 @@ def fold_constants(nodes: list[DecodedNode], template: list[Any], output: Any,
     budget = limits.fold_total_flops
     with torch.no_grad():
         for i, node in enumerate(nodes):
-            if node.op != "call_function" or not _pure(node.target):
+            if node.op != "call_function" or not _facts(node.target)[1]:
                 continue
             if not node.refs <= available:
                 continue
@@ -197,8 +197,11 @@ def _unsafe(nodes: list[DecodedNode], folded: set[int], output: Any, same_as: di
     for i, node in enumerate(nodes):
         if node.op != "call_function" or i in folded:
             continue
+        _, _, writes, alias = _facts(node.target)
+        if not writes and not alias:  # most nodes: nothing to look at
+            continue
         suspect = _written_refs(node)
-        if _returns_alias(node):  # a view of a folded value escapes into per-step values
+        if alias:  # a view of a folded value escapes into per-step values
             suspect |= node.refs
         for r in suspect:
             if r in parent:
@@ -206,8 +209,19 @@ def _unsafe(nodes: list[DecodedNode], folded: set[int], output: Any, same_as: di
     return {i for i in folded if root(i) in bad_roots}
 
 
-def _returns_alias(node: DecodedNode) -> bool:
-    return _schema_returns_alias(node.target)
+_FACTS: dict[int, tuple] = {}  # id(target) -> ``_facts(target)``
+
+
+def _facts(target) -> tuple:
+    """(target, pure, writes anything, returns an alias), per op: looked up by identity, since
+    an op overload's own hash is Python code and every node asks. The entry holds the target,
+    so its id cannot be reused while the entry lives."""
+    known = _FACTS.get(id(target))
+    if known is None or known[0] is not target:
+        writes = (target is not operator.getitem if getattr(target, "_schema", None) is None
+                  else bool(_written_arguments(target)))
+        known = _FACTS[id(target)] = (target, _pure(target), writes, _schema_returns_alias(target))
+    return known
 
 
 @functools.lru_cache(maxsize=None)

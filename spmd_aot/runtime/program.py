@@ -138,14 +138,14 @@ def _compile_call(index: int, node: DecodedNode, unpack: Sequence[tuple[int, int
 
 def _gatherer(args: tuple) -> Callable[[list], tuple]:
     """The fastest way to build one node's positional arguments from the value table."""
-    if not has_ref(args):
-        return lambda env, _a=tuple(args): _a  # noqa: E731
-    if all(isinstance(a, Ref) for a in args):
+    if args and all(isinstance(a, Ref) for a in args):  # the common case first: no walk
         indices = [a.index for a in args]
         if len(indices) == 1:
             only = indices[0]
             return lambda env: (env[only],)  # noqa: E731
         return operator.itemgetter(*indices)
+    if not has_ref(args):
+        return lambda env, _a=tuple(args): _a  # noqa: E731
     if all(isinstance(a, Ref) or not has_ref(a) for a in args):  # refs and constants, flat
         positions = [i for i, a in enumerate(args) if isinstance(a, Ref)]
         indices = [args[i].index for i in positions]

@@ -30,6 +30,7 @@ from ..format.artifact import artifact_bytes, artifact_in_memory, layout_mismatc
 from ..errors import (ArtifactMismatchError, CacheIOError, CacheMissError, CorruptArtifactError, LockTimeoutError,
                      OpNotAllowedError, SpmdAotError)
 from .device_check import check_device
+from .zero_fill import ZeroFill
 from ..keying.explain import explain_miss
 from ..hints import TARGET_PLACEHOLDER, build_command
 from ..keying.key import compute_key
@@ -109,6 +110,7 @@ class CompiledStep:
         self._unstored = None  # a traced artifact the cache could not take (rank 0 serves it)
         self.cache_info: CacheInfo | None = None
         self._traces = 0
+        self._zero_fill = ZeroFill()
         functools.update_wrapper(self, fn)
 
     @property
@@ -141,6 +143,13 @@ class CompiledStep:
 
     # ------------------------------------------------------------------ first call
     def _prepare(self, model, optim, batch) -> "_BoundStep":
+        self._zero_fill = ZeroFill()  # the optimizer's fresh state, filled while the graph loads
+        try:
+            return self._prepare_with(model, optim, batch)
+        finally:
+            self._zero_fill.wait()
+
+    def _prepare_with(self, model, optim, batch) -> "_BoundStep":
         start = time.perf_counter()
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -152,7 +161,8 @@ class CompiledStep:
             ranks.broadcast_model_once(model)
             axes.prepare_live_state(model, optim, plan, mesh)  # as fully_shard / parallelize_module; idempotent
         if optim is not None:
-            initialize_optimizer_state(optim, axes.state_zeros if spread else None)
+            initialize_optimizer_state(optim, axes.state_zeros if spread else self._zero_fill.make)
+            self._zero_fill.start()
         state = TrainState(model, optim, batch, plan)
         key = compute_key(self.fn, state, plan, self.transforms.identities(), self.extra_sources,
                           kernels=self.kernels)
@@ -203,6 +213,7 @@ class CompiledStep:
             ranks.all_ranks_ok(failure, world)
         if rank == 0:  # for gc's least-recently-used order; rank 0 is the one that has the cache
             touch_used(self.store, key.key)
+        self._zero_fill.wait()  # part of the first call's cost (usually done long before)
         seconds = time.perf_counter() - start
         log.info("%s: cache %s on rank %d, key %s, digest %s, %s, %.2f s", _name(self.fn),
                  "hit" if hit else ("miss, traced by rank 0" if traced else "miss, built by another process"),
@@ -293,6 +304,7 @@ class CompiledStep:
         # imported here: a job that hits never loads the tracer and the build passes
         from ..building.pipeline import UnstoredTrace, trace_and_store, trace_to_blobs
 
+        self._zero_fill.wait()  # the trace sees the state as eager would
         blobs = None
         try:
             digest, traced = trace_and_store(store, self.fn, state, plan, key, mesh, state.graph_inputs(),
