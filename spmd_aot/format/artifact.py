@@ -89,7 +89,6 @@ class Artifact:
         ``remember`` (loads, not ``verify``): skip the meta run for an artifact this checker
         passed before, and record a pass (``verified.py``: a per-user record outside the cache)."""
         from . import verified
-        from .validate import check_graph
 
         if groups is None:
             groups = [str(d) for d in range(len(self.plan.mesh_shape))] if self.plan.world_size > 1 else []
@@ -97,6 +96,8 @@ class Artifact:
         with numpy_lookups_skipped():
             nodes = decode_graph(self.graph, groups=groups, device=device or torch.device("cpu"))
             if not (remember and verified.known(self.digest)):
+                from .validate import check_graph  # only here: a remembered artifact never imports it
+
                 check_graph(nodes, self.constants, self.slots)
                 if remember:
                     verified.remember(self.digest)
