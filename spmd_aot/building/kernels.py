@@ -45,38 +45,15 @@ import msgpack
 import torch
 
 from ..errors import UnsupportedError
-from ..format.kernels_blob import ENTRY, KERNELS_FORMAT, group_name
+from ..format.kernels_blob import ENTRY, INDUCTOR_SETTINGS, KERNELS_FORMAT, group_name
 from . import kernel_collectives, kernel_library
 
-__all__ = ["ingredient", "kernel_parts", "compile_graph", "KernelsUnavailable"]
+__all__ = ["kernel_parts", "compile_graph", "KernelsUnavailable"]
 
 log = logging.getLogger(__name__)
 
-#: Inductor options the build passes (part of the key: other options, other kernels).
-OPTIONS: dict = {}
-#: Inductor settings of the build (in the key: other settings, other library). ``cpp_wrapper``: the
-#: whole step as one C++ library (see the module doc). No precompiled header: the library is the
-#: same without one, and building one costs a compile of torch's headers.
-INDUCTOR_SETTINGS = {"cpp_cache_precompile_headers": False, "cpp_wrapper": True}
-
-
 class KernelsUnavailable(UnsupportedError):
     """Inductor cannot compile this graph here; the entry is stored with the interpreted graph alone."""
-
-
-def ingredient(device_type: str) -> dict:
-    """The key ingredient ``kernels``: what decides whether stored kernels run in this process.
-
-    Inductor's release is torch's full version (its ``+cpu`` / ``+cu130`` suffix too: the two
-    builds generate different code); the options; for CPU targets the CPU capability, which picks
-    the vector ISA the C++ kernels are built for (a job on another ISA would need a compiler to
-    rebuild them). The C++ compiler that built the libraries is recorded in the blob (``show``),
-    not keyed: a job never needs one."""
-    value = {"format": KERNELS_FORMAT, "torch": torch.__version__, "options": dict(sorted(OPTIONS.items())),
-             "settings": dict(sorted(INDUCTOR_SETTINGS.items()))}
-    if device_type == "cpu":
-        value["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    return value
 
 
 def inductor_settings():

@@ -14,10 +14,13 @@ format-1 blob is refused here (``verify``) and skipped at load (the step runs in
 
 from __future__ import annotations
 
+import torch
+
 from ..errors import CorruptArtifactError
 from .bounded import unpack as unpack_bounded
 
-__all__ = ["KERNELS_FORMAT", "ENTRY", "group_name", "decode", "check", "unpack", "describe"]
+__all__ = ["KERNELS_FORMAT", "ENTRY", "OPTIONS", "INDUCTOR_SETTINGS", "ingredient", "group_name", "decode", "check",
+           "unpack", "describe"]
 
 #: Version of the ``kernels`` blob's layout.
 KERNELS_FORMAT = 2
@@ -27,6 +30,28 @@ _MAX_SLOTS = 1 << 20
 #: Decode limits: those of format 1 (up to 4096 libraries), so that an older blob still decodes
 #: and is skipped by its ``format`` rather than refused as corrupt.
 _MAX_ITEMS = 4096
+
+#: Inductor options the build passes (part of the key: other options, other kernels).
+OPTIONS: dict = {}
+#: Inductor settings of the build (in the key: other settings, other library). ``cpp_wrapper``: the
+#: whole step as one C++ library (see the module doc). No precompiled header: the library is the
+#: same without one, and building one costs a compile of torch's headers.
+INDUCTOR_SETTINGS = {"cpp_cache_precompile_headers": False, "cpp_wrapper": True}
+
+
+def ingredient(device_type: str) -> dict:
+    """The key ingredient ``kernels``: what decides whether stored kernels run in this process.
+
+    Inductor's release is torch's full version (its ``+cpu`` / ``+cu130`` suffix too: the two
+    builds generate different code); the options; for CPU targets the CPU capability, which picks
+    the vector ISA the C++ kernels are built for (a job on another ISA would need a compiler to
+    rebuild them). The C++ compiler that built the libraries is recorded in the blob (``show``),
+    not keyed: a job never needs one."""
+    value = {"format": KERNELS_FORMAT, "torch": torch.__version__, "options": dict(sorted(OPTIONS.items())),
+             "settings": dict(sorted(INDUCTOR_SETTINGS.items()))}
+    if device_type == "cpu":
+        value["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    return value
 
 
 def group_name(dim: int) -> str:

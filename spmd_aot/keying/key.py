@@ -97,7 +97,7 @@ def compute_key(step: Callable, state: TrainState, plan: Plan,
                        extra_sources=list(extra_sources), tensors=tensors, inputs=inputs)
               for name, fn in INGREDIENTS}
     if kernels:
-        from ..building.kernels import ingredient
+        from ..format.kernels_blob import ingredient
 
         values["kernels"] = ingredient(plan.device_type)
     digests = {name: _digest(value) for name, value in values.items()}
