@@ -5,6 +5,7 @@ Smoke test only (no timing assertions): the benchmark is what the lead measures 
 
 import json
 import os
+import statistics
 import xml.etree.ElementTree as ET
 
 from support.multiproc import preloaded_context
@@ -93,3 +94,7 @@ def test_bench_start_quick_prints_every_row(tmp_path, monkeypatch, capsys):
     assert hit["parity"] <= bench_start.PARITY_LIMIT and eager["parity"] == 0
     assert 0 < hit["ready_s"] <= hit["first_s"] < hit["start_to_first_s"]
     assert eager["ready_s"] is None and 0 < eager["first_s"] < eager["start_to_first_s"]
+    over = rows["spmd-aot hit"].split("|")[5].strip()  # the paired difference from eager's start
+    paired = statistics.median(h["start_to_first_s"] - e["start_to_first_s"]
+                               for h, e in zip(starts["spmd-aot hit"], starts["eager"]))
+    assert over == f"{paired:+.3f} s" and rows["eager"].split("|")[5].strip() == "-"
