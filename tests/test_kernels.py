@@ -128,7 +128,7 @@ def test_show_lists_the_kernels(world1, capsys):
 
     assert main(["show", result.key, "--cache-dir", str(cache)]) == 0
     out = capsys.readouterr().out
-    assert "kernels" in out and "libraries" in out
+    assert "kernels:      1 library, " in out
 
 
 def _ddp_worker(rank, world, cache_dir, trusting_ranks):

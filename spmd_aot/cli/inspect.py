@@ -119,7 +119,8 @@ def _print_kernels(store, manifest: dict) -> None:
     except SpmdAotError as exc:
         say(f"kernels:      CORRUPT: {exc}")
         return
-    say(f"kernels:      {d['libraries']} libraries, {human_bytes(d['bytes'])}, compiled in "
+    count = d["libraries"]
+    say(f"kernels:      {count} {'library' if count == 1 else 'libraries'}, {human_bytes(d['bytes'])}, compiled in "
         f"{manifest['stats'].get('kernel_seconds', '?')} s (native code: runs only from a signed entry or a "
         "trusted cache)")
     say(f"  torch {d['torch']}, {d['cxx']}, cpu capability {d['cpu_capability']}, options {d['options']}")
