@@ -35,8 +35,13 @@ _MAX_ITEMS = 4096
 OPTIONS: dict = {}
 #: Inductor settings of the build (in the key: other settings, other library). ``cpp_wrapper``: the
 #: whole step as one C++ library (see the module doc). No precompiled header: the library is the
-#: same without one, and building one costs a compile of torch's headers.
-INDUCTOR_SETTINGS = {"cpp_cache_precompile_headers": False, "cpp_wrapper": True}
+#: same without one, and building one costs a compile of torch's headers. ``sink_waits``: each
+#: collective's wait as late as its first reader (Inductor's default waits right after the issue,
+#: so a gradient bucket's all-reduce would not overlap the rest of the backward, as the
+#: interpreted graph's own ``passes/schedule.py`` makes it do).
+INDUCTOR_SETTINGS = {"cpp_cache_precompile_headers": False, "cpp_wrapper": True,
+                     "reorder_for_compute_comm_overlap": True,
+                     "reorder_for_compute_comm_overlap_passes": ["sink_waits"]}
 
 
 def ingredient(device_type: str) -> dict:
