@@ -101,6 +101,11 @@ class ListChoice:
     def describe(self) -> str:
         return f"{self.path.name} ({self.why})"
 
+    def identity(self) -> bytes:
+        """What of the chosen list a hash takes in (the cache key, the record of passed load
+        checks): its file name and its content."""
+        return self.path.name.encode() + b"\0" + self.path.read_bytes()
+
 
 def choose_list(release: str | None = None, directory: pathlib.Path | str | None = None) -> ListChoice:
     """The one place that decides which allowlist file torch ``release`` (default: the running

@@ -377,18 +377,14 @@ class _Decoder:
         """A node's positional arguments; a reference or a scalar where any value may stand is
         taken here, everything else goes through ``value`` (the same checks, one call each)."""
         out = []
-        n_kinds, index, read = len(kinds), self.index, self.read
+        n_kinds = len(kinds)
         for i, a in enumerate(raw):
             if i >= n_kinds or kinds[i] is _ANY:
                 t = type(a)
                 if t is dict and len(a) == 1:
                     payload = a.get("~node", a)
                     if payload is not a:
-                        found = index.get(payload) if type(payload) is str else None
-                        if found is None:
-                            raise CorruptArtifactError(f"reference to unknown node {str(payload)[:80]!r}")
-                        read.add(found)
-                        out.append(self.refs[found])
+                        out.append(self.reference(payload))
                         continue
                 elif a is None or t is int or t is float or t is str or t is bool:
                     out.append(a)
@@ -397,6 +393,14 @@ class _Decoder:
             else:
                 out.append(self.value(a, kind=kinds[i]))
         return tuple(out)
+
+    def reference(self, payload) -> Ref:
+        """The ``Ref`` a ``{"~node": name}`` value stands for: a node decoded before this one."""
+        found = self.index.get(payload) if type(payload) is str else None
+        if found is None:
+            raise CorruptArtifactError(f"reference to unknown node {str(payload)[:80]!r}")
+        self.read.add(found)
+        return self.refs[found]
 
     def op_kinds(self, name) -> tuple:
         """(resolved target, positional argument kinds, keyword kinds or None), once per name."""
@@ -447,11 +451,7 @@ class _Decoder:
             raise CorruptArtifactError(f"invalid graph value {str(v)[:80]!r}")
         (tag, payload), = v.items()
         if tag == "~node":
-            if not isinstance(payload, str) or payload not in self.index:
-                raise CorruptArtifactError(f"reference to unknown node {str(payload)[:80]!r}")
-            index = self.index[payload]
-            self.read.add(index)
-            return self.refs[index]
+            return self.reference(payload)
         if tag in ("~tuple", "~list") and isinstance(payload, list):
             items = [self.value(x, depth + 1) for x in payload]
             return tuple(items) if tag == "~tuple" else items

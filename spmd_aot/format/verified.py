@@ -50,8 +50,7 @@ def _checker_code() -> str:
         for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
             h.update(b"\0" + f.relative_to(here).as_posix().encode() + b"\0" + f.read_bytes())
     from .allowlist import chosen_list
-    listed = chosen_list().path
-    h.update(b"\0" + listed.name.encode() + b"\0" + listed.read_bytes())
+    h.update(b"\0" + chosen_list().identity())
     return h.hexdigest()
 
 

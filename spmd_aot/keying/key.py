@@ -172,8 +172,7 @@ def spmd_aot_code(**_) -> str:
         with open(path, "rb") as f:
             h.update(f.read())
     from ..format.allowlist import chosen_list  # the op list this release uses (a data file, not *.py)
-    listed = chosen_list().path
-    h.update(b"format/" + listed.name.encode() + b"\0" + listed.read_bytes())
+    h.update(b"format/" + chosen_list().identity())
     return h.hexdigest()
 
 
