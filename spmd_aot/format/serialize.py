@@ -17,7 +17,6 @@ live job.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import keyword
 import operator
@@ -37,7 +36,7 @@ __all__ = ["encode_graph", "decode_graph", "to_fx_graph", "Ref", "refs_in", "has
 
 GRAPH_FORMAT = 1
 _PYTHON_CALLABLES: dict[str, Callable] = {"operator.getitem": operator.getitem}
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,200}$")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,200}\Z")
 _OPCODES = ("placeholder", "call_function", "get_attr", "output")
 _NODE_FIELDS = frozenset({"op", "name", "target", "args", "kwargs"})
 _ENUMS = {
@@ -137,6 +136,9 @@ class Ref:
     def __repr__(self):
         return f"Ref({self.index})"
 
+    def __reduce__(self):  # pickled (``runtime/prepared.py``) as the call ``Ref(index)``
+        return Ref, (self.index,)
+
 
 def _walk(value, stop_at_first: bool) -> set[int]:
     """Indices of the ``Ref``s inside a decoded value (lists, tuples, maps, slices); with
@@ -183,19 +185,24 @@ def has_ref(value) -> bool:
     return bool(_walk(value, stop_at_first=True))
 
 
-@dataclasses.dataclass
 class DecodedNode:
-    op: str  # placeholder | call_function | get_attr | output
-    name: str
-    target: Any  # resolved OpOverload / operator.getitem, attribute name, or the node name
-    args: tuple
-    kwargs: dict
+    """One validated node. ``refs``: the indices of every value it reads (args and kwargs),
+    known once: folding, its safety check and the program's last-use table all ask. The
+    decoder passes what it saw while decoding; anyone else gets them walked."""
 
-    @functools.cached_property
-    def refs(self) -> frozenset[int]:
-        """Indices of every value the node reads (args and kwargs), walked once: folding,
-        its safety check and the program's last-use table all ask."""
-        return frozenset(refs_in(self.args) | refs_in(self.kwargs))
+    __slots__ = ("op", "name", "target", "args", "kwargs", "refs")
+
+    def __init__(self, op: str, name: str, target: Any, args: tuple, kwargs: dict,
+                 refs: frozenset[int] | None = None):
+        self.op = op  # placeholder | call_function | get_attr | output
+        self.name = name
+        self.target = target  # resolved OpOverload / operator.getitem, attribute name, or the node name
+        self.args = args
+        self.kwargs = kwargs
+        self.refs = frozenset(refs_in(args) | refs_in(kwargs)) if refs is None else refs
+
+    def __repr__(self):
+        return f"DecodedNode({self.op}, {self.name}, {self.target}, {self.args}, {self.kwargs})"
 
 
 def decode_graph(data: bytes, *, groups: list[str], device: torch.device,
@@ -324,7 +331,7 @@ class _Decoder:
         of the step): locals instead of attribute lookups, each op's schema kinds looked up once
         per target name, and references and scalars taken without a call (``arguments``)."""
         out: list[DecodedNode] = []
-        index, name_ok, is_keyword = self.index, _NAME.match, keyword.iskeyword
+        index, name_ok, is_keyword, op_kinds = self.index, _NAME.match, keyword.iskeyword, self.kinds
         last_op = None
         for entry in entries:
             if type(entry) is not dict or len(entry) != 5 or not _NODE_FIELDS.issuperset(entry):
@@ -339,19 +346,24 @@ class _Decoder:
             raw_args, raw_kwargs = entry["args"], entry["kwargs"]
             if type(raw_args) is not list or type(raw_kwargs) is not dict:
                 raise CorruptArtifactError(f"node {name}: args must be a list and kwargs a map")
-            target, positional, by_name = self.op_kinds(entry["target"]) if op == "call_function" else _NO_OP
+            if op == "call_function":
+                raw_target = entry["target"]
+                known = op_kinds.get(raw_target) if type(raw_target) is str else None
+                target, positional, by_name = known if known is not None else self.op_kinds(raw_target)
+            else:
+                target, positional, by_name = _NO_OP
             if by_name is not None and len(raw_args) > len(positional):
                 raise CorruptArtifactError(f"node {name}: {len(raw_args)} arguments for "
                                            f"{target}, which takes {len(positional)} positionally")
             self.read = set()
-            args = self.arguments(raw_args, positional)
+            args = self.arguments(raw_args, positional) if raw_args else ()
             kwargs = {}
             for k, v in raw_kwargs.items():
                 k = self.kwarg_name(k)
                 if by_name is not None and k not in by_name:
                     raise CorruptArtifactError(f"node {name}: {target} has no argument {k!r}")
                 kwargs[k] = self.value(v, kind=by_name[k] if by_name is not None else _ANY)
-            if by_name is not None:
+            if by_name is not None and _GROUP in positional:
                 self.check_groups(name, target, raw_args, raw_kwargs, positional)
             if op == "placeholder":
                 if last_op is not None and last_op != "placeholder":
@@ -365,9 +377,7 @@ class _Decoder:
                 target = "output"
             index[name] = len(out)
             self.refs.append(Ref(len(out)))
-            node = DecodedNode(op, name, target, args, kwargs)
-            node.__dict__["refs"] = frozenset(self.read)  # ``DecodedNode.refs``, known without a walk
-            out.append(node)
+            out.append(DecodedNode(op, name, target, args, kwargs, frozenset(self.read)))
             last_op = op
         if last_op != "output":
             raise CorruptArtifactError("graph has no output node")
@@ -378,13 +388,20 @@ class _Decoder:
         taken here, everything else goes through ``value`` (the same checks, one call each)."""
         out = []
         n_kinds = len(kinds)
+        index, refs, read = self.index, self.refs, self.read  # ``reference``, inlined for the common case
         for i, a in enumerate(raw):
             if i >= n_kinds or kinds[i] is _ANY:
                 t = type(a)
                 if t is dict and len(a) == 1:
                     payload = a.get("~node", a)
                     if payload is not a:
-                        out.append(self.reference(payload))
+                        found = index.get(payload) if type(payload) is str else None
+                        out.append(refs[found] if found is not None else self.reference(payload))  # raises
+                        read.add(found)
+                        continue
+                    items = a.get("~list")  # a shape or dims: ints, what ``value`` returns as they are
+                    if type(items) is list and all(type(x) is int for x in items):
+                        out.append(items)
                         continue
                 elif a is None or t is int or t is float or t is str or t is bool:
                     out.append(a)

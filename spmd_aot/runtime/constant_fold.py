@@ -70,7 +70,10 @@ def fold_constants(nodes: list[DecodedNode], template: list[Any], output: Any,
     budget = limits.fold_total_flops
     with torch.no_grad():
         for i, node in enumerate(nodes):
-            if node.op != "call_function" or not _facts(node.target)[1]:
+            if node.op != "call_function":
+                continue
+            facts = _FACTS.get(id(node.target))  # ``_facts``, inlined: every node asks
+            if not (facts if facts is not None and facts[0] is node.target else _facts(node.target))[1]:
                 continue
             if not node.refs <= available:
                 continue
@@ -195,8 +198,8 @@ def _unsafe(nodes: list[DecodedNode], folded: set[int], output: Any, same_as: di
             parent[root(same_as[i])] = root(i)
     bad_roots = {root(r) for r in refs_in(output) if r in parent}
     for i, node in enumerate(nodes):
-        if node.op != "call_function" or i in folded:
-            continue
+        if node.op != "call_function" or i in folded or node.refs.isdisjoint(folded):
+            continue  # what a node writes or aliases is among what it reads: most read nothing folded
         _, _, writes, alias = _facts(node.target)
         if not writes and not alias:  # most nodes: nothing to look at
             continue
