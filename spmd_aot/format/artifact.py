@@ -78,7 +78,7 @@ class Artifact:
         to live groups and device."""
         from ..runtime.program import Program
 
-        return Program(self.check(groups, device, remember=True), self._constants_on(device))
+        return Program(self.check(groups, device, remember=True), self.constants_on(device))
 
     def check(self, groups: list[str] | None = None, device: torch.device | None = None,
               remember: bool = False) -> list:
@@ -106,7 +106,7 @@ class Artifact:
     def graph_module(self, groups: list[str], device: torch.device) -> torch.fx.GraphModule:
         """The same graph as an ``fx.GraphModule``, for inspection (jobs run ``program``)."""
         root = torch.nn.Module()
-        for name, tensor in self._constants_on(device).items():
+        for name, tensor in self.constants_on(device).items():
             setattr(root, name, tensor)
         graph = to_fx_graph(self.check(groups, device))
         for node in graph.nodes:
@@ -114,7 +114,8 @@ class Artifact:
                 raise CorruptArtifactError(f"graph reads constant {node.target!r}, which is not stored")
         return torch.fx.GraphModule(root, graph)
 
-    def _constants_on(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def constants_on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The graph's constants on ``device``."""
         return {name: t.to(device) for name, t in self.constants.items()}
 
     def out_spec(self) -> pytree.TreeSpec:

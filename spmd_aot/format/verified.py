@@ -27,7 +27,7 @@ import stat
 
 import torch
 
-__all__ = ["known", "remember", "record_dir"]
+__all__ = ["known", "remember", "record_dir", "entry_name", "private_folder"]
 
 # the files whose code decides what a load check accepts, relative to the package
 # (and the allowlist file this process chose: allowlist.chosen_list)
@@ -54,7 +54,9 @@ def _checker_code() -> str:
     return h.hexdigest()
 
 
-def _entry(digest: str) -> str:
+def entry_name(digest: str) -> str:
+    """The record's name for artifact ``digest`` under this checker (also the base of
+    ``runtime/prepared.py``'s names)."""
     from .allowlist import opted_in_ops
     from .limits import load_limits
 
@@ -72,12 +74,17 @@ def _private(path: pathlib.Path) -> bool:
             and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
+def private_folder(folder: pathlib.Path) -> bool:
+    """``folder`` and its parent belong to this user (or root) and nobody else can write them."""
+    return _private(folder) and _private(folder.parent)
+
+
 def known(digest: str) -> bool:
     """This checker has checked artifact ``digest`` (its manifest digest) before, and passed it."""
     folder = record_dir()
-    if not (_private(folder) and _private(folder.parent)):
+    if not private_folder(folder):
         return False
-    return os.path.isfile(folder / _entry(digest))
+    return os.path.isfile(folder / entry_name(digest))
 
 
 def remember(digest: str) -> None:
@@ -86,9 +93,9 @@ def remember(digest: str) -> None:
     folder = record_dir()
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if not (_private(folder) and _private(folder.parent)):
+        if not private_folder(folder):
             return
-        fd = os.open(folder / _entry(digest), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        fd = os.open(folder / entry_name(digest), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
         os.close(fd)
     except OSError:
         pass

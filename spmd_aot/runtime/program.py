@@ -19,6 +19,7 @@ checked right before every call; they are never folded, so no value escapes the 
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any, Callable, Sequence
 
@@ -29,30 +30,44 @@ from ..format.contracts import VALUE_CHECKS, op_name
 from ..errors import CorruptArtifactError
 from ..format.serialize import DecodedNode, Ref, has_ref, refs_in
 
-__all__ = ["Program"]
+__all__ = ["Program", "ProgramTable", "value_checked"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramTable:
+    """What a ``Program`` is built from, as data (ops, value indices, constant arguments), the
+    analysis done: which nodes fold, which items unpack, what is freed where. ``prepared.py``
+    keeps it between jobs, so a later load of the same artifact rebuilds the program from it
+    without decoding the graph again."""
+
+    n_nodes: int
+    n_inputs: int
+    n_ops: int  # call nodes of the graph (folded and unpacked ones included)
+    constants: tuple  # (node index, constant name) of every ``get_attr`` node
+    folds: tuple  # in graph order: (index, target, args, kwargs) to compute, or (index, earlier index) to share
+    output: Any  # the output node's argument (``Ref``s inside)
+    steps: tuple  # (target, index, args, kwargs, unpack, frees), what every step calls
 
 
 class Program:
     def __init__(self, nodes: list[DecodedNode], constants: dict[str, torch.Tensor], *, fold: bool = True):
-        nodes = [_value_checked(n) for n in nodes]
-        self.n_inputs = sum(1 for n in nodes if n.op == "placeholder")
-        self.n_ops = sum(1 for n in nodes if n.op == "call_function")
-        self._template: list[Any] = [None] * len(nodes)
+        checks: dict[int, Any] = {}  # id(op) -> its value check or None, looked up once per op
+        nodes = [_value_checked(n, checks) if n.op == "call_function" else n for n in nodes]
+        template: list[Any] = [None] * len(nodes)
+        constant_at = []
         for i, n in enumerate(nodes):
             if n.op == "get_attr":
-                if n.target not in constants:
-                    raise CorruptArtifactError(f"graph reads constant {n.target!r}, which is not stored")
-                self._template[i] = constants[n.target]
-        self._output = nodes[-1].args[0]
-        folded = fold_constants(nodes, self._template, self._output) if fold else set()
-        self.n_folded = len(folded)
+                constant_at.append((i, n.target))
+        _place_constants(template, constant_at, constants)
+        output = nodes[-1].args[0]
+        folded = fold_constants(nodes, template, output) if fold else set()
         unpacked = _unpacked_items(nodes, folded)
         last_use = _last_uses(nodes, skip=folded | set(unpacked))
         frees_after: dict[int, list[int]] = {}
         for value, user in last_use.items():
             if nodes[value].op == "call_function" and value not in folded:
                 frees_after.setdefault(user, []).append(value)
-        outputs = refs_in(self._output)
+        outputs = refs_in(output)
         unpack_at: dict[int, list[tuple[int, int]]] = {}
         for item, (source, k) in unpacked.items():
             unpack_at.setdefault(source, []).append((item, k))
@@ -61,9 +76,46 @@ class Program:
         for source in unpack_at:  # the container itself, once its items are out
             if source not in last_use and source not in outputs:
                 frees_after.setdefault(source, []).append(source)
-        self._steps = [_compile_call(i, n, unpack_at.get(i, ()), frees_after.get(i, ()))
-                       for i, n in enumerate(nodes)
-                       if n.op == "call_function" and i not in folded and i not in unpacked]
+        first_holder: dict[int, int] = {}  # id(folded value) -> the first node holding it
+        folds = []
+        for i in sorted(folded):
+            earlier = first_holder.setdefault(id(template[i]), i)
+            n = nodes[i]
+            folds.append((i, earlier) if earlier != i else (i, n.target, n.args, n.kwargs))
+        steps = tuple((n.target, i, n.args, n.kwargs, tuple(unpack_at.get(i, ())), tuple(frees_after.get(i, ())))
+                      for i, n in enumerate(nodes)
+                      if n.op == "call_function" and i not in folded and i not in unpacked)
+        self.table = ProgramTable(len(nodes), sum(1 for n in nodes if n.op == "placeholder"),
+                                  sum(1 for n in nodes if n.op == "call_function"), tuple(constant_at),
+                                  tuple(folds), output, steps)
+        self._bind(template)
+
+    @classmethod
+    def from_table(cls, table: ProgramTable, constants: dict[str, torch.Tensor]) -> "Program":
+        """The program ``table`` describes (``table.steps``' targets wrapped in their value checks
+        as ``__init__`` wraps them), its folded values computed again: the same ops on the same
+        arguments, in the same order, so the same values."""
+        self = cls.__new__(cls)
+        self.table = table
+        template: list[Any] = [None] * table.n_nodes
+        _place_constants(template, table.constants, constants)
+        with torch.no_grad():  # as folding computes them
+            for fold in table.folds:
+                if len(fold) == 2:
+                    template[fold[0]] = template[fold[1]]
+                else:
+                    i, target, args, kwargs = fold
+                    template[i] = target(*_materialize(args, template), **_materialize(kwargs, template))
+        self._bind(template)
+        return self
+
+    def _bind(self, template: list[Any]) -> None:
+        """The per-step call list, from ``self.table`` and the values known before any step."""
+        table = self.table
+        self.n_inputs, self.n_ops, self.n_folded = table.n_inputs, table.n_ops, len(table.folds)
+        self._template, self._output = template, table.output
+        self._steps = [_compile_call(index, target, args, kwargs, unpack, frees)
+                       for target, index, args, kwargs, unpack, frees in table.steps]
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         if len(inputs) != self.n_inputs:
@@ -82,24 +134,46 @@ class Program:
         return _materialize(self._output, env)
 
 
+def _place_constants(template: list[Any], constant_at, constants: dict[str, torch.Tensor]) -> None:
+    for i, name in constant_at:
+        if name not in constants:
+            raise CorruptArtifactError(f"graph reads constant {name!r}, which is not stored")
+        template[i] = constants[name]
+
+
 class _ValueChecked:
     """An op whose index values are checked before each call (not an OpOverload, so never folded)."""
 
-    __slots__ = ("op", "check", "__name__")
+    __slots__ = ("op", "check", "__name__", "overload")
 
     def __init__(self, op, check):
-        self.op, self.check, self.__name__ = op._op, check, op_name(op)
+        self.op, self.check, self.__name__, self.overload = op._op, check, op_name(op), op
 
     def __call__(self, *args, **kwargs):
         self.check(args, kwargs)
         return self.op(*args, **kwargs)
 
 
-def _value_checked(node: DecodedNode) -> DecodedNode:
-    check = VALUE_CHECKS.get(op_name(node.target)) if hasattr(node.target, "_overloadname") else None
-    if check is None or node.op != "call_function":
+_UNSEEN = object()
+
+
+def _value_checked(node: DecodedNode, checks: dict[int, Any]) -> DecodedNode:
+    """A call node, its op wrapped in its ``VALUE_CHECKS`` entry if it has one."""
+    target = value_checked(node.target, checks)
+    if target is node.target:
         return node
-    return DecodedNode(node.op, node.name, _ValueChecked(node.target, check), node.args, node.kwargs)
+    return DecodedNode(node.op, node.name, target, node.args, node.kwargs, node.refs)
+
+
+def value_checked(target, checks: dict[int, Any] | None = None):
+    """``target``, or it wrapped in its ``VALUE_CHECKS`` entry (``checks``: id(op) -> the
+    entry or None, looked up once per op; by id, since the caller holds every target)."""
+    known = _UNSEEN if checks is None else checks.get(id(target), _UNSEEN)
+    if known is _UNSEEN:
+        known = VALUE_CHECKS.get(op_name(target)) if hasattr(target, "_overloadname") else None
+        if checks is not None:
+            checks[id(target)] = known
+    return target if known is None else _ValueChecked(target, known)
 
 
 def _unpacked_items(nodes: list[DecodedNode], folded: set[int]) -> dict[int, tuple[int, int]]:
@@ -114,15 +188,16 @@ def _unpacked_items(nodes: list[DecodedNode], folded: set[int]) -> dict[int, tup
     return out
 
 
-def _compile_call(index: int, node: DecodedNode, unpack: Sequence[tuple[int, int]], frees: Sequence[int]):
+def _compile_call(index: int, target, args: tuple, kwargs: dict, unpack: Sequence[tuple[int, int]],
+                  frees: Sequence[int]):
     """(callable, index, gather(env) -> positional args, kwargs, unpack, frees) for one node."""
-    fn = getattr(node.target, "_op", node.target)  # the C++ handle behind an OpOverload
-    if not has_ref(node.kwargs):
-        return (fn, index, _gatherer(node.args), node.kwargs, tuple(unpack), tuple(frees))
-    if all(isinstance(v, Ref) or not has_ref(v) for v in node.kwargs.values()):
+    fn = getattr(target, "_op", target)  # the C++ handle behind an OpOverload
+    if not has_ref(kwargs):
+        return (fn, index, _gatherer(args), kwargs, tuple(unpack), tuple(frees))
+    if all(isinstance(v, Ref) or not has_ref(v) for v in kwargs.values()):
         # a kwarg that is a value (``mm.out(a, b, out=bucket_slice)``): gathered like the args
-        gather, constant = _gatherer(node.args), {k: v for k, v in node.kwargs.items() if not isinstance(v, Ref)}
-        refs = [(k, v.index) for k, v in node.kwargs.items() if isinstance(v, Ref)]
+        gather, constant = _gatherer(args), {k: v for k, v in kwargs.items() if not isinstance(v, Ref)}
+        refs = [(k, v.index) for k, v in kwargs.items() if isinstance(v, Ref)]
 
         def value_kwargs(env, _f=fn):
             kwargs = constant.copy()
@@ -131,23 +206,28 @@ def _compile_call(index: int, node: DecodedNode, unpack: Sequence[tuple[int, int
             return _f(*gather(env), **kwargs)
         return (value_kwargs, index, lambda env: (env,), {}, tuple(unpack), tuple(frees))
 
-    def with_kwargs(env, _f=fn, _a=node.args, _kw=node.kwargs):  # rare: a kwarg holds values deeper
+    def with_kwargs(env, _f=fn, _a=args, _kw=kwargs):  # rare: a kwarg holds values deeper
         return _f(*_materialize(_a, env), **_materialize(_kw, env))
     return (with_kwargs, index, lambda env: (env,), {}, tuple(unpack), tuple(frees))
 
 
 def _gatherer(args: tuple) -> Callable[[list], tuple]:
     """The fastest way to build one node's positional arguments from the value table."""
-    if args and all(isinstance(a, Ref) for a in args):  # the common case first: no walk
+    positions, flat = [], True  # where the refs stand; whether any hides deeper (one pass)
+    for pos, a in enumerate(args):
+        if type(a) is Ref:
+            positions.append(pos)
+        elif flat and has_ref(a):
+            flat = False
+    if flat and args and len(positions) == len(args):  # the common case: refs only
         indices = [a.index for a in args]
         if len(indices) == 1:
             only = indices[0]
             return lambda env: (env[only],)  # noqa: E731
         return operator.itemgetter(*indices)
-    if not has_ref(args):
+    if flat and not positions:
         return lambda env, _a=tuple(args): _a  # noqa: E731
-    if all(isinstance(a, Ref) or not has_ref(a) for a in args):  # refs and constants, flat
-        positions = [i for i, a in enumerate(args) if isinstance(a, Ref)]
+    if flat:  # refs and constants
         indices = [args[i].index for i in positions]
         template = list(args)
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from ..keying import guards
-from . import collector, ranks
+from . import collector, prepared, ranks
 from ..format.allowlist import opt_in_names, opted_in
 from ..format.artifact import artifact_bytes, artifact_in_memory, layout_mismatch, read_artifact
 from ..errors import (ArtifactMismatchError, CacheIOError, CacheMissError, CorruptArtifactError, LockTimeoutError,
@@ -202,7 +202,7 @@ class CompiledStep:
                     interpreting(artifact.digest, kernels_refused)
                 program = ((None if kernels_refused else
                             load_kernels(artifact, ranks.live_groups(mesh), self._trust_cache, device))
-                           or artifact.program(ranks.live_groups(mesh), device))
+                           or prepared.program_for(artifact, ranks.live_groups(mesh), device))
             except OpNotAllowedError as exc:  # not repaired by a rebuild: the job opts in, or not
                 failure = OpNotAllowedError(
                     f"{exc}. The entry for key {key.key[:12]} calls {exc.op}, which only an opt-in allows: if "

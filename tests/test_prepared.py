@@ -1,0 +1,193 @@
+"""A hit keeps its built program in a per-user record and later hits rebuild it from there
+without decoding the graph: same results as a decode and as eager; a torn, forged or foreign
+record, an op off the allowlist, or a folder others can write means a full decode instead."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import os
+import pickle
+
+import pytest
+import torch
+
+import spmd_aot
+from spmd_aot.examples.models import Transformer, train_step
+from spmd_aot.format import serialize
+from spmd_aot.format.limits import ENV_LOAD_LIMITS
+from spmd_aot.format.serialize import Ref
+from spmd_aot.runtime import prepared
+from spmd_aot.runtime.program import Program, ProgramTable
+
+VOCAB, SEQ = 64, 16
+
+
+def _objects():
+    torch.manual_seed(0)
+    model = Transformer(vocab=VOCAB, d_model=32, n_heads=4, n_layers=2, max_len=SEQ)
+    g = torch.Generator().manual_seed(7)
+    batch = (torch.randint(0, VOCAB, (2, SEQ), generator=g), torch.randint(0, VOCAB, (2, SEQ), generator=g))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), batch
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    job = spmd_aot.Job(step=train_step, model=lambda: _objects()[0],
+                       optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                       batch=lambda: _objects()[2])
+    spmd_aot.build(job, world_size=1, cache_dir=tmp_path / "cache")
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def decodes(monkeypatch):
+    """How many times a load decoded a stored graph."""
+    calls = []
+    real = serialize.decode_graph
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr("spmd_aot.format.artifact.decode_graph", counted)
+    return calls
+
+
+def _run(cache, steps=3):
+    """Parameters and losses after ``steps`` steps of a fresh hit, and of eager on the same inputs."""
+    model, optim, batch = _objects()
+    eager_model = copy.deepcopy(model)
+    eager_optim = torch.optim.AdamW(eager_model.parameters(), lr=1e-2)
+    step = spmd_aot.compile(train_step, cache_dir=cache, require_hit=True)
+    losses = [float(step(model, optim, batch)) for _ in range(steps)]
+    eager = [train_step(eager_model, eager_optim, batch).item() for _ in range(steps)]
+    return [p.detach().clone() for p in model.parameters()], losses, list(eager_model.parameters()), eager
+
+
+def _stored(path):
+    """The record's content, as ``prepared.load`` reads it."""
+    return prepared._Unpickler(io.BytesIO(path.read_bytes()[len(prepared._MAGIC) + 32:])).load()
+
+
+def _records():
+    folder = prepared.record_dir()
+    return sorted(folder.iterdir()) if folder.is_dir() else []
+
+
+def test_a_second_hit_rebuilds_the_program_from_the_record_with_the_same_results(cache, decodes):
+    first, first_losses, eager, eager_losses = _run(cache)
+    assert len(decodes) == 1 and len(_records()) == 1
+    second, second_losses, _, _ = _run(cache)
+    assert len(decodes) == 1  # rebuilt from the record: no decode
+    assert second_losses == first_losses  # bit-identical to the decoded program's
+    for a, b, e in zip(first, second, eager):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    assert first_losses == pytest.approx(eager_losses, rel=1e-5)
+
+
+def test_the_rebuilt_program_folds_and_checks_as_the_decoded_one(cache):
+    _run(cache, steps=1)
+    (path,) = _records()
+    table = prepared._table(_stored(path))
+    assert isinstance(table, ProgramTable) and table.folds  # the causal mask is folded
+    program = Program.from_table(table, {})
+    assert program.n_folded == len(table.folds) > 0
+    # the embedding's backward keeps its run-time index check when rebuilt
+    checked = [fn for fn, *_ in program._steps if type(fn).__name__ == "_ValueChecked"]
+    assert checked and all(fn.__name__ == "aten::embedding_dense_backward.default" for fn in checked)
+
+
+def _rewrite(path, body: bytes) -> None:
+    path.write_bytes(prepared._MAGIC + hashlib.sha256(body).digest() + body)
+
+
+def test_a_torn_or_corrupted_record_is_ignored_and_replaced(cache, decodes):
+    first, *_ = _run(cache, steps=1)
+    (path,) = _records()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    again, *_ = _run(cache, steps=1)
+    assert len(decodes) == 2  # the damaged record was not used
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    path.write_bytes(path.read_bytes()[:100])  # torn
+    _run(cache, steps=1)
+    assert len(decodes) == 3 and len(_records()) == 1  # a whole record again
+
+
+def test_a_forged_record_runs_nothing(cache, decodes, tmp_path):
+    _run(cache, steps=1)
+    (path,) = _records()
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    _rewrite(path, pickle.dumps(Payload()))  # a valid checksum: only the unpickler stands guard
+    _run(cache, steps=1)
+    assert not marker.exists() and len(decodes) == 2
+
+
+def test_an_op_off_the_allowlist_in_a_record_is_refused(cache, decodes):
+    _run(cache, steps=1)
+    (path,) = _records()
+    plain = list(_stored(path))
+    steps = list(plain[6])
+    steps[0] = ("aten::_local_scalar_dense.default", *steps[0][1:])  # not on the allowlist
+    plain[6] = tuple(steps)
+    buffer = io.BytesIO()
+    prepared._Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(tuple(plain))
+    _rewrite(path, buffer.getvalue())
+    _run(cache, steps=1)
+    assert len(decodes) == 2  # refused, decoded instead
+
+
+def test_the_unpickler_builds_only_plain_data_refs_slices_and_torch_enums():
+    value = (1, 2.5, "s", None, True, [Ref(3), slice(1, None, 2)], {"k": torch.float16},
+             torch.channels_last, torch.strided, torch.device("cpu"))
+    buffer = io.BytesIO()
+    prepared._Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    back = prepared._Unpickler(io.BytesIO(buffer.getvalue())).load()
+    assert back[:5] == value[:5] and back[5][0].index == 3 and back[5][1] == slice(1, None, 2)
+    assert back[6]["k"] is torch.float16 and back[7] is torch.channels_last and back[8] is torch.strided
+    assert back[9] == torch.device("cpu")
+    for hostile in (pickle.dumps(os.getcwd), pickle.dumps(torch.zeros(1)), pickle.dumps(Program)):
+        with pytest.raises(pickle.UnpicklingError):
+            prepared._Unpickler(io.BytesIO(hostile)).load()
+
+
+def test_a_record_folder_others_can_write_is_neither_read_nor_written(cache, decodes):
+    _run(cache, steps=1)
+    os.chmod(prepared.record_dir(), 0o777)
+    _run(cache, steps=1)
+    assert len(decodes) == 2
+    for path in _records():
+        path.unlink()
+    _run(cache, steps=1)
+    assert _records() == []
+
+
+def test_records_are_named_by_artifact_checker_groups_and_device(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    cpu = torch.device("cpu")
+    base = prepared._name("a" * 64, ["0"], cpu)
+    assert base == prepared._name("a" * 64, ["0"], cpu)  # no process-random state
+    assert len({base, prepared._name("b" * 64, ["0"], cpu), prepared._name("a" * 64, ["1"], cpu),
+                prepared._name("a" * 64, ["0"], torch.device("meta"))}) == 4
+    monkeypatch.setenv(ENV_LOAD_LIMITS, "tensor_factor=32")
+    assert prepared._name("a" * 64, ["0"], cpu) != base  # other load limits: another checker
+
+
+def test_only_the_most_recent_records_are_kept(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setattr(prepared, "MAX_RECORDS", 2)
+    table = ProgramTable(1, 1, 0, (), (), Ref(0), ())
+    for i in range(4):
+        prepared.save(f"{i:064x}", [], torch.device("cpu"), table)
+        assert prepared.load(f"{i:064x}", [], torch.device("cpu")) is not None
+    assert len(_records()) == 2
+    assert prepared.load(f"{0:064x}", [], torch.device("cpu")) is None
