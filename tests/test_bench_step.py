@@ -98,3 +98,7 @@ def test_bench_start_quick_prints_every_row(tmp_path, monkeypatch, capsys):
     paired = statistics.median(h["start_to_first_s"] - e["start_to_first_s"]
                                for h, e in zip(starts["spmd-aot hit"], starts["eager"]))
     assert over == f"{paired:+.3f} s" and rows["eager"].split("|")[5].strip() == "-"
+    own = statistics.median(h["setup_s"] + h["first_s"] - e["setup_s"] - e["first_s"]
+                            for h, e in zip(starts["spmd-aot hit"], starts["eager"]))
+    assert rows["spmd-aot hit"].split("|")[6].strip() == f"{own:+.3f} s"
+    assert 0 < hit["setup_s"] and 0 <= eager["setup_s"] < hit["setup_s"]  # eager imports no spmd_aot
