@@ -80,7 +80,8 @@ def test_bench_start_quick_prints_every_row(tmp_path, monkeypatch, capsys):
 
     state = os.environ.get("XDG_STATE_HOME")
     figures = tmp_path / "start.json"
-    assert bench_start.main(["--quick", "--json", str(figures)]) == 0
+    assert bench_start.main(["--quick", "--json", str(figures), "--plot", str(tmp_path / "start.svg")]) == 0
+    assert (tmp_path / "start.svg").read_text().count("<rect") >= 4  # two rows, two bars each
     out = capsys.readouterr().out
     assert os.environ.get("XDG_STATE_HOME") == state  # the run's own state dir is not left behind
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}

@@ -191,3 +191,15 @@ def test_only_the_most_recent_records_are_kept(monkeypatch, tmp_path):
         assert prepared.load(f"{i:064x}", [], torch.device("cpu")) is not None
     assert len(_records()) == 2
     assert prepared.load(f"{0:064x}", [], torch.device("cpu")) is None
+
+
+def test_a_record_that_does_not_fit_its_artifact_is_dropped(cache, decodes):
+    first, *_ = _run(cache, steps=1)
+    (path,) = _records()
+    plain = list(_stored(path))
+    plain[3] = ((0, "not_a_stored_constant"),)  # names a constant the artifact does not hold
+    buffer = io.BytesIO()
+    prepared._Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(tuple(plain))
+    _rewrite(path, buffer.getvalue())
+    again, *_ = _run(cache, steps=1)
+    assert len(decodes) == 2 and all(torch.equal(a, b) for a, b in zip(first, again))

@@ -51,7 +51,8 @@ import sys
 import tempfile
 import time
 
-from bench_start_compiled import AOT_COMPILE, AOTI  # a sibling of this script
+from bar_chart import write_svg  # siblings of this script
+from bench_start_compiled import AOT_COMPILE, AOTI
 
 VOCAB, HEADS = 256, 4
 KERNELS_SKIPPED = "n/a (not in --quick)"
@@ -275,6 +276,15 @@ def over_eager(runs: list[dict], eager: list[dict]) -> float:
     return statistics.median(r["start_to_first_s"] - e["start_to_first_s"] for r, e in zip(runs, eager))
 
 
+def plot(path: str, cfg: dict, starts: dict, steady_ms: dict) -> None:
+    """First call and steady step of every measured row, in ms (log scale when they span >20x)."""
+    rows = [v for v in VARIANTS if v in starts]
+    series = {"first call": [1e3 * statistics.median(r["first_s"] for r in starts[v]) for v in rows],
+              "steady step": [steady_ms[v][0] for v in rows]}
+    write_svg(path, rows, series, f"{cfg['layers']}-layer LM, world 1: first call and steady step",
+              y_label="ms", notes=[f"{steady_ms[v][1]:.2f}x" for v in rows])
+
+
 def own_work_over_eager(runs: list[dict], eager: list[dict]) -> float:
     """Median over rounds of (this variant's setup + first call - eager's): a child process runs
     eager's code up to ``_step_for`` (interpreter, torch, the model), so this is the part of
@@ -296,6 +306,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 layer, d_model 16, 1 repeat without a warm-up process, 2 blocks of 1 step")
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--plot", default=os.path.join(tempfile.gettempdir(), "bench_start.svg"),
+                   help="bar chart of first call and steady step per row (SVG)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)
     p.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
@@ -342,6 +354,8 @@ def main(argv=None) -> int:
                     os.environ[k] = v
     print("\n".join(check_parity(starts)))
     print(table(cfg, starts, steady_ms))
+    plot(args.plot, cfg, starts, steady_ms)
+    print(f"# plot: {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": cfg, "starts": starts, "steady": steady_ms}, f, indent=1)

@@ -212,7 +212,12 @@ def program_for(artifact, groups: list[str], device: torch.device):
 
     table = load(artifact.digest, groups, device)
     if table is not None:
-        return Program.from_table(table, artifact.constants_on(device))
+        try:
+            return Program.from_table(table, artifact.constants_on(device))
+        except Exception as exc:  # a record that does not fit its artifact: decode, as without one
+            log.info("prepared-program record of %s not usable (%s: %s); decoding the graph",
+                     artifact.digest[:12], type(exc).__name__, str(exc)[:200])
+            _remove(record_dir() / _name(artifact.digest, groups, device))
     program = artifact.program(groups, device)
     save(artifact.digest, groups, device, program.table)
     return program
