@@ -8,7 +8,8 @@ World 1, one OpenMP thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``)
 transformer LM + ``AdamW(lr=1e-3)`` and ``train_step`` of ``spmd_aot.examples.models``.
 The artifact is built first (``spmd_aot.build``), then each variant runs in FRESH processes
 (``--repeats`` timed runs after one untimed warm-up run that fills the OS file cache, the
-per-user record of passed load checks and torch.compile's caches; the variants take turns). Columns:
+per-user records of passed load checks and prepared programs, and torch.compile's caches; the
+variants take turns). Columns:
 
   first call       the first ``step(model, optim, batch)`` of the process: for spmd-aot the
                    key, lookup, load and bind plus one step; for torch.compile its compile
@@ -328,7 +329,7 @@ def main(argv=None) -> int:
     saved = {k: os.environ.get(k) for k in _OWN_ENV}
     with tempfile.TemporaryDirectory(prefix="bench_start_") as tmp:
         cache_dir = os.path.join(tmp, "cache")
-        # this run's own per-user state (the record of passed load checks) and Inductor cache
+        # this run's own per-user state (records of passed load checks, prepared programs) and Inductor cache
         # and its own cache, trusted: compiled kernels load only from a trusted cache or a signed entry
         own = dict(XDG_STATE_HOME=os.path.join(tmp, "state"), TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
                    SPMD_AOT_TRUST_CACHE="1")

@@ -69,7 +69,8 @@ ENVIRONMENT_NOT_IN_KEY = {
     "OMP_NUM_THREADS": "set by the quickstart for its ranks: how many threads, not which ops",
     "PYTHONWARNINGS": "the quickstart passes its ranks a filter for torch's no-numpy warning",
     "SPMD_AOT_LOAD_LIMITS": "bounds what a load accepts: it refuses an artifact, never changes one",
-    "XDG_STATE_HOME": "where the per-user record of passed load checks is (verified.py), not what a graph holds",
+    "XDG_STATE_HOME": ("where the per-user records of passed load checks and prepared programs are (verified.py, "
+                       "runtime/prepared.py), not what a graph holds"),
     "SPMD_AOT_TRUST_CACHE": "whether a cache others can write is used at all, not what it holds",
     "SPMD_AOT_ALLOW_OPS": "which overloads a build may store and a load accepts: it refuses a graph, never "
                           "changes one (the manifest records the opted-in ops)",
