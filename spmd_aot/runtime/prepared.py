@@ -39,6 +39,7 @@ import os
 import pathlib
 import pickle
 import sys
+import tempfile
 
 import torch
 
@@ -102,11 +103,15 @@ def save(digest: str, groups: list[str], device: torch.device, table: ProgramTab
         if len(body) > _MAX_BYTES:
             return
         path = folder / _name(digest, groups, device)
-        tmp = folder / f".{path.name}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC + hashlib.sha256(body).digest() + body)
-        os.replace(tmp, path)  # readers see the whole record or none
+        # a fresh name (O_EXCL, random): ranks on several hosts may share one home directory
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name[:16]}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(_MAGIC + hashlib.sha256(body).digest() + body)
+            os.replace(tmp, path)  # readers see the whole record or none
+        except BaseException:
+            _remove(pathlib.Path(tmp))
+            raise
         _trim(folder)
     except Exception as exc:  # a read-only home, a full disk, an unpicklable constant argument
         log.info("prepared program not kept (%s: %s)", type(exc).__name__, str(exc)[:200])
