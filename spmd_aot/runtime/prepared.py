@@ -46,7 +46,7 @@ import torch
 from ..format import verified
 from ..format.contracts import op_name
 from ..format.serialize import Ref, resolve_target
-from .program import ProgramTable, value_checked
+from .program import Program, ProgramTable, value_checked
 
 __all__ = ["program_for", "load", "save", "record_dir", "MAX_RECORDS"]
 
@@ -62,6 +62,25 @@ _GETITEM = "operator.getitem"
 
 def record_dir() -> pathlib.Path:
     return verified.record_dir().parent / "prepared"
+
+
+def program_for(artifact, groups: list[str], device: torch.device):
+    """The ``Program`` of a loaded ``artifact``: rebuilt from its record when there is one,
+    otherwise decoded, checked and built (``Artifact.program``), and its table kept."""
+    table = load(artifact.digest, groups, device)
+    if table is not None:
+        try:
+            program = Program.from_table(table, artifact.constants_on(device))
+            log.debug("artifact %s: program rebuilt from its prepared record", artifact.digest[:12])
+            return program
+        except Exception as exc:  # a record that does not fit its artifact: decode, as without one
+            log.info("prepared-program record of %s not usable (%s: %s); decoding the graph",
+                     artifact.digest[:12], type(exc).__name__, str(exc)[:200])
+            _remove(record_dir() / _name(artifact.digest, groups, device))
+    program = artifact.program(groups, device)
+    save(artifact.digest, groups, device, program.table)
+    log.debug("artifact %s: graph decoded; its program kept for later loads", artifact.digest[:12])
+    return program
 
 
 def load(digest: str, groups: list[str], device: torch.device) -> ProgramTable | None:
@@ -209,20 +228,3 @@ class _Unpickler(pickle.Unpickler):
             return torch.device(name)
         raise pickle.UnpicklingError(f"a prepared-program record holds {str(pid)[:80]}")
 
-
-def program_for(artifact, groups: list[str], device: torch.device):
-    """The ``Program`` of a loaded ``artifact``: rebuilt from its record when there is one,
-    otherwise decoded, checked and built (``Artifact.program``), and its table kept."""
-    from .program import Program
-
-    table = load(artifact.digest, groups, device)
-    if table is not None:
-        try:
-            return Program.from_table(table, artifact.constants_on(device))
-        except Exception as exc:  # a record that does not fit its artifact: decode, as without one
-            log.info("prepared-program record of %s not usable (%s: %s); decoding the graph",
-                     artifact.digest[:12], type(exc).__name__, str(exc)[:200])
-            _remove(record_dir() / _name(artifact.digest, groups, device))
-    program = artifact.program(groups, device)
-    save(artifact.digest, groups, device, program.table)
-    return program
