@@ -5,8 +5,9 @@ inside their storage, size limits) is most of a hit's cost (about 90 ms of a 12-
 load), and its result depends only on bytes the manifest digest pins by sha256 (graph, layout,
 constants; every load re-hashes them) and on the checker itself. So a job that checked an
 artifact once records ``sha256(manifest digest, checker identity)`` as an empty file, and later
-loads of the same artifact by the same checker skip the meta run. Decoding against the
-allowlist, the layout-versus-live-job comparison and the guards still run on every load.
+loads of the same artifact by the same checker skip the meta run. The allowlist (by decoding,
+or, for a program kept in ``runtime/prepared.py``'s record, by resolving its op names), the
+layout-versus-live-job comparison and the guards still apply on every load.
 
 The record lives in ``$XDG_STATE_HOME/spmd_aot/verified`` (default ``~/.local/state/...``),
 never in a cache directory, so whoever can write a cache cannot forge an entry. It is used only
