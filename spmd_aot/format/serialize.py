@@ -331,7 +331,7 @@ class _Decoder:
         of the step): locals instead of attribute lookups, each op's schema kinds looked up once
         per target name, and references and scalars taken without a call (``arguments``)."""
         out: list[DecodedNode] = []
-        index, name_ok, is_keyword, op_kinds = self.index, _NAME.match, keyword.iskeyword, self.kinds
+        index, name_ok, is_keyword = self.index, _NAME.match, keyword.iskeyword
         last_op = None
         for entry in entries:
             if type(entry) is not dict or len(entry) != 5 or not _NODE_FIELDS.issuperset(entry):
@@ -346,12 +346,7 @@ class _Decoder:
             raw_args, raw_kwargs = entry["args"], entry["kwargs"]
             if type(raw_args) is not list or type(raw_kwargs) is not dict:
                 raise CorruptArtifactError(f"node {name}: args must be a list and kwargs a map")
-            if op == "call_function":
-                raw_target = entry["target"]
-                known = op_kinds.get(raw_target) if type(raw_target) is str else None
-                target, positional, by_name = known if known is not None else self.op_kinds(raw_target)
-            else:
-                target, positional, by_name = _NO_OP
+            target, positional, by_name = self.op_kinds(entry["target"]) if op == "call_function" else _NO_OP
             if by_name is not None and len(raw_args) > len(positional):
                 raise CorruptArtifactError(f"node {name}: {len(raw_args)} arguments for "
                                            f"{target}, which takes {len(positional)} positionally")
@@ -363,7 +358,7 @@ class _Decoder:
                 if by_name is not None and k not in by_name:
                     raise CorruptArtifactError(f"node {name}: {target} has no argument {k!r}")
                 kwargs[k] = self.value(v, kind=by_name[k] if by_name is not None else _ANY)
-            if by_name is not None and _GROUP in positional:
+            if by_name is not None:
                 self.check_groups(name, target, raw_args, raw_kwargs, positional)
             if op == "placeholder":
                 if last_op is not None and last_op != "placeholder":
@@ -388,16 +383,13 @@ class _Decoder:
         taken here, everything else goes through ``value`` (the same checks, one call each)."""
         out = []
         n_kinds = len(kinds)
-        index, refs, read = self.index, self.refs, self.read  # ``reference``, inlined for the common case
         for i, a in enumerate(raw):
             if i >= n_kinds or kinds[i] is _ANY:
                 t = type(a)
                 if t is dict and len(a) == 1:
                     payload = a.get("~node", a)
                     if payload is not a:
-                        found = index.get(payload) if type(payload) is str else None
-                        out.append(refs[found] if found is not None else self.reference(payload))  # raises
-                        read.add(found)
+                        out.append(self.reference(payload))
                         continue
                     items = a.get("~list")  # a shape or dims: ints, what ``value`` returns as they are
                     if type(items) is list and all(type(x) is int for x in items):

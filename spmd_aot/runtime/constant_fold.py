@@ -70,10 +70,7 @@ def fold_constants(nodes: list[DecodedNode], template: list[Any], output: Any,
     budget = limits.fold_total_flops
     with torch.no_grad():
         for i, node in enumerate(nodes):
-            if node.op != "call_function":
-                continue
-            facts = _FACTS.get(id(node.target))  # ``_facts``, inlined: every node asks
-            if not (facts if facts is not None and facts[0] is node.target else _facts(node.target))[1]:
+            if node.op != "call_function" or not _facts(node.target)[1]:
                 continue
             if not node.refs <= available:
                 continue

@@ -106,9 +106,9 @@ def load_kernels(artifact, live_groups: list[str], trust_cache: bool | None, dev
     if doc["inputs"] != len(artifact.slots):
         raise CorruptArtifactError(f"{where}: its kernels take {doc['inputs']} inputs, its layout has "
                                    f"{len(artifact.slots)}; rebuild it")
-    if doc["requested"] != kernels_blob.ingredient(device.type):
-        interpreting(artifact.digest, f"its kernels were built for {doc['requested']}, this process is "
-                                   f"{kernels_blob.ingredient(device.type)}")
+    here = kernels_blob.ingredient(device.type)
+    if doc["requested"] != here:
+        interpreting(artifact.digest, f"its kernels were built for {doc['requested']}, this process is {here}")
         return None
     _register_groups(doc["groups"], live_groups)
     from ..building import kernel_collectives  # noqa: F401  (defines the operators the library calls)

@@ -110,7 +110,6 @@ class CompiledStep:
         self._unstored = None  # a traced artifact the cache could not take (rank 0 serves it)
         self.cache_info: CacheInfo | None = None
         self._traces = 0
-        self._zero_fill = ZeroFill()
         functools.update_wrapper(self, fn)
 
     @property
