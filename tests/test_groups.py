@@ -6,7 +6,7 @@ import torch
 
 import spmd_aot
 from spmd_aot.format.artifact import read_artifact
-from spmd_aot.examples.models import Transformer, train_step
+from spmd_aot.examples.models import Block, Transformer, train_step
 from spmd_aot.parallel.groups import assign_groups, block_prefixes
 from spmd_aot.parallel.plan import Plan
 from spmd_aot.store import LocalStore
@@ -29,6 +29,34 @@ def _batch(rank, step):
 
 
 JOB = spmd_aot.Job(step=train_step, model=_model, optimizer=_optim, batch=lambda: _batch(0, 0))
+
+
+class DictTransformer(Transformer):
+    """The same model with its blocks in an ``nn.ModuleDict`` under ``layers``, as torchtitan
+    keeps them; built in the same order from the same seed, so its parameters equal the
+    ModuleList twin's."""
+
+    def __init__(self, vocab, d_model, n_heads, n_layers, max_len):
+        torch.nn.Module.__init__(self)
+        self.tok = torch.nn.Embedding(vocab, d_model)
+        self.pos = torch.nn.Embedding(max_len, d_model)
+        self.layers = torch.nn.ModuleDict({str(i): Block(d_model, n_heads) for i in range(n_layers)})
+        self.ln_f = torch.nn.LayerNorm(d_model)
+        self.head = torch.nn.Linear(d_model, vocab)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.layers.values():
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def _dict_model():
+    return DictTransformer(VOCAB, D, 4, LAYERS, CTX)
+
+
+DICT_JOB = spmd_aot.Job(step=train_step, model=_dict_model, optimizer=_optim, batch=lambda: _batch(0, 0))
 
 
 def _collectives(tmp_path, built):
@@ -85,6 +113,24 @@ def test_default_groups_are_the_blocks_and_the_root():
     kept = assign_groups(model, Plan(2, "shard", reshard_after_forward=False),
                          [(n, "float32") for n, _ in model.named_parameters()])
     assert not any(g.reshard for g in kept)
+
+
+def test_module_dict_children_are_blocks_like_module_list_children():
+    model, twin = _dict_model(), _model()
+    assert block_prefixes(model) == [f"layers.{i}" for i in range(LAYERS)]
+    groups = assign_groups(model, Plan(2, "shard"), [(n, "float32") for n, _ in model.named_parameters()])
+    twins = assign_groups(twin, Plan(2, "shard"), [(n, "float32") for n, _ in twin.named_parameters()])
+    assert [g.label for g in groups] == ["root"] + [f"layers.{i}" for i in range(LAYERS)]
+    assert [[f.replace("layers.", "blocks.") for f in g.fqns] for g in groups] == [list(g.fqns) for g in twins]
+    nested = torch.nn.ModuleDict({"enc": torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]), "head": torch.nn.Linear(2, 2)})
+    assert block_prefixes(nested) == ["enc.0", "enc.1", "head"]
+
+
+def test_a_module_dict_model_communicates_per_block(tmp_path, shard_build):
+    built = spmd_aot.build(DICT_JOB, world_size=2, placement="shard", cache_dir=tmp_path)
+    _, twin = shard_build
+    assert built.stats["by_kind"] == twin.stats["by_kind"]
+    assert built.stats["by_kind"]["reduce_scatter_tensor"] == LAYERS + 1
 
 
 def test_a_sequential_root_groups_each_layer():
@@ -214,16 +260,18 @@ def _parity_worker(rank, world, caches, variants):
     out = {}
     for name, options in variants.items():
         shape = tuple(options.get("mesh_shape") or (world,))
+        options = dict(options)
+        make = _dict_model if options.pop("module_dict", False) else _model
         torch.manual_seed(0)
-        ref = _model()
+        ref = make()
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
-        for block in ref.blocks:
+        for block in (ref.layers.values() if make is _dict_model else ref.blocks):
             fully_shard(block, mesh=mesh, reshard_after_forward=options.get("reshard_after_forward", True))
         fully_shard(ref, mesh=mesh)
         ref_optim = _optim(ref)
         ref_losses = [train_step(ref, ref_optim, _batch(rank, s)).detach() for s in range(STEPS)]
         torch.manual_seed(0)
-        model = _model()
+        model = make()
         optim = _optim(model)
         fn = spmd_aot.compile(train_step, cache_dir=caches[name], placement="shard", **options)
         losses = [fn(model, optim, _batch(rank, s)).detach() for s in range(STEPS)]
@@ -233,7 +281,8 @@ def _parity_worker(rank, world, caches, variants):
 
 PARITY_VARIANTS = {
     2: {"shard": {}, "custom_groups_kept": {"shard_groups": ("blocks.*.mlp.*", "blocks.*"),
-                                            "reshard_after_forward": False}},
+                                            "reshard_after_forward": False},
+        "module_dict": {"module_dict": True}},
     4: {"hsdp": {"mesh_shape": (2, 2)}},
 }
 
@@ -242,9 +291,10 @@ PARITY_VARIANTS = {
 def parity(tmp_path_factory, shard_build, hsdp_build):
     """world -> per-rank {variant: (diffs, cache hit)}; both worlds' ranks run at the same time.
     "shard" and "hsdp" load the artifacts built above (offline, as CI would); the job that keeps
-    its parameters traces its own at the first call."""
+    its parameters and the ModuleDict model trace their own at the first call."""
     caches = {"shard": str(shard_build[0]), "hsdp": str(hsdp_build[0]),
-              "custom_groups_kept": str(tmp_path_factory.mktemp("custom_groups_kept"))}
+              "custom_groups_kept": str(tmp_path_factory.mktemp("custom_groups_kept")),
+              "module_dict": str(tmp_path_factory.mktemp("module_dict"))}
     launches = [(_parity_worker, world, caches, variants) for world, variants in PARITY_VARIANTS.items()]
     return dict(zip(PARITY_VARIANTS, run_launches(*launches, timeout=400)))
 
@@ -254,4 +304,4 @@ def test_grouped_shard_matches_fsdp2_per_block(parity, world, variant):
     for rank, per_rank in enumerate(parity[world]):
         diffs, hit = per_rank[variant]
         assert max(diffs.values()) <= 1e-5, f"rank {rank} {variant}: {diffs}"
-        assert hit == (variant != "custom_groups_kept"), f"rank {rank} {variant}: cache hit {hit}"
+        assert hit == (variant not in ("custom_groups_kept", "module_dict")), f"rank {rank} {variant}: cache hit {hit}"

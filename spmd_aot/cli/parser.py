@@ -225,7 +225,7 @@ def add_shard_options(p) -> None:
     p.add_argument("--shard-group", action="append", default=[], metavar="PATTERN",
                    help="for placement shard: parameters whose FQN matches PATTERN (fnmatch) form one "
                         "communication group (repeat for several; default: one group per block of "
-                        "every ModuleList/Sequential)")
+                        "every ModuleList/Sequential/ModuleDict)")
     p.add_argument("--keep-params-after-forward", action="store_true",
                    help="for placement shard: keep gathered parameters from forward to backward "
                         "(more memory, fewer all_gathers) instead of gathering them again")

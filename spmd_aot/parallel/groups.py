@@ -7,8 +7,11 @@ latency each (28 small all_reduces took 14x one flat one on gloo, see README).
 
 Which parameters form a group (``assign_groups``): the first ``Plan.shard_groups`` pattern
 (fnmatch on the FQN) a parameter matches; without patterns, one group per *block*: each child
-of an ``nn.ModuleList``/``nn.Sequential`` (a child that is itself such a container is split
-into its own children), as ``fully_shard`` applied to every transformer block. Parameters in
+of an ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` (a child that is itself such a
+container is split into its own children), as ``fully_shard`` applied to every transformer
+block. ModuleDict counts because torchtitan-style models keep their layers in one
+(``self.layers = nn.ModuleDict({str(i): Block() ...})``, so checkpoints keep their keys when
+layers are dropped); without it such a model was one group, gathered whole at once. Parameters in
 no block or pattern form the *root* group. Only sharded parameters join groups; parameters
 kept whole keep their all_reduce.
 
@@ -53,8 +56,8 @@ class ParamGroup:
 
 
 def block_prefixes(model: nn.Module) -> list[str]:
-    """FQN prefixes of the default blocks: children of every ModuleList/Sequential."""
-    containers = (nn.ModuleList, nn.Sequential)
+    """FQN prefixes of the default blocks: children of every ModuleList/Sequential/ModuleDict."""
+    containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
     out: list[str] = []
 
     def visit(module: nn.Module, prefix: str) -> None:

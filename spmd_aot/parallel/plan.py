@@ -42,7 +42,7 @@ class Plan:
     # (DDP's defaults), so the first all_reduce starts early in backward. shard: parameters are
     # gathered and their gradients reduce-scattered per group: ``shard_groups`` are FQN
     # patterns, one group each (a parameter joins the first group that matches); empty means
-    # one group per child of every ModuleList/Sequential plus one for the remaining
+    # one group per child of every ModuleList/Sequential/ModuleDict plus one for the remaining
     # parameters (as ``fully_shard`` per block). ``reshard_after_forward`` frees gathered
     # parameters after forward and gathers them again for backward (FSDP2's default).
     bucket_cap_mb: float = 25.0
