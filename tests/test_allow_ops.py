@@ -89,8 +89,9 @@ def test_opted_in_entry_loads_only_for_a_job_that_opts_in(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("name,why", [
-    ("aten::as_strided.default", "can never be allowed"),
+    ("aten::as_strided_.default", "can never be allowed"),
     ("aten::_reshape_alias.default", "can never be allowed"),
+    ("aten::set_.source_Tensor", "can never be allowed"),
     ("aten::no_such_op.default", "does not exist"),
     ("erfinv", "not an operator overload name"),
 ])
@@ -112,3 +113,35 @@ def test_cli_build_and_verify_take_the_same_opt_in(tmp_path, monkeypatch, capsys
     assert cli(["verify", "--cache-dir", cache]) == 1  # without the opt-in the graph is refused
     assert EXTRA in capsys.readouterr().out
     assert cli(["verify", "--cache-dir", cache, "--allow-op", EXTRA]) == 0
+
+
+def _build_time_refusal(op) -> str:
+    import torch.fx
+
+    from spmd_aot.format.serialize import encode_graph
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(op, (x,) + ((0, 1) if op is torch.ops.aten.transpose_.default else ())))
+    with pytest.raises(UnsafeArtifactError) as info:
+        encode_graph(graph, {})
+    return str(info.value)
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten._reshape_alias.default, torch.ops.aten.transpose_.default,
+                                torch.ops.aten.erfinv.default])
+def test_a_refusal_offers_an_opt_in_only_where_the_opt_in_is_accepted(op):
+    """No dead end: the build-time message offers allow_ops only for an op that opt_in_names
+    then accepts; for a refused family it says no opt-in can allow it."""
+    from spmd_aot.format.allowlist import opt_in_names
+
+    name = f"{op.namespace}::{op._opname}.{op._overloadname}"
+    text = _build_time_refusal(op)
+    if "allow_ops=" in text:
+        assert "no opt-in can allow" not in text
+        assert opt_in_names([name]) == {name}
+    else:
+        assert "no opt-in can allow" in text and "--allow-op" not in text, text
+        with pytest.raises(SpmdAotError, match="can never be allowed"):
+            opt_in_names([name])
+    assert ("allow_ops=" in text) == (op is torch.ops.aten.erfinv.default)

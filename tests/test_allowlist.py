@@ -31,12 +31,22 @@ def test_no_listed_overload_belongs_to_a_refused_family():
     assert {n: why for n, why in refused.items() if why} == {}
 
 
-@pytest.mark.parametrize("op", ["_reshape_alias", "as_strided", "as_strided_", "set_", "sparse_coo_tensor",
+@pytest.mark.parametrize("op", ["_reshape_alias", "as_strided_", "set_", "sparse_coo_tensor",
                                 "_sparse_coo_tensor_with_dims_and_tensors", "to_dense", "_nested_tensor_from_mask",
                                 "_unsafe_index", "_unsafe_index_put", "_index_put_impl_", "seed", "from_file",
                                 "_print", "save"])
 def test_dangerous_families_are_refused(op):
     assert allowlist.refusal(op)
+
+
+def test_views_by_contract_are_listed_not_refused():
+    """as_strided and the complex views of rotary embeddings are admitted with a contract each;
+    as_strided_ stays refused at load (a build rewrites it to as_strided)."""
+    for name in ("aten::as_strided.default", "aten::view_as_complex.default", "aten::view_as_real.default",
+                 "aten::_conj.default", "aten::polar.default", "aten::unbind.int"):
+        assert name in allowlist.allowed_ops() and allowlist.refusal(name.split("::")[1].split(".")[0]) is None
+    with pytest.raises(UnsafeArtifactError, match="is refused: it changes a tensor's shape or strides in place"):
+        resolve_target("aten::as_strided_.default")
 
 
 def test_every_op_the_suite_needs_is_listed():

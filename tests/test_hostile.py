@@ -97,7 +97,7 @@ def cases(c: Crafter) -> dict:
         "reshape_alias_oob_read": (c.graph(node("evil", "aten::_reshape_alias.default", ref(m), ints(1 << 16),
                                                  ints(1))), UnsafeArtifactError, "raw sizes"),
         "as_strided_huge_stride": (c.graph(node("evil", "aten::as_strided.default", ref(m), ints(2), ints(1 << 40))),
-                                   UnsafeArtifactError, "raw sizes"),
+                                   UnsafeArtifactError, "argument contract: argument 'stride' makes a view"),
         "set_storage": (c.graph(node("evil", "aten::set_.source_Tensor_storage_offset", ref(m), ref(v), 0,
                                      ints(1 << 20), ints(1))), UnsafeArtifactError, "raw sizes"),
         "sparse_constructor": (c.graph(node("evil", "aten::_sparse_coo_tensor_with_dims_and_tensors.default", 1, 1,
@@ -201,7 +201,7 @@ def test_limits_refuse_before_decoding(hostile, monkeypatch):
 
 
 def test_meta_check_catches_a_view_past_its_storage():
-    """The storage-extent check itself, on a view op the allowlist would refuse anyway."""
+    """The storage-extent rule on a view op: as_strided's contract states it before its meta kernel runs."""
     layout = [{"local_shape": [4, 4], "dtype": "float32"}]
     nodes = [DecodedNode("placeholder", "x", "x", (), {}),
              DecodedNode("call_function", "v", torch.ops.aten.as_strided.default, (Ref(0), [2], [1000]), {}),

@@ -9,9 +9,19 @@ sizes (as stride-0 views and size arguments: refused by the load limits, never a
 Each set first goes through the check a loaded graph goes through (``validate.check_node``: the
 op's contract, its meta kernel, the result checks) on meta tensors; whatever it accepts then runs
 for real on CPU (``--device cuda``: on the GPU, each run synchronized, a CUDA fault counted
-as a crash) in a child process (``MALLOC_CHECK_=3``, ``faulthandler``, a timeout), after the
+as a crash) in a child process (glibc's heap checker, ``faulthandler``, a timeout), after the
 run-time index check ``program.py`` applies. A Python exception from torch is fine; a signal,
-an abort or a hang is a crash, reported with its case.
+an abort or a hang is a crash, reported with its case. ``EDGES`` adds hand-made cases at the
+edges of a contract (a view ending exactly at its storage's end and one element past it, sizes
+of 0, complex views of the wrong layout or dtype).
+
+The heap checker: on glibc 2.34 and later ``MALLOC_CHECK_=3`` does nothing unless
+``libc_malloc_debug.so.0`` is preloaded, so children run with both, and each child reads its own
+``/proc/self/maps`` and refuses to run a case unless the checker is mapped (the run then fails).
+
+Every accepted case's result is also compared with what the meta kernel said it would be
+(shape and dtype): a divergence means a contract checked on meta results does not describe
+the values downstream; they are reported per op.
 
 Children run many cases each and log each case's index before running it, so a crash names its
 case and the parent restarts a child from the next one.
@@ -25,7 +35,9 @@ case and the parent restarts a child from the next one.
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import dataclasses
+import json
 import os
 import pickle
 import subprocess
@@ -261,6 +273,57 @@ SAMPLES: dict[str, list] = {  # op -> [[args, kwargs], ...]; the rest is derived
     "aten::_foreach_mul.Tensor": [[([t(3), t(4)], t()), {}]], "aten::_foreach_mul_.Tensor": [[([t(3), t(4)], t()), {}]],
     "aten::clamp.Tensor": [[(t(3, 4), t(4), t(3, 1)), {}]], "aten::clamp.default": [[(t(3, 4), -1.0, 1.0), {}]],
     "_c10d_functional::broadcast_.default": [[(t(3, 4), 0, G), {}]],
+    # views by contract (spmd_aot/format/contracts/views.py): at and inside the storage's end
+    "aten::as_strided.default": [[(t(4, 4), [4, 4], [4, 1], 0), {}],
+                                 [(t(4, 4), [2, 2], [1, 4], 10), {}],  # last element = the storage's last
+                                 [(t(32), [4, 8, 1, 1], [8, 1, 1, 1], 0), {}],  # AdaptiveAvgPool1d's backward
+                                 [(t(4, 4), [3, 0, 5], [100, 7, 1], 16), {}]],  # empty, offset at the end
+    "aten::view_as_complex.default": [[(t(3, 4, 2),), {}], [(t(3, 2, dtype="float64"),), {}],
+                                      [(t(5, 2, dtype="float16"),), {}]],
+    "aten::view_as_real.default": [[(t(3, 4, dtype="complex64"),), {}], [(t(3, dtype="complex128"),), {}]],
+    "aten::polar.default": [[(t(3, 4), t(4)), {}], [(t(3, dtype="float64"), t(3, dtype="float64")), {}]],
+    "aten::_conj.default": [[(t(3, 4, dtype="complex64"),), {}], [(t(3, dtype="complex128"),), {}]],
+    "aten::unbind.int": [[(t(3, 4), 0), {}], [(t(3, 4), -1), {}]],
+}
+
+#: Hand-made cases at the edges of a contract: (label, [args, kwargs]); refused or run like mutations.
+EDGES: dict[str, list] = {
+    "aten::as_strided.default": [
+        ("one_past_the_end", [(t(4, 4), [2, 2], [1, 4], 11), {}]),
+        ("huge_stride", [(t(4, 4), [2], [1 << 40]), {}]),
+        ("stride_past_int48", [(t(4, 4), [1], [1 << 50]), {}]),
+        ("negative_stride", [(t(4, 4), [2], [-1], 3), {}]),
+        ("negative_size", [(t(4, 4), [-2], [1]), {}]),
+        ("empty_huge_stride", [(t(4, 4), [0, 2], [1 << 40, 1], 0), {}]),
+        ("empty_offset_past_the_end", [(t(4, 4), [0], [1], 17), {}]),
+        ("empty_many_elements", [(t(4, 4), [0, 1 << 40, 1 << 40], [1, 1, 1]), {}]),
+        ("offset_past_the_end", [(t(4, 4), [1], [1], 16), {}]),
+        ("view_of_a_view", [(t(2, 4, offset=8, storage=1), [4, 2], [1, 4], 8), {}]),
+        ("view_of_a_view_past_the_end", [(t(2, 4, offset=8, storage=1), [4, 2], [1, 4], 9), {}]),
+        ("offset_default_of_a_shifted_input", [(t(2, 2, offset=12, storage=2), [4], [1]), {}]),
+        ("short_stride", [(t(4, 4), [2, 2], [1]), {}]),
+        ("zero_strides", [(t(4, 4), [1 << 20, 1 << 20], [0, 0]), {}]),
+    ],
+    "aten::view_as_complex.default": [
+        ("last_dim_3", [(t(3, 3),), {}]), ("last_dim_1", [(t(3, 1),), {}]), ("zero_dim", [(t(),), {}]),
+        ("last_stride_3", [(t(3, 2, stride=(1, 3)),), {}]), ("odd_stride", [(t(3, 2, stride=(3, 1)),), {}]),
+        ("odd_offset", [(t(3, 2, offset=1),), {}]), ("bfloat16", [(t(3, 2, dtype="bfloat16"),), {}]),
+        ("int64", [(t(3, 2, dtype="int64"),), {}]), ("complex64", [(t(3, 2, dtype="complex64"),), {}]),
+        ("empty", [(t(0, 2),), {}]), ("stride0_pairs", [(t(3, 2, stride=(0, 1)),), {}]),
+    ],
+    "aten::view_as_real.default": [
+        ("float32", [(t(3, 2),), {}]), ("empty", [(t(0, dtype="complex64"),), {}]),
+        ("zero_dim", [(t(dtype="complex64"),), {}]), ("strided", [(t(3, dtype="complex64", stride=(2,)),), {}]),
+    ],
+    "aten::_conj.default": [("float32", [(t(3, 4),), {}]), ("int64", [(t(3, dtype="int64"),), {}])],
+    "aten::unbind.int": [("many_views", [(t(1 << 22, 4, stride=(0, 1)), 0), {}]),
+                         ("at_the_limit", [(t(1 << 16, 1, stride=(0, 1)), 0), {}])],
+    "aten::split.Tensor": [("many_views", [(t(1 << 22, 4, stride=(0, 1)), 1), {}]), ("split_size_0", [(t(3, 4), 0), {}])],
+    "aten::chunk.default": [("many_views", [(t(1 << 22, 4, stride=(0, 1)), 1 << 22), {}])],
+    "aten::polar.default": [
+        ("mixed_dtypes", [(t(3), t(3, dtype="float64")), {}]), ("half", [(t(3, dtype="float16"), t(3, dtype="float16")), {}]),
+        ("no_broadcast", [(t(3), t(4)), {}]), ("int64", [(t(3, dtype="int64"), t(3, dtype="int64")), {}]),
+    ],
 }
 
 _NAMED = {"mask": t(3, 4, dtype="bool"), "condition": t(3, 4, dtype="bool"), "index": t(3, 4, dtype=L),
@@ -403,6 +466,11 @@ def mutations(base) -> list:
 # ------------------------------------------------------------------ the check (parent, meta)
 def check(name: str, args, kwargs, limit: int) -> str | None:
     """None if the load-time check accepts the call, else why it refused it."""
+    return checked(name, args, kwargs, limit)[0]
+
+
+def checked(name: str, args, kwargs, limit: int) -> tuple[str | None, Any]:
+    """(None, the meta result's ``describe``) if the load-time check accepts the call, else (why, None)."""
     from spmd_aot.format.serialize import DecodedNode, resolve_target
     from spmd_aot.format.validate import check_node
 
@@ -410,10 +478,44 @@ def check(name: str, args, kwargs, limit: int) -> str | None:
     margs, mkwargs = materialize(args, kwargs, "meta")
     node = DecodedNode("call_function", "fuzz", op, tuple(margs), dict(mkwargs))
     try:
-        check_node(node, tuple(margs), dict(mkwargs), limit)
+        value = check_node(node, tuple(margs), dict(mkwargs), limit)
     except Exception as exc:  # noqa: BLE001 - every refusal counts
-        return f"{type(exc).__name__}: {str(exc)[:200]}"
+        return f"{type(exc).__name__}: {str(exc)[:200]}", None
+    return None, describe(value)
+
+
+def describe(value) -> Any:
+    """What is compared between the meta and the real result: each tensor's shape and dtype."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), str(value.dtype).removeprefix("torch."))
+    if isinstance(value, (list, tuple)):
+        return [describe(v) for v in value]
     return None
+
+
+# ------------------------------------------------------------------ the heap checker
+MALLOC_DEBUG = "libc_malloc_debug.so.0"
+NO_CHECKER = 87  # a child's exit status when the heap checker is not loaded
+
+
+def checker_env(env: dict) -> dict:
+    """``env`` with glibc's heap checker on: ``MALLOC_CHECK_=3`` and, on glibc 2.34+, the
+    library that implements it preloaded (without it the variable is ignored)."""
+    env = dict(env, MALLOC_CHECK_="3")
+    if ctypes.util.find_library("c_malloc_debug"):  # glibc 2.34+: the checker lives in its own library
+        env["LD_PRELOAD"] = " ".join(p for p in (MALLOC_DEBUG, env.get("LD_PRELOAD", "")) if p)
+    return env
+
+
+def checker_loaded() -> bool:
+    """Whether this process's heap allocations are checked: ``MALLOC_CHECK_`` set and, where
+    glibc keeps the checker in ``libc_malloc_debug``, that library mapped into this process."""
+    if os.environ.get("MALLOC_CHECK_") != "3":
+        return False
+    if not ctypes.util.find_library("c_malloc_debug"):
+        return True  # glibc before 2.34: the checker is part of libc itself
+    with open("/proc/self/maps") as f:
+        return "libc_malloc_debug" in f.read()
 
 
 # ------------------------------------------------------------------ the child (real runs)
@@ -429,13 +531,17 @@ def child(case_file: str, start: int, progress: str, device: str = "cpu") -> Non
     from spmd_aot.format.contracts import VALUE_CHECKS
     from spmd_aot.format.serialize import resolve_target
 
+    if not checker_loaded():
+        print(f"the heap checker is not loaded (MALLOC_CHECK_=3 with LD_PRELOAD={MALLOC_DEBUG}): "
+              f"/proc/self/maps has no libc_malloc_debug", file=sys.stderr, flush=True)
+        os._exit(NO_CHECKER)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     group = dist.group.WORLD.group_name
     with open(case_file, "rb") as f:
         cases = pickle.load(f)
     with open(progress, "a", buffering=1) as log:
         for i in range(start, len(cases)):
-            name, label, (args, kwargs) = cases[i]
+            name, label, (args, kwargs), expected = cases[i]
             log.write(f"S {i}\n")
             outcome = "ok"
             try:
@@ -451,6 +557,9 @@ def child(case_file: str, start: int, progress: str, device: str = "cpu") -> Non
                     torch.ops._c10d_functional.wait_tensor(result)
                 if device == "cuda":
                     torch.cuda.synchronize()  # kernels are asynchronous: their faults surface here
+                real = describe(result)
+                if real != expected:
+                    log.write(f"D {i} {json.dumps([expected, real])}\n")
             except Exception as exc:  # noqa: BLE001 - a Python error is a safe refusal
                 if device == "cuda" and _is_cuda_fault(exc):
                     print(f"CUDA fault: {str(exc).strip().splitlines()[0][:300]}", file=sys.stderr, flush=True)
@@ -472,13 +581,13 @@ def run_children(cases: list, timeout: float, verbose: bool, device: str = "cpu"
                  deadline: float = float("inf")) -> dict:
     """Run ``cases`` in child processes; restart after a crash or hang from the next case. No
     child starts after ``deadline`` (``time.monotonic``): the cases left are counted as not run."""
-    stats = {"ok": 0, "raised": 0, "crashes": [], "not_run": 0}
+    stats = {"ok": 0, "raised": 0, "crashes": [], "not_run": 0, "divergences": []}
     with tempfile.TemporaryDirectory() as tmp:
         case_file, progress = os.path.join(tmp, "cases.pkl"), os.path.join(tmp, "progress")
         with open(case_file, "wb") as f:
             pickle.dump(cases, f)
         start = 0
-        env = dict(os.environ, MALLOC_CHECK_="3", PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1")
+        env = checker_env(dict(os.environ, PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1"))
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         while start < len(cases):
@@ -499,7 +608,15 @@ def run_children(cases: list, timeout: float, verbose: bool, device: str = "cpu"
                     proc.kill()
                     hung = True
             err = proc.stderr.read().decode(errors="replace")
+            if proc.returncode == NO_CHECKER:
+                raise RuntimeError(f"fuzz child ran without glibc's heap checker: {err.strip()[-300:]}")
             lines = open(progress).read().split("\n")
+            for x in lines:
+                if x.startswith("D "):
+                    _, i, pair = x.split(" ", 2)
+                    meta, real = json.loads(pair)
+                    name, label = cases[int(i)][:2]
+                    stats["divergences"].append((name, label, meta, real))
             ended = {}
             for x in lines:
                 if x.startswith("E "):
@@ -514,7 +631,7 @@ def run_children(cases: list, timeout: float, verbose: bool, device: str = "cpu"
             if bad in ended:  # died after its last case (teardown): not a case's crash
                 bad = None
             if bad is not None:
-                name, label, _ = cases[bad]
+                name, label = cases[bad][:2]
                 why = "hang" if hung else f"exit {proc.returncode}"
                 stats["crashes"].append((name, label, why, err.strip().splitlines()[-3:] if err else []))
                 if verbose:
@@ -539,7 +656,8 @@ REVIEW_OPS = ("aten::_fused_adam_.default", "aten::_fused_adamw_.tensor_lr", "at
 
 def fuzz(ops: list[str], *, timeout: float = 20.0, verbose: bool = False, limit: int = 16 << 20,
          device: str = "cpu", deadline: float = float("inf")) -> dict:
-    """Generate, check and run; returns the figures (and the cases behind any failure)."""
+    """Generate, check and run; returns the figures (and the cases behind any failure): per op,
+    the crashes and the results whose shape or dtype differ from the meta kernel's."""
     from spmd_aot.format.serialize import resolve_target
 
     tried = refused = 0
@@ -548,24 +666,41 @@ def fuzz(ops: list[str], *, timeout: float = 20.0, verbose: bool = False, limit:
     for name in ops:
         op = resolve_target(name)
         for base in samples(name, op):
-            why = check(name, base[0], base[1], limit)
+            why, expected = checked(name, base[0], base[1], limit)
             if why is not None:
                 bad_samples.append((name, why))
                 if verbose:
                     print(f"SAMPLE REFUSED {name}: {why}", file=sys.stderr)
             else:
-                accepted.append((name, "valid", base))
+                accepted.append((name, "valid", base, expected))
             tried += 1
             for label, (args, kwargs) in mutations(base):
                 tried += 1
-                if check(name, args, kwargs, limit) is None:
-                    accepted.append((name, label, [args, kwargs]))
+                why, expected = checked(name, args, kwargs, limit)
+                if why is None:
+                    accepted.append((name, label, [args, kwargs], expected))
                 else:
                     refused += 1
+        for label, (args, kwargs) in EDGES.get(name, ()):
+            tried += 1
+            why, expected = checked(name, args, kwargs, limit)
+            if why is None:
+                accepted.append((name, f"edge:{label}", [args, kwargs], expected))
+            else:
+                refused += 1
+                if verbose:
+                    print(f"EDGE REFUSED {name} {label}: {why}", file=sys.stderr)
     stats = run_children(accepted, timeout, verbose, device, deadline)
+    by_op: dict[str, dict] = {}
+    for name, *_ in accepted:
+        by_op.setdefault(name, {"run": 0, "crashes": 0, "divergences": 0})["run"] += 1
+    for name, *_ in stats["crashes"]:
+        by_op[name]["crashes"] += 1
+    for name, *_ in stats["divergences"]:
+        by_op[name]["divergences"] += 1
     return {"ops": len(ops), "tried": tried, "refused": refused + len(bad_samples), "run": len(accepted),
             "run_ok": stats["ok"], "run_raised": stats["raised"], "crashes": stats["crashes"],
-            "not_run": stats["not_run"],
+            "not_run": stats["not_run"], "divergences": stats["divergences"], "by_op": by_op,
             "valid_samples_refused": bad_samples}
 
 
@@ -600,8 +735,15 @@ def main(argv=None) -> int:
           f"({r['run_ok']} returned, {r['run_raised']} raised), crashes {len(r['crashes'])}, "
           f"valid samples refused {len(r['valid_samples_refused'])}, not run (budget) {r['not_run']} "
           f"({time.monotonic() - start:.0f} s)")
+    print(f"heap checker: MALLOC_CHECK_=3 + {MALLOC_DEBUG} (verified in every child); "
+          f"meta/real result divergences {len(r['divergences'])}")
     for c in r["crashes"]:
         print("CRASH", *c)
+    for name, label, meta, real in r["divergences"]:
+        print("DIVERGES", name, label, "meta", meta, "real", real)
+    for name, counts in sorted(r["by_op"].items()):
+        if counts["crashes"] or counts["divergences"] or a.verbose:
+            print(f"op {name}: run {counts['run']}, crashes {counts['crashes']}, divergences {counts['divergences']}")
     for name, why in r["valid_samples_refused"]:
         print("VALID SAMPLE REFUSED", name, why)
     return 1 if r["crashes"] else 0

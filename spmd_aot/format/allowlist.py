@@ -51,12 +51,14 @@ PYTHON_CALLABLES = ("operator.getitem",)
 
 #: (pattern on the op name, why it is refused). Checked before the list, so the reason is precise.
 REFUSED: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p), why) for p, why in (
-    (r"^(_reshape_alias|as_strided.*|set_|_set_.*|_make_per_.*|_mkldnn.*|_copy_from.*)$",
-     "builds a view from raw sizes, strides or storage that torch does not bounds-check on every path"),
+    (r"^(_reshape_alias|set_|_set_.*|_make_per_.*|_mkldnn.*|_copy_from.*)$",
+     "builds a view from raw sizes, strides or storage that torch does not bounds-check on every path "
+     "(as_strided is allowed: its contract checks the view against its input's storage)"),
     (r"sparse|_coo|_csr|_csc|_bsr|_bsc|to_dense", "builds or reads sparse tensors (invariants unchecked)"),
     (r"nested|_nt_", "builds nested tensors"),
     (r"^(resize_.*|_resize_.*|t_|transpose_|swapdims_|swapaxes_|squeeze_|unsqueeze_|detach_|as_strided_)$",
-     "changes a tensor's shape or strides in place (validate.py assumes in-place ops keep metadata)"),
+     "changes a tensor's shape or strides in place (validate.py assumes in-place ops keep metadata; "
+     "a build rewrites the common ones to their out-of-place view, passes/inplace_views.py)"),
     (r"^_unsafe(?!_view$)|^_index_put_impl_$|^unsafe_",
      "skips argument checks (_unsafe_view is allowed: it checks the element count)"),
     (r"seed|rng_state|_philox|_fused_rng", "seeds or replaces the random number generator's state"),

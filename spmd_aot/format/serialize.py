@@ -71,13 +71,17 @@ def _target_name(node: torch.fx.Node) -> str:
     t = node.target
     if isinstance(t, torch._ops.OpOverload):
         name = f"{t.namespace}::{t._opname}.{t._overloadname}"
-        why = refusal(t._opname) or (None if is_allowed(name) else "it is not on the op allowlist")
-        if why:
+        why = refusal(t._opname)
+        if why:  # no opt-in admits a refused family: offering one would be a dead end
             raise UnsafeArtifactError(
-                f"node {node.name} calls {name}, which loading refuses: {why}. Write the step without "
-                f"it, or opt in to it on the build and on every job that loads it (allow_ops=[{name!r}], "
-                f"CLI --allow-op {name}, or ${ENV_ALLOW_OPS}); `spmd-aot ops` lists the allowlist"
-            )
+                f"node {node.name} calls {name}, which loading refuses and no opt-in can allow: it {why}. "
+                "Write the step without it; `spmd-aot ops` lists the allowlist")
+        if not is_allowed(name):
+            raise UnsafeArtifactError(
+                f"node {node.name} calls {name}, which loading refuses: it is not on the op allowlist. Write "
+                f"the step without it, or opt in to it on the build and on every job that loads it "
+                f"(allow_ops=[{name!r}], CLI --allow-op {name}, or ${ENV_ALLOW_OPS}); `spmd-aot ops` lists "
+                "the allowlist")
         return name
     for name, fn in _PYTHON_CALLABLES.items():
         if t is fn:

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import logging
+import math
 from typing import Sequence
 
 import torch
@@ -234,7 +235,9 @@ class _Regathered:
 
     def unpack(self) -> torch.Tensor:
         """The saved view, rebuilt on the re-gathered parameter: itself, its transpose (what
-        ``linear`` saves), else the same strides via ``as_strided``."""
+        ``linear`` saves), a reshape of it (a broadcast view such as ``D[None, :, None]``),
+        else the same strides via ``as_strided`` (admitted with a contract that checks the view
+        against the parameter's storage)."""
         base = self.owner.regathered(self.index)
         size, stride = tuple(base.shape), tuple(base.stride())
         if self.offset == base.storage_offset():
@@ -242,6 +245,10 @@ class _Regathered:
                 return base
             if base.dim() == 2 and (self.size, self.stride) == (size[::-1], stride[::-1]):
                 return base.t()
+            if base.is_contiguous() and math.prod(self.size) == base.numel():
+                reshaped = base.view(self.size)
+                if tuple(reshaped.stride()) == self.stride:
+                    return reshaped
         return torch.as_strided(base, self.size, self.stride, self.offset)
 
 

@@ -9,7 +9,8 @@ from typing import Callable
 
 from ..allowlist import is_opted_in
 from .rules import _bind, _general
-from .checkers import attention_cpu, batch_norm, batch_norm_writes, collective, convolution, dims, elementwise, factory, fft, foreach, fused_step, grid_sampler, group_norm, index_values, layer_norm, matmul, nll_loss, pooling, softmax, storage_checked, unchecked_by_design
+from .checkers import attention_cpu, batch_norm, batch_norm_writes, collective, convolution, dims, elementwise, factory, fft, foreach, fused_step, grid_sampler, group_norm, index_values, layer_norm, matmul, nll_loss, pooling, softmax, unchecked_by_design
+from .views import complex_view, conj_view, polar, real_view, split_views, strided_view
 
 
 P = functools.partial
@@ -42,8 +43,8 @@ _ELEMENTWISE_OPS = """
 """
 _KERNEL_CHECKED_OPS = """
     _unsafe_view.default view.default reshape.default expand.default expand_as.default t.default transpose.int
-    permute.default select.int slice.Tensor narrow.default split.Tensor split_with_sizes.default chunk.default
-    unflatten.int flatten.using_ints squeeze.dim squeeze.dims unsqueeze.default unbind.int view_as.default
+    permute.default select.int slice.Tensor narrow.default split_with_sizes.default
+    unflatten.int flatten.using_ints squeeze.dim squeeze.dims unsqueeze.default view_as.default
     split_with_sizes_copy.default cat.default stack.default flip.default roll.default repeat.default
     constant_pad_nd.default tril.default triu.default select_backward.default slice_backward.default
     empty.memory_format full.default ones.default zeros.default arange.default arange.start arange.start_step
@@ -65,7 +66,14 @@ _DIM_OPS = {  # reductions and dim-taking ops: (dim argument names)
 
 _RULES: list[tuple[Callable, str]] = [
     (unchecked_by_design, _KERNEL_CHECKED_OPS),
-    (storage_checked, "as_strided.default"),
+    (strided_view, "as_strided.default"),
+    (complex_view, "view_as_complex.default"),
+    (real_view, "view_as_real.default"),
+    (polar, "polar.default"),
+    (conj_view, "_conj.default"),
+    (P(split_views, kind="unbind"), "unbind.int"),
+    (P(split_views, kind="split"), "split.Tensor"),
+    (P(split_views, kind="chunk"), "chunk.default"),
     (P(matmul, kind="mm"), "mm.default"),
     (P(matmul, kind="mm.out"), "mm.out"),
     (P(matmul, kind="addmm"), "addmm.default"),
