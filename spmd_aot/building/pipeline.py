@@ -27,7 +27,7 @@ from .memory import graph_peak_bytes
 from ..tracing.numpy_absent import numpy_lookups_skipped
 from ..tracing.override import Transforms, swapped_submodules
 from ..passes import (collective_stats, dedupe_collectives, fold_views, prefetch_groups,
-                     remove_detach, sink_waits, strip_profiler_ops)
+                     remove_detach, rewrite_inplace_views, sink_waits, strip_profiler_ops)
 from ..parallel import axes
 from ..parallel.plan import Plan
 from ..state import TrainState
@@ -62,6 +62,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
             gm = _checked(override.transform(gm, layout), gm, type(override).__qualname__)
         if transforms.gm_transformation is not None:
             gm = _checked(transforms.gm_transformation(gm), gm, "gm_transformation")
+    rewrite_inplace_views(gm)  # after user transformations too: a stored graph never changes geometry in place
     sink_waits(gm)  # after user transformations too: they may add collectives
     fold_views(gm)  # last: the passes above add views too
     gm.recompile()  # passes edit gm.graph only; the stored code is generated once, here
