@@ -22,6 +22,7 @@ from ..format.artifact import amended, encode_artifact, layout_entries, read_art
 from ..errors import CorruptArtifactError, UnsupportedError
 from ..keying.key import CacheKey
 from .kernels import kernel_parts
+from .load_check import check_before_storing
 from ..keying.lookup import find_entry
 from .memory import graph_peak_bytes
 from ..tracing.numpy_absent import numpy_lookups_skipped
@@ -131,7 +132,8 @@ def trace_and_store(store, step: Callable, state: TrainState, plan: Plan, key: C
 
     An existing entry counts only if it reads back whole and is the entry for this key; a
     damaged one (a missing part, a corrupt blob, a ref to another key's manifest) is rebuilt.
-    An entry whose guards fail stays reachable behind the new one (``previous``).
+    An entry whose guards fail stays reachable behind the new one (``previous``). A new entry is
+    checked as a load checks it before anything is stored (``load_check.py``).
     ``store_failures``: the errors of storing that raise ``UnstoredTrace`` (holding the blobs).
     """
     from ..store.leases import reading
@@ -148,6 +150,7 @@ def trace_and_store(store, step: Callable, state: TrainState, plan: Plan, key: C
         except CorruptArtifactError as exc:
             log.warning("cache entry for key %s is damaged (%s); rebuilding it", key.key[:12], exc)
         blobs = trace_to_blobs(step, state, plan, key, mesh, inputs, transforms, previous)
+        check_before_storing(blobs, key)  # what a load would refuse is never stored
         try:
             return store_artifact(store, key.key, blobs), True
         except store_failures as exc:

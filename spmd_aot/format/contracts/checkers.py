@@ -346,7 +346,12 @@ def attention_cpu(a: Args, *, backward: bool) -> None:
     (grouped-query attention: the kernel maps query head h to key head h / (H / Hk); Hk > H
     divides by zero, a Hk that does not divide H reads past the key heads), one dtype, rows dense
     (stride 1 in the last dim); mask broadcastable to [B, H, L, S]; backward: ``out`` and
-    ``grad_out`` [B, H, L, E], ``logsumexp`` [B, H, L] in the accumulation dtype."""
+    ``grad_out`` [B, H, L, E], ``logsumexp`` [B, H, L] in the accumulation dtype.
+
+    The backward reads ``out`` rows as vectors, so ``out`` keeps the dense-row rule, but it copies
+    ``grad_out`` to a contiguous tensor before its gemms (a broadcast ``grad_out`` would make them
+    slow), so ``grad_out`` may have any strides: tensor-parallel graphs pass one laid out by a
+    gather (``tests/test_build_verifies.py`` checks the results equal the contiguous call's)."""
     q, k, v = a.tensor("query"), a.tensor("key"), a.tensor("value")
     for name, t in (("query", q), ("key", k), ("value", v)):
         _need(t.dim() == 4, name, f"must be 4-d [B, H, L, E], has shape {_shape(t)}")
@@ -368,7 +373,7 @@ def attention_cpu(a: Args, *, backward: bool) -> None:
             t = a.tensor(name)
             _shape_eq(t, [b, h, length, e], name, "[B, H, L, E]")
             _dtype_eq(t, q, name, "query")
-            _last_dim_dense(t, name)
+        _last_dim_dense(a.tensor("out"), "out")
         lse = a.tensor("logsumexp")
         _shape_eq(lse, [b, h, length], "logsumexp", "[B, H, L]")
         _need(lse.dtype == _opmath(q.dtype), "logsumexp", f"must be {_opmath(q.dtype)}, is {lse.dtype}")
