@@ -63,3 +63,56 @@ def test_cuda_faults_are_told_from_argument_errors():
     assert fuzz_ops._is_cuda_fault(RuntimeError("CUDA error: device-side assert triggered"))
     assert not fuzz_ops._is_cuda_fault(RuntimeError("index 7 is out of bounds for dimension 0 with size 3"))
     assert not fuzz_ops._is_cuda_fault(ValueError("Expected all tensors to be on the same device"))
+
+
+def test_children_run_with_the_heap_checker_really_loaded():
+    """glibc 2.36 ignores MALLOC_CHECK_ unless libc_malloc_debug is preloaded: the children's
+    environment preloads it, and a child without it refuses to run (the fuzz run fails)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, fuzz_ops; sys.exit(0 if fuzz_ops.checker_loaded() else 1)"
+    base = dict(__import__("os").environ, PYTHONPATH=fuzz_ops.os.path.dirname(fuzz_ops.__file__))
+    base.pop("LD_PRELOAD", None)
+    base.pop("MALLOC_CHECK_", None)
+    assert subprocess.run([sys.executable, "-c", probe], env=fuzz_ops.checker_env(base)).returncode == 0
+    assert subprocess.run([sys.executable, "-c", probe], env=dict(base, MALLOC_CHECK_="3")).returncode == 1
+
+
+def test_a_child_without_the_heap_checker_fails_the_run(monkeypatch):
+    monkeypatch.setattr(fuzz_ops, "checker_env", lambda env: dict(env, MALLOC_CHECK_="3"))
+    import pytest
+
+    with pytest.raises(RuntimeError, match="without glibc's heap checker"):
+        fuzz_ops.fuzz(["aten::view_as_real.default"])
+
+
+def test_ops_admitted_by_contract_refuse_every_edge_past_it_and_run_the_rest():
+    """as_strided at and one element past its storage's end, sizes of 0, complex views of the
+    wrong layout or dtype: the boundary cases the contract must refuse are refused; what it
+    accepts runs without a crash, and every real result has the meta kernel's shape and dtype."""
+    ops = ["aten::as_strided.default", "aten::view_as_complex.default", "aten::view_as_real.default",
+           "aten::polar.default", "aten::_conj.default", "aten::unbind.int"]
+    must_refuse = {
+        "aten::as_strided.default": {"one_past_the_end", "huge_stride", "stride_past_int48", "negative_stride",
+                                     "negative_size", "empty_offset_past_the_end", "empty_many_elements",
+                                     "offset_past_the_end", "view_of_a_view_past_the_end", "short_stride"},
+        "aten::view_as_complex.default": {"last_dim_3", "last_dim_1", "zero_dim", "last_stride_3", "odd_stride",
+                                          "odd_offset", "bfloat16", "int64", "complex64"},
+        "aten::view_as_real.default": {"float32"},
+        "aten::polar.default": {"mixed_dtypes", "half", "no_broadcast", "int64"},
+        "aten::_conj.default": {"float32", "int64"},
+        "aten::unbind.int": {"many_views"},
+    }
+    for name, labels in must_refuse.items():
+        edges = dict(fuzz_ops.EDGES[name])
+        for label in labels:
+            assert fuzz_ops.check(name, *edges[label], 16 << 20) is not None, (name, label)
+    edges = dict(fuzz_ops.EDGES["aten::as_strided.default"])
+    for label in ("empty_huge_stride", "view_of_a_view", "offset_default_of_a_shifted_input"):
+        assert fuzz_ops.check("aten::as_strided.default", *edges[label], 16 << 20) is None, label
+    r = fuzz_ops.fuzz(ops, timeout=30.0)
+    print(f"\nops by contract: {r['tried']} argument sets, {r['refused']} refused, {r['run']} run, "
+          f"{len(r['crashes'])} crashes, {len(r['divergences'])} meta/real divergences")
+    assert r["crashes"] == [] and r["divergences"] == [] and r["valid_samples_refused"] == []
+    assert r["not_run"] == 0 and set(r["by_op"]) == set(ops)

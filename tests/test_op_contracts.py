@@ -278,3 +278,92 @@ def test_verify_reports_the_review_cases(tmp_path, capsys):
     capsys.readouterr()
     assert cli(["verify", "--cache-dir", str(cache)]) == 1
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"{len(table)} problems")
+
+
+# ---------------------------------------------------------------- views by contract (contracts/views.py)
+def test_as_strided_may_reach_exactly_to_the_end_of_its_storage_and_no_further():
+    view = lambda offset: [("v", aten.as_strided.default, (Ref(0), [2, 2], [1, 4], offset), {})]
+    _accepted([([4, 4], F32)], view(10))  # last element: 10 + 1 + 4 = 15, the storage's last
+    _refused([([4, 4], F32)], view(11), r"argument 'stride' makes a view of shape \[2, 2\], strides \[1, 4\], "
+                                        r"offset 11 that reaches byte 68 of a 64-byte storage")
+    _accepted([([4, 4], F32)], [("v", aten.as_strided.default, (Ref(0), [0, 3], [1 << 40, 1], 16), {})])  # empty
+    _refused([([4, 4], F32)], [("v", aten.as_strided.default, (Ref(0), [2], [-1], 3), {})], "must hold values in")
+
+
+def test_as_strided_of_a_view_measures_against_the_whole_storage():
+    """``storage_offset`` is absolute: a view of a narrowed input may reach its storage's start."""
+    narrow = ("n", aten.narrow.default, (Ref(0), 0, 2, 2), {})
+    _accepted([([4, 4], F32)], [narrow, ("v", aten.as_strided.default, (Ref(1), [16], [1], 0), {})])
+    _refused([([4, 4], F32)], [narrow, ("v", aten.as_strided.default, (Ref(1), [16], [1]), {})],
+             "reaches byte 96 of a 64-byte storage")  # default offset: the view's own (8)
+
+
+@pytest.mark.parametrize("shape,dtype,ok", [([3, 4, 2], F32, True), ([3, 2], "float64", True),
+                                            ([3, 2], "float16", True), ([3, 3], F32, False),
+                                            ([3, 2], "bfloat16", False), ([3, 2], "int64", False)])
+def test_view_as_complex_needs_pairs_of_a_complex_dtypes_parts(shape, dtype, ok):
+    call = [("c", aten.view_as_complex.default, (Ref(0),), {})]
+    if ok:
+        _accepted([(shape, dtype)], call)
+    else:
+        _refused([(shape, dtype)], call, "argument 'self'")
+
+
+def test_view_as_complex_needs_stride_1_pairs_on_even_offsets():
+    transposed = ("t", aten.t.default, (Ref(0),), {})  # [2, 3] -> [3, 2] with strides [1, 3]
+    _refused([([2, 3], F32)], [transposed, ("c", aten.view_as_complex.default, (Ref(1),), {})],
+             "its last dimension must have stride 1")
+    shifted = ("s", aten.narrow.default, (Ref(0), 0, 1, 2), {})  # offset 2 elements of a [3, 2]: even, fine
+    _accepted([([3, 2], F32)], [shifted, ("c", aten.view_as_complex.default, (Ref(1),), {})])
+    odd = ("o", aten.as_strided.default, (Ref(0), [2, 2], [2, 1], 1), {})
+    _refused([([3, 2], F32)], [odd, ("c", aten.view_as_complex.default, (Ref(1),), {})], "offset 1, which must be even")
+
+
+def test_view_as_real_refuses_a_lazily_conjugated_view():
+    conj = ("j", aten._conj.default, (Ref(0),), {})
+    _refused([([3], "complex64")], [conj, ("r", aten.view_as_real.default, (Ref(1),), {})], "lazily conjugated")
+    _accepted([([3], "complex64")], [("r", aten.view_as_real.default, (Ref(0),), {})])
+    _refused([([3], F32)], [("j", aten._conj.default, (Ref(0),), {})], "must be complex32, complex64 or complex128")
+
+
+def test_polar_takes_one_float_dtype_and_broadcasts():
+    call = [("p", aten.polar.default, (Ref(0), Ref(1)), {})]
+    _accepted([([3, 1], F32), ([4], F32)], call)
+    _refused([([3], F32), ([3], "float64")], call, "must be abs's torch.float32")
+    _refused([([3], F32), ([4], F32)], call, "does not broadcast")
+
+
+@pytest.mark.parametrize("op,args", [(aten.unbind.int, (0,)), (aten.split.Tensor, (1,)), (aten.chunk.default, (1 << 20,))])
+def test_splitting_ops_make_a_bounded_number_of_views(op, args):
+    """A stride-0 view of a huge size costs nothing to describe; unbinding it would make
+    millions of tensors (unbounded work at load and at every step)."""
+    huge = ("e", aten.expand.default, (Ref(0), [1 << 20, 4]), {})
+    _refused([([1, 4], F32)], [huge, ("u", op, (Ref(1), *args), {})], "more than 65536")
+    small = (3,) if op is aten.chunk.default else args
+    _accepted([([3, 4], F32)], [("u", op, (Ref(0), *small), {})])
+
+
+def test_inplace_geometry_ops_are_rewritten_to_their_views():
+    from spmd_aot.errors import SpmdAotError
+    from spmd_aot.passes import rewrite_inplace_views
+
+    def traced(fn, *shapes):
+        from torch.fx.experimental.proxy_tensor import make_fx
+        return make_fx(fn)(*[torch.randn(s) for s in shapes])
+
+    def fn(x):
+        y = x * 2
+        before = y + 1  # reads y's old geometry
+        y.transpose_(0, 1)
+        return before, y + 0, y.as_strided_([2], [1], 1) * 3, y
+
+    gm = traced(fn, (2, 3))
+    x = torch.randn(2, 3)
+    expected = fn(x.clone())
+    assert rewrite_inplace_views(gm) == 2
+    gm.recompile()
+    assert not [n for n in gm.graph.nodes if str(n.target).endswith("_.default")]
+    for a, b in zip(expected, gm(x.clone())):
+        assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    with pytest.raises(SpmdAotError, match=r"on the step's input .*x = x.transpose\(0, 1\)"):
+        rewrite_inplace_views(traced(lambda x: x.t_() * 1, (2, 3)))
