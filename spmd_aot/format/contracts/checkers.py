@@ -14,12 +14,6 @@ def unchecked_by_design(a: Args) -> None:
     result is also checked against its storage by validate.py."""
 
 
-def storage_checked(a: Args) -> None:
-    """Views from raw sizes and strides: nothing to relate between arguments; the result must lie
-    inside its input's storage, which validate.py checks on every view. (``as_strided`` is refused
-    by the allowlist anyway; its contract lets that storage check be tested on its own.)"""
-
-
 def elementwise(a: Args, written: frozenset) -> None:
     """TensorIterator ops: tensor arguments broadcast together; a written tensor (in place or
     ``out``) already has the broadcast shape, since an iterator never resizes it safely."""
