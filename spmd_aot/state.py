@@ -19,16 +19,93 @@ from .errors import UnsupportedError
 from .parallel.layout import TensorLayout
 from .parallel.plan import Plan
 
-__all__ = ["TrainState", "Slot", "initialize_optimizer_state", "dtype_name", "lr_is_input"]
+__all__ = ["TrainState", "Slot", "HyperInput", "hyperparameter_inputs", "initialize_optimizer_state",
+           "dtype_name"]
 
 # Optimizers whose lazily created state is all zeros (step counters included), so filling it
 # before the first step gives exactly eager's first step. Others must arrive with state.
 _ZERO_INIT_OPTIMIZERS = {"SGD", "Adam", "AdamW", "Adamax", "RAdam", "RMSprop", "Adadelta", "Adagrad"}
 
+# Optimizers whose every step reads tensors on the host (``.item()``), so no fixed graph holds
+# it: refused by name, before a dry step on meta tensors would fail less clearly.
+_HOST_READING_OPTIMIZERS = {
+    "Adafactor": "its step reads the step counter and each parameter's and update's norm on the host "
+                 "(.item()) to size every update",
+    "LBFGS": "its step re-evaluates a closure and reads the loss and directional derivatives on the host",
+}
 
-def lr_is_input(lr) -> bool:
-    """A numeric learning rate becomes a graph input; anything else is refused earlier."""
-    return isinstance(lr, (int, float)) and not isinstance(lr, bool)
+# ----------------------------------------------------------------- which hyperparameters are inputs
+# The one rule. A hyperparameter that is a graph input can change between steps (a scheduler
+# moves it: LambdaLR the learning rate, OneCycleLR and CyclicLR Adam's betas or SGD's momentum)
+# and the stored step runs with the new value, no rebuild. Every other entry of the optimizer's
+# defaults (flags such as foreach, fused, amsgrad, nesterov, maximize, and the numbers below
+# that torch's update reads as Python numbers) is a constant of the graph and a key ingredient.
+#
+# A number can be an input only where the traced update takes it as a tensor. torch 2.13's
+# updates read most numbers as Python scalars (``alpha=``, ``_foreach_lerp_`` weights, powers:
+# a host read, ``_local_scalar_dense``, which a stored graph refuses) and branch on
+# ``weight_decay != 0``; only the learning rate reaches them as a tensor. So tracing runs SGD's,
+# Adam's and AdamW's updates on tensors (``tracing/optimizers.py``) and every one of their
+# numbers is an input; momentum and weight decay only when nonzero, because zero takes another
+# path (no momentum buffer, no decay term) and so is part of the key. A fused kernel
+# (``fused=True``) or ``differentiable=True`` runs torch's own update: only the learning rate.
+_ALWAYS = "always"
+_NONZERO = "nonzero"  # an input when nonzero; zero is a constant (another graph)
+_TENSOR_UPDATE_INPUTS: dict[type, dict[str, str]] = {  # by exact class: a subclass may update otherwise
+    torch.optim.SGD: {"momentum": _NONZERO, "dampening": _NONZERO, "weight_decay": _NONZERO},
+    torch.optim.Adam: {"betas": _ALWAYS, "eps": _ALWAYS, "weight_decay": _NONZERO},
+    torch.optim.AdamW: {"betas": _ALWAYS, "eps": _ALWAYS, "weight_decay": _NONZERO},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class HyperInput:
+    """One hyperparameter value fed to the step: ``param_groups[group][name]``, or item
+    ``position`` of it (each of Adam's two betas is its own input)."""
+
+    group: int
+    name: str
+    position: int | None = None
+
+    @property
+    def fqn(self) -> str:
+        return f"param_groups[{self.group}].{self.name}" + ("" if self.position is None else f"[{self.position}]")
+
+    def value(self, groups: list[dict]):
+        v = groups[self.group][self.name]
+        return v if self.position is None else v[self.position]
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _input_names(optimizer_class: type, group: dict) -> dict[str, str]:
+    """name -> ``_ALWAYS`` or ``_NONZERO``: which of ``group``'s numbers can be inputs."""
+    if group.get("fused") or group.get("differentiable"):
+        return {"lr": _ALWAYS}
+    return {"lr": _ALWAYS, **_TENSOR_UPDATE_INPUTS.get(optimizer_class, {})}
+
+
+def hyperparameter_inputs(optim) -> list[HyperInput]:
+    """The hyperparameters ``optim`` (an optimizer or an ``optimizers.OptimizerSet``) feeds to the
+    step as 0-dim float64 tensors, in layout order: by group, then name, then position."""
+    if optim is None:
+        return []
+    out = []
+    index = 0
+    for member in getattr(optim, "members", [optim]):
+        for group in member.param_groups:
+            for name, when in sorted(_input_names(type(member), group).items()):
+                value = group.get(name)
+                items = list(enumerate(value)) if isinstance(value, tuple) else [(None, value)]
+                if not items or not all(_is_number(v) for _, v in items):
+                    continue
+                if when == _NONZERO and any(v == 0 for _, v in items):
+                    continue
+                out += [HyperInput(index, name, pos) for pos, _ in items]
+            index += 1
+    return out
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -129,18 +206,23 @@ class TrainState:
         return out
 
     # ----------------------------------------------------------------- hyperparameters
-    def hyper_groups(self) -> list[int]:
-        """Param groups whose learning rate is a graph input (so schedulers need no retrace)."""
-        if self.optim is None:
-            return []
-        return [i for i, g in enumerate(self.optim.param_groups) if lr_is_input(g.get("lr"))]
+    def hyper_inputs(self) -> list[HyperInput]:
+        """The hyperparameters fed to the step (``hyperparameter_inputs``): a scheduler that
+        moves them needs no rebuild."""
+        return hyperparameter_inputs(self.optim)
 
     def baked_hyperparameters(self) -> list[dict]:
-        """Per group, the optimizer's own hyperparameters that are constants in the graph."""
+        """Per group, the optimizer's own hyperparameters that are constants in the graph, and
+        which are inputs (a value moving between input and constant, zero momentum for one,
+        changes the graph)."""
         if self.optim is None:
             return []
-        names = [k for k in self.optim.defaults if k != "lr"]
-        return [{k: g.get(k) for k in names} for g in self.optim.param_groups]
+        inputs: dict[int, set] = defaultdict(set)
+        for h in self.hyper_inputs():
+            inputs[h.group].add(h.name)
+        names = [k for k in self.optim.defaults if k != "params"]
+        return [{k: ("<input>" if k in inputs[i] else g.get(k)) for k in names}
+                for i, g in enumerate(self.optim.param_groups)]
 
     # ----------------------------------------------------------------- flat layout
     def slots(self) -> list[Slot]:
@@ -156,8 +238,8 @@ class TrainState:
             t = self.optim.state[p][key]
             layout = layouts[id(p)] if tuple(t.shape) == tuple(p.shape) else None
             out.append(_slot("optim_state", (f"{self.param_fqn[id(p)]}.{key}",), t, layout=layout))
-        for i in self.hyper_groups():
-            out.append(Slot("hyper", f"param_groups[{i}].lr", (), "float64", "cpu"))
+        for h in self.hyper_inputs():
+            out.append(Slot("hyper", h.fqn, (), "float64", "cpu"))
         spec_paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(
             pytree.tree_unflatten(self.batch_leaves, self.batch_spec))[0]]
         for path, leaf in zip(spec_paths, self.batch_leaves):
@@ -171,7 +253,8 @@ class TrainState:
         return tensors
 
     def hyper_tensors(self) -> list[torch.Tensor]:
-        return [torch.tensor(self.optim.param_groups[i]["lr"], dtype=torch.float64) for i in self.hyper_groups()]
+        groups = self.optim.param_groups if self.optim is not None else []
+        return [torch.tensor(h.value(groups), dtype=torch.float64) for h in self.hyper_inputs()]
 
     def graph_inputs(self, slots: list[Slot] | None = None, batch_leaves=None) -> list[torch.Tensor]:
         """What the graph is called with: local storage of every state tensor, the learning
@@ -213,7 +296,8 @@ def _slot(kind, names, t: torch.Tensor, requires_grad: bool = False, layout=None
 def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) -> None:
     """Create the optimizer's lazily built state now, so the traced step is the steady one.
 
-    A dry run of ``optim.step()`` on meta-device stand-ins (one per param group and dtype:
+    Only parameters that can have a gradient get state, as in eager. A dry run of
+    ``optim.step()`` on meta-device stand-ins (one per param group and dtype:
     ``_probed_state``) reveals which tensors the optimizer creates; they are then made for real as zeros, which is exactly what eager creates for the
     optimizers in ``_ZERO_INIT_OPTIMIZERS``. Parameters that already have state keep it.
     ``make_zeros(param, shape, dtype, device)`` lets sharded parameters get sharded state.
@@ -222,8 +306,16 @@ def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) ->
         for member in optim.members:
             initialize_optimizer_state(member, make_zeros)
         return
+    name = type(optim).__name__
+    if name in _HOST_READING_OPTIMIZERS and type(optim).__module__.startswith("torch.optim"):
+        raise UnsupportedError(
+            f"optimizer {type(optim).__module__}.{type(optim).__qualname__} cannot be compiled: "
+            f"{_HOST_READING_OPTIMIZERS[name]}, and a stored step cannot read tensors on the host; "
+            "use torch.optim.AdamW (or Adam, SGD) in the compiled step")
     make_zeros = make_zeros or (lambda p, shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
-    missing = [p for g in optim.param_groups for p in g["params"] if not optim.state.get(p)]
+    # A frozen parameter (requires_grad=False: a frozen embedding or tower, all but the LoRA
+    # adapters) never has a gradient, so eager's optimizer never makes state for it.
+    missing = [p for g in optim.param_groups for p in g["params"] if p.requires_grad and not optim.state.get(p)]
     if not missing:
         return
     name = type(optim).__name__

@@ -511,13 +511,26 @@ def test_custom_optimizer_class_is_identified_by_code():
 
 
 @pytest.mark.parametrize("optim_fn,kw", [
-    (sgd, {"momentum": 0.5}), (sgd, {"weight_decay": 1e-4}), (sgd, {"nesterov": True}),
-    (adamw, {"weight_decay": 0.0}), (adamw, {"betas": (0.9, 0.95)}), (adamw, {"eps": 1e-6}),
+    (sgd, {"momentum": 0.0}), (sgd, {"weight_decay": 1e-4}), (sgd, {"nesterov": True}),
+    (adamw, {"weight_decay": 0.0}), (adamw, {"amsgrad": True}), (adamw, {"fused": True}),
+    (adamw, {"foreach": False}),
 ])
-def test_optimizer_hyperparameters_change_key(optim_fn, kw):
+def test_structural_hyperparameters_change_key(optim_fn, kw):
+    """Flags, and zero against nonzero momentum or weight decay (another path), are constants."""
     base = net_key(optim=optim_fn)
     assert_same(base, net_key(optim=optim_fn))
     assert_only(base, net_key(optim=optim_fn, optim_kw=kw), "optimizer")
+
+
+@pytest.mark.parametrize("optim_fn,kw", [
+    (sgd, {"momentum": 0.5}), (sgd, {"momentum": 0.5, "weight_decay": 1e-3}),
+    (adamw, {"betas": (0.85, 0.95)}), (adamw, {"eps": 1e-6}), (adamw, {"weight_decay": 0.3}),
+])
+def test_hyperparameter_inputs_are_not_key_ingredients(optim_fn, kw):
+    """What a scheduler moves (OneCycleLR: betas, momentum) is a step input, not in the key
+    (``state.hyperparameter_inputs``); SGD's weight decay is an input once nonzero."""
+    base = net_key(optim=optim_fn, optim_kw={"weight_decay": 1e-4} if optim_fn is sgd else {})
+    assert_same(base, net_key(optim=optim_fn, optim_kw={"weight_decay": 1e-4, **kw} if optim_fn is sgd else kw))
 
 
 @pytest.mark.parametrize("optim_fn", [sgd, adamw])

@@ -39,7 +39,7 @@ import torch.utils._pytree as pytree
 
 from .fingerprint import Fingerprinter
 from ..parallel.plan import Plan
-from ..state import TrainState, dtype_name, lr_is_input
+from ..state import TrainState, dtype_name
 
 __all__ = ["CacheKey", "compute_key", "FORMAT_VERSION", "INGREDIENTS", "ENVIRONMENT_NOT_IN_KEY"]
 
@@ -233,12 +233,14 @@ def optimizer(*, state, tensors, inputs, **_) -> dict | None:
     if optim is None:
         return None
     groups = []
-    for g in optim.param_groups:
-        # The optimizer's own hyperparameters, less the learning rate (a graph input, so
-        # schedulers need no rebuild); keys others add to groups (initial_lr, ...) are not ours.
+    inputs = [sorted({h.name for h in state.hyper_inputs() if h.group == i}) for i in range(len(optim.param_groups))]
+    for g, fed in zip(optim.param_groups, inputs):
+        # The optimizer's own hyperparameters, less those fed to the step as inputs (their
+        # names only: schedulers move them with no rebuild, ``state.hyperparameter_inputs``);
+        # keys others add to groups (initial_lr, max_momentum, ...) are not ours.
         hyper = {k: simple if (simple := _simple(g[k])) is not _NOT_SIMPLE else repr(g[k])
-                 for k in sorted(optim.defaults) if k in g and k not in ("params", "lr")}
-        hyper["lr_is_input"] = lr_is_input(g.get("lr"))
+                 for k in sorted(optim.defaults) if k in g and k != "params" and k not in fed}
+        hyper["inputs"] = fed
         hyper["params"] = [state.param_fqn[id(p)] for p in g["params"]]
         groups.append(hyper)
     fp = Fingerprinter(tensors, inputs=inputs)

@@ -38,7 +38,7 @@ from .kernel_load import interpreting, load_kernels, untrusted_reason
 from ..keying.lookup import find_entry
 from ..parallel import axes
 from ..schema import Schema
-from ..tracing.optimizers import as_optimizer
+from ..tracing.optimizers import as_optimizer, members
 from ..tracing.override import Transforms
 from ..state import TrainState, initialize_optimizer_state
 from ..store import open_store
@@ -136,6 +136,8 @@ class CompiledStep:
                 else as_optimizer(optim)
         leaves, spec = pytree.tree_flatten(batch)
         if bound is None or not bound.fits(model, optim, leaves, spec):
+            if bound is not None:
+                bound.warn_constant_changed(optim)
             with opted_in(self.allow_ops), collector.paused():
                 bound = self._bound = self._prepare(model, optim, batch)
         return bound.run(leaves)
@@ -368,6 +370,8 @@ class _BoundStep:
         self._cached_state = None  # (optimizer state dict, watched entries, state inputs)
         self.modules = list(state.model.modules())
         self.modes = [m.training for m in self.modules]  # train/eval is in the key (dropout, BatchNorm)
+        # the step runs each optimizer's update: an lr scheduler asks whether optim.step() ran
+        self.stepped = members(state.optim) if state.optim is not None else []
 
     def fits(self, model, optim, leaves, spec) -> bool:
         """Same objects, batch signature, train/eval modes and baked hyperparameters; else the
@@ -378,6 +382,20 @@ class _BoundStep:
                         for t, sig in zip(leaves, self.batch_sig))
                 and [m.training for m in self.modules] == self.modes
                 and self.state.baked_hyperparameters() == self.baked)
+
+    def warn_constant_changed(self, optim) -> None:
+        """Say which hyperparameter the graph holds as a constant changed (the step is looked
+        up again: a rebuild, or another stored entry), since a scheduler moving it each step
+        would rebuild each step."""
+        if optim is not self.state.optim:
+            return
+        for i, (was, now) in enumerate(zip(self.baked, self.state.baked_hyperparameters())):
+            for name in sorted(k for k in now if now[k] != was.get(k)):
+                log.warning(
+                    "param_groups[%d][%r] changed from %r to %r: the stored step holds it as a constant "
+                    "(torch's update reads it as a Python number), so the step is looked up again; a "
+                    "schedule that moves it on every step rebuilds on every step", i, name,
+                    was.get(name), now[name])
 
     def _inputs(self, batch_leaves) -> list[torch.Tensor]:
         """The graph's inputs. The state part is reused while the optimizer holds the very same
@@ -399,6 +417,8 @@ class _BoundStep:
         inputs = self._inputs(batch_leaves)
         with torch.no_grad():
             outs = iter(self.program(*inputs))
+        for optim in self.stepped:
+            optim._opt_called = True  # read by torch's LRScheduler.step (else it warns of a wrong call order)
         n = self.out_spec.num_leaves
         leaves = [self.out_constants[i] if i in self.out_constants else next(outs) for i in range(n)]
         return pytree.tree_unflatten(leaves, self.out_spec)

@@ -7,18 +7,27 @@ so a learning-rate scheduler's writes are seen and each group's learning rate st
 input), and its ``state`` is a mapping over the members' state dicts. Tracing swaps each
 member (``trace._each_optimizer_swapped``) and calls the user's step with the user's container,
 so ``for o in optims: o.step()`` runs every member's own update with its own hyperparameters.
+
+It also holds how a hyperparameter that is a step input (``state.hyperparameter_inputs``) is
+seen by the optimizer while tracing (``traced_hyperparameters``): a tensor where torch's update
+takes one (Adam's betas), and for SGD a ``TracedNumber``, which SGD's own code compares as a
+number (``momentum != 0``) while the update (``tensor_updates``) computes with the input.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import importlib
 from typing import Any
+from unittest import mock
 
 import torch
 
 from ..errors import UnsupportedError
 
-__all__ = ["OptimizerSet", "as_optimizer", "members", "user_object"]
+__all__ = ["OptimizerSet", "TracedNumber", "as_optimizer", "members", "tensor_updates", "traced_hyperparameters",
+           "user_object"]
 
 
 def members(optim) -> list:
@@ -120,3 +129,133 @@ class OptimizerSet:
         if self._state is None or not all(a is b for a, b in zip(self._state[0], dicts)):
             self._state = (dicts, _MergedState(self))
         return self._state[1]
+
+
+# ---------------------------------------------------------------------------- hyperparameter inputs
+class TracedNumber(float):
+    """A hyperparameter input while tracing SGD: a ``float`` with the value the key was made
+    from, so SGD's own branches (``if group["momentum"] != 0``) take the path the key names,
+    carrying the traced input ``tensor`` that ``tensor_updates`` computes with. Only that update
+    unwraps it; torch never sees one as a Python scalar (it would bake the value)."""
+
+    tensor: torch.Tensor
+
+    def __new__(cls, value: float, tensor: torch.Tensor):
+        self = super().__new__(cls, value)
+        self.tensor = tensor
+        return self
+
+
+def traced_hyperparameters(optim, inputs: list, tensors: list) -> dict[int, dict[str, Any]]:
+    """Global group index -> {name: what the group holds while tracing} for the step's
+    hyperparameter ``inputs`` (``state.HyperInput``) and their traced ``tensors``.
+
+    A group whose only input is the learning rate gets a tensor that requires grad (torch's
+    single-tensor SGD path then multiplies by it with ``addcmul_`` instead of reading it on the
+    host; the optimizer runs under no_grad, so nothing is recorded). A group with other inputs
+    (SGD, Adam, AdamW: ``state._TENSOR_UPDATE_INPUTS``) gets a ``TracedNumber`` for each, a tuple
+    of them for Adam's betas, and its update runs on tensors (``tensor_updates``)."""
+    groups = optim.param_groups
+    out: dict[int, dict[str, Any]] = {}
+    for h, x in zip(inputs, tensors):
+        entries = out.setdefault(h.group, {})
+        if h.position is None:
+            entries[h.name] = x.detach()
+        else:
+            held = list(entries.get(h.name, groups[h.group][h.name]))
+            held[h.position] = x.detach()
+            entries[h.name] = tuple(held)
+    for i, entries in out.items():
+        if set(entries) == {"lr"}:
+            entries["lr"] = entries["lr"].requires_grad_(True)
+            continue
+        for name, x in entries.items():
+            now = groups[i][name]
+            entries[name] = tuple(map(TracedNumber, now, x)) if isinstance(x, tuple) else TracedNumber(now, x)
+    return out
+
+
+@contextlib.contextmanager
+def tensor_updates():
+    """While tracing: SGD's and Adam's (AdamW's) updates run on tensors when their group holds
+    ``TracedNumber`` inputs; torch's read those numbers as Python scalars."""
+    with contextlib.ExitStack() as stack:
+        for module_name, name, on_tensors in (("torch.optim.sgd", "sgd", _sgd_on_tensors),
+                                              ("torch.optim.adam", "adam", _adam_on_tensors)):
+            module = importlib.import_module(module_name)  # where the optimizer's step finds the function
+            stack.enter_context(mock.patch.object(module, name, _unless_traced(getattr(module, name), on_tensors)))
+        yield
+
+
+def _unless_traced(original, on_tensors):
+    def update(*args, **kwargs):
+        if not any(isinstance(v, TracedNumber) for v in kwargs.values()):
+            return original(*args, **kwargs)
+        return on_tensors(*args, **kwargs)
+
+    return update
+
+
+def _number(h):
+    return h.tensor if isinstance(h, TracedNumber) else h
+
+
+def _sgd_on_tensors(params, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening, nesterov,
+                    maximize, grad_scale=None, found_inf=None, **_flags):
+    """torch.optim.SGD's update (``_multi_tensor_sgd``) with its numbers as tensors; the
+    implementation flags (foreach, fused) do not change the result beyond rounding."""
+    if grad_scale is not None or found_inf is not None:
+        raise UnsupportedError("SGD with a grad scaler's grad_scale/found_inf cannot be traced with a momentum or "
+                               "weight decay input; unscale outside the compiled step")
+    if not params:
+        return
+    grads = torch._foreach_mul(grads, -1.0) if maximize else list(grads)
+    if weight_decay != 0:
+        grads = torch._foreach_add(grads, torch._foreach_mul(params, _number(weight_decay)))
+    if momentum != 0:
+        if any(b is None for b in momentum_buffer_list):
+            raise UnsupportedError("SGD's momentum buffers must exist before its step is traced "
+                                   "(spmd_aot creates them as zeros; pass momentum > 0 at construction)")
+        bufs = list(momentum_buffer_list)
+        torch._foreach_mul_(bufs, _number(momentum))
+        torch._foreach_add_(bufs, grads if dampening == 0 else torch._foreach_mul(grads, 1 - _number(dampening)))
+        grads = torch._foreach_add(grads, torch._foreach_mul(bufs, _number(momentum))) if nesterov else bufs
+    torch._foreach_add_(params, torch._foreach_mul(grads, -_number(lr)))
+
+
+def _adam_on_tensors(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *_flags, amsgrad, beta1,
+                     beta2, lr, weight_decay, eps, maximize, decoupled_weight_decay=False, has_complex=False,
+                     grad_scale=None, found_inf=None, **_more_flags):
+    """torch.optim.Adam's and AdamW's update with its numbers as tensors (what eager's per-tensor
+    loop computes with Python floats, with the bias corrections in float64 as there)."""
+    if grad_scale is not None or found_inf is not None:
+        raise UnsupportedError("Adam with a grad scaler's grad_scale/found_inf cannot be traced; unscale outside "
+                               "the compiled step")
+    if not params:
+        return
+    if has_complex:
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = (
+            [torch.view_as_real(t) if t.is_complex() else t for t in ts]
+            for ts in (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs))
+    beta1, beta2, lr_t, eps = map(_number, (beta1, beta2, lr, eps))
+    grads = torch._foreach_mul(grads, -1.0) if maximize else list(grads)
+    torch._foreach_add_(state_steps, 1)
+    if weight_decay != 0:
+        if decoupled_weight_decay:
+            torch._foreach_mul_(params, 1 - lr_t * _number(weight_decay))
+        else:
+            grads = torch._foreach_add(grads, torch._foreach_mul(params, _number(weight_decay)))
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, torch._foreach_mul(grads, 1 - beta1))
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_add_(exp_avg_sqs, torch._foreach_mul(torch._foreach_mul(grads, grads), 1 - beta2))
+    if amsgrad:
+        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+    second = max_exp_avg_sqs if amsgrad else exp_avg_sqs
+    step_sizes = [lr_t / (1 - torch.pow(beta1, s)) for s in state_steps]
+    correction2 = [torch.sqrt(1 - torch.pow(beta2, s)) for s in state_steps]
+    denoms = torch._foreach_div(torch._foreach_sqrt(second), correction2)
+    torch.ops.aten._foreach_add_.Tensor(denoms, eps)  # torch._foreach_add_ would pick .Scalar: a host read
+    updates = torch._foreach_div(exp_avgs, denoms)
+    torch._foreach_mul_(updates, step_sizes)
+    torch._foreach_sub_(params, updates)

@@ -26,6 +26,7 @@ from torch.nn.utils import stateless
 
 from . import data_dependent
 from . import fused_meta
+from . import grouped_mm
 from .accumulation import Accumulation
 from .casts import forward_casts
 from ..errors import UnsupportedError
@@ -34,7 +35,7 @@ from ..parallel.groups import GroupGather, ParamGroup, assign_groups, resharding
 from ..parallel import axes
 from ..passes.ops import GRADIENT_PATH_VIEWS, is_wait
 from ..parallel.plan import Plan
-from .optimizers import members, user_object
+from .optimizers import TracedNumber, members, tensor_updates, traced_hyperparameters, user_object
 from ..state import TrainState
 
 __all__ = ["TracedStep", "trace_step"]
@@ -109,7 +110,9 @@ class _StepTracer:
         """make_fx over ``inputs``; a failure becomes an ``UnsupportedError`` naming the module."""
         try:
             with _without_grad() if self.forward_only else contextlib.nullcontext(), fused_meta.registered():
-                gm = make_fx(self._flat_step, tracing_mode="fake")(*inputs)
+                # MoE grouped products (and their histc) traced as static-shape ops: grouped_mm.py
+                gm = make_fx(self._flat_step, tracing_mode="fake",
+                             decomposition_table=grouped_mm.DECOMPOSITIONS)(*inputs)
         except UnsupportedError:
             raise
         except Exception as exc:
@@ -139,14 +142,12 @@ class _StepTracer:
             bindings.update(dict.fromkeys(names, buf))
         by_real = {id(real): leaf for (_, real), leaf in zip(state.params, leaves)}
         traced_state = self._optimizer_state(by_real, take("optim_state"))
-        # requires_grad routes SGD's single-tensor path to addcmul_ (no .item() on the lr);
-        # the optimizer runs under no_grad, so nothing is recorded for it.
-        lrs = {i: lr.detach().requires_grad_(True) for i, lr in zip(state.hyper_groups(), take("hyper"))}
+        hypers = {} if forward_only else traced_hyperparameters(state.optim, state.hyper_inputs(), take("hyper"))
         batch = pytree.tree_unflatten(take("batch"), state.batch_spec)
         gathers = self._gathers(leaves)
         computes = _ComputeOnAccess(leaves, [s.layout for s in self.param_slots], self.expander, gathers)
         optimizer = contextlib.nullcontext() if forward_only else \
-            _each_optimizer_swapped(state.optim, by_real, traced_state, lrs, self.accumulation)
+            _each_optimizer_swapped(state.optim, by_real, traced_state, hypers, self.accumulation)
         with (self.transform_model() if self.transform_model else contextlib.nullcontext()), \
                 stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
                 optimizer, self.where.tracking(state.model), self.axis_contexts, self.accumulation.recording(), \
@@ -364,6 +365,8 @@ def _default_implementation(optim, group: dict) -> str | None:
     """
     if group.get("foreach", False) is not None or group.get("fused") or group.get("differentiable"):
         return None
+    if any(_is_traced(v) for k, v in group.items() if k not in ("params", "lr")):
+        return "foreach"  # fused kernels take every number but the learning rate as a Python scalar
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     from torch.distributed.tensor import DTensor
@@ -380,18 +383,26 @@ def _default_implementation(optim, group: dict) -> str | None:
     return "foreach"
 
 
+def _is_traced(value) -> bool:
+    """A hyperparameter input while tracing (``optimizers.traced_hyperparameters``)."""
+    if isinstance(value, tuple):
+        return any(map(_is_traced, value))
+    return isinstance(value, (torch.Tensor, TracedNumber))
+
+
 @contextlib.contextmanager
-def _optimizer_swapped(optim, by_real: dict, traced_state, lrs: dict, accumulation=None):
+def _optimizer_swapped(optim, by_real: dict, traced_state, hypers: dict, accumulation=None):
     """Point the optimizer at the traced leaves and take its compile-friendly path.
 
     With ``torch.compiler.is_compiling()`` true and ``capturable=True`` the built-in optimizers
     keep step counters as tensors instead of calling ``.item()`` (impossible on fake tensors).
     """
     saved_params = [g["params"] for g in optim.param_groups]
-    saved_lrs = {i: optim.param_groups[i]["lr"] for i in lrs}
+    saved_hypers = {i: {name: optim.param_groups[i][name] for name in values} for i, values in hypers.items()}
     saved_capturable = [g.get("capturable") for g in optim.param_groups]
     saved_state = optim.state
     original_step = optim.step
+    own_step = optim.__dict__.get("step")  # an instance attribute: an lr scheduler's wrapper
 
     def compile_path_step(*args, **kwargs):
         if accumulation is not None:
@@ -405,7 +416,7 @@ def _optimizer_swapped(optim, by_real: dict, traced_state, lrs: dict, accumulati
             if impl:
                 g[impl] = True
         try:
-            with mock.patch("torch.compiler.is_compiling", lambda: True):
+            with mock.patch("torch.compiler.is_compiling", lambda: True), tensor_updates():
                 return original_step(*args, **kwargs)
         finally:
             for g, c, impl in zip(optim.param_groups, saved_capturable, default_impl):
@@ -417,29 +428,32 @@ def _optimizer_swapped(optim, by_real: dict, traced_state, lrs: dict, accumulati
     try:
         for g in optim.param_groups:
             g["params"] = [by_real[id(p)] for p in g["params"]]
-        for i, lr in lrs.items():
-            optim.param_groups[i]["lr"] = lr
+        for i, values in hypers.items():
+            optim.param_groups[i].update(values)
         optim.state = traced_state
         optim.step = compile_path_step
         yield
     finally:
-        del optim.step
+        if own_step is None:
+            del optim.step
+        else:
+            optim.step = own_step
         optim.state = saved_state
         for g, params in zip(optim.param_groups, saved_params):
             g["params"] = params
-        for i, lr in saved_lrs.items():
-            optim.param_groups[i]["lr"] = lr
+        for i, values in saved_hypers.items():
+            optim.param_groups[i].update(values)
 
 
 @contextlib.contextmanager
-def _each_optimizer_swapped(optim, by_real: dict, traced_state, lrs: dict, accumulation=None):
+def _each_optimizer_swapped(optim, by_real: dict, traced_state, hypers: dict, accumulation=None):
     """``_optimizer_swapped`` for each optimizer of a set (``optimizers.OptimizerSet``), each with
-    its own groups' learning rates (``lrs`` is indexed over the set's concatenated groups)."""
+    its own groups' hyperparameter inputs (``hypers`` is indexed over the set's concatenated groups)."""
     with contextlib.ExitStack() as stack:
         first = 0
         for member in members(optim):
             n = len(member.param_groups)
-            own = {i - first: lr for i, lr in lrs.items() if first <= i < first + n}
+            own = {i - first: values for i, values in hypers.items() if first <= i < first + n}
             stack.enter_context(_optimizer_swapped(member, by_real, traced_state, own, accumulation))
             first += n
         yield

@@ -1,0 +1,187 @@
+"""Optimizer patterns users bring, compiled and run on 2 real gloo ranks against eager DDP
+(``replicate``) and FSDP2 ``fully_shard`` (``shard``), same seeds and batches:
+
+* frozen parameters (``requires_grad=False``) inside the optimizer's param groups get no state,
+  as in eager, so ``optim.state_dict()`` has eager's keys and checkpoints interchange;
+* schedulers that move hyperparameters other than the learning rate (OneCycleLR cycles AdamW's
+  betas and SGD's momentum) run from one stored step: a fresh start hits, traces nothing, and
+  every step uses the moved value;
+* ``torch.optim.Adafactor``: built, hit and run like AdamW (its update runs on tensors while
+  tracing), or refused in one line where it cannot be.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd_aot
+from support import train_steps
+from support.multiproc import run_ranks
+
+STEPS = 5
+TOLERANCE = 1e-5
+
+
+# ---------------------------------------------------------------------------- jobs
+class FrozenTower(torch.nn.Module):
+    """A frozen embedding and encoder layer (as a pretrained tower or all-but-adapters), a
+    trainable adapter and head; the optimizer is given every parameter, frozen ones included."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.encoder = torch.nn.Linear(16, 16)
+        self.adapter = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 5)
+        self.embed.requires_grad_(False)
+        self.encoder.requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.tanh(self.encoder(self.embed(x).mean(dim=1)))
+        return self.head(h + self.adapter(h))
+
+
+def token_batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randint(0, 32, (8, 4), generator=g), torch.randint(0, 5, (8,), generator=g)
+
+
+def adamw_all_params(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def sgd_all_params(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def one_cycle(optim):
+    """OneCycleLR's default cycle_momentum=True: it moves lr and beta1 (AdamW) or momentum (SGD)."""
+    return torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=0.05, total_steps=STEPS + 1)
+
+
+def adamw_moved(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def sgd_moved(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+
+
+def adafactor(model):
+    return torch.optim.Adafactor(model.parameters(), lr=1e-2)
+
+
+# name -> (model, optimizer, scheduler or None, batch)
+CASES = {
+    "frozen_adamw": (FrozenTower, adamw_all_params, None, token_batch),
+    "frozen_sgd": (FrozenTower, sgd_all_params, None, token_batch),
+    "one_cycle_adamw": (train_steps.mlp, adamw_moved, one_cycle, train_steps.class_batch),
+    "one_cycle_sgd": (train_steps.mlp, sgd_moved, one_cycle, train_steps.class_batch),
+}
+
+
+def _run(case, placement, rank, world, fn=None):
+    """STEPS steps, eager (``fn=None``: DDP or fully_shard) or with ``fn``; model, optimizer, losses."""
+    make_model, make_optim, make_scheduler, batch = CASES[case]
+    torch.manual_seed(0)
+    model = make_model()
+    stepped = train_steps._eager_model(model, placement, world) if fn is None else model
+    optim = make_optim(model)
+    scheduler = make_scheduler(optim) if make_scheduler else None
+    step = fn or train_steps.plain_step
+    losses, moved = [], []
+    for s in range(STEPS):
+        group = optim.param_groups[0]
+        moved.append((group["lr"], group["betas"][0] if "betas" in group else group["momentum"]))
+        losses.append(step(stepped, optim, batch(rank, s)).detach())
+        if scheduler is not None:
+            scheduler.step()
+    return model, optim, losses, moved
+
+
+def _state_keys(optim) -> dict:
+    return {i: sorted(entry) for i, entry in optim.state_dict()["state"].items()}
+
+
+def _diffs(ref, got) -> dict:
+    (m1, o1, l1, _), (m2, o2, l2, _) = ref, got
+    full = train_steps.full
+    s1, s2 = o1.state_dict()["state"], o2.state_dict()["state"]
+    return {"param": max((full(a).float() - full(b).float()).abs().max().item()
+                         for a, b in zip(m1.state_dict().values(), m2.state_dict().values())),
+            "state": max([(full(s1[i][k]).float() - full(s2[i][k]).float()).abs().max().item()
+                          for i in s1 if i in s2 for k in s1[i] if k in s2[i]] or [0.0]),
+            "loss": max(float((a - b).abs()) for a, b in zip(l1, l2))}
+
+
+def _worker(rank, world, cases, placements, cache_dir):
+    out = {}
+    for case in cases:
+        for placement in placements:
+            cache = f"{cache_dir}/{case}-{placement}"
+            ref = _run(case, placement, rank, world)
+            first = spmd_aot.compile(train_steps.plain_step, placement=placement, cache_dir=cache)
+            got = _run(case, placement, rank, world, first)
+            again = spmd_aot.compile(train_steps.plain_step, placement=placement, cache_dir=cache)
+            rerun = _run(case, placement, rank, world, again)  # a fresh start: every step from the cache
+            out[case, placement] = {
+                "diffs": _diffs(ref, got), "diffs_again": _diffs(ref, rerun),
+                "first_traces": first.cache_info.traces, "hit": again.cache_info.hit,
+                "traces": again.cache_info.traces,
+                "keys": (_state_keys(ref[1]), _state_keys(got[1]), _state_keys(rerun[1])),
+                "groups": [{k: v for k, v in g.items() if k != "params"} for g in ref[1].param_groups],
+                "groups_compiled": [{k: v for k, v in g.items() if k != "params"} for g in got[1].param_groups],
+                "moved": ref[3],
+            }
+    return out
+
+
+PLACEMENTS = ("replicate", "shard")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_worker, 2, list(CASES), PLACEMENTS, str(tmp_path_factory.mktemp("step-patterns")),
+                     timeout=600)
+
+
+def _report(results, case, placement):
+    for rank, per_rank in enumerate(results):
+        r = per_rank[case, placement]
+        print(f"{case} {placement} rank {rank}: {r['diffs']} again {r['diffs_again']}")
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_pattern_hits_traces_nothing_and_matches_eager(results, case, placement):
+    _report(results, case, placement)
+    for rank, per_rank in enumerate(results):
+        r = per_rank[case, placement]
+        assert max(r["diffs"].values()) <= TOLERANCE, f"rank {rank}: {r['diffs']}"
+        assert max(r["diffs_again"].values()) <= TOLERANCE, f"rank {rank}: {r['diffs_again']}"
+        assert r["hit"] and r["traces"] == 0, f"rank {rank}: {r}"
+        # the first start traced once (rank 0) and never again while the scheduler moved numbers
+        assert r["first_traces"] == (1 if rank == 0 else 0), f"rank {rank}: {r['first_traces']} traces"
+        eager, compiled, again = r["keys"]
+        assert compiled == eager and again == eager, f"rank {rank}: state keys {compiled} vs eager {eager}"
+        assert r["groups_compiled"] == r["groups"]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_frozen_parameters_have_no_optimizer_state(results, placement):
+    """FrozenTower: embed (1 tensor) and encoder (2) frozen of 7 parameters: 4 have state."""
+    for case in ("frozen_adamw", "frozen_sgd"):
+        for per_rank in results:
+            eager, compiled, _ = per_rank[case, placement]["keys"]
+            assert sorted(compiled) == [3, 4, 5, 6] and compiled == eager
+
+
+@pytest.mark.parametrize("case", ["one_cycle_adamw", "one_cycle_sgd"])
+def test_the_scheduler_moved_the_numbers(results, case):
+    """The parity above means something: OneCycleLR gave every step its own learning rate and
+    its own beta1 (AdamW) or momentum (SGD), which the compiled steps used."""
+    moved = results[0][case, "replicate"]["moved"]
+    assert len({lr for lr, _ in moved}) == STEPS and len({m for _, m in moved}) == STEPS, moved
+    assert max(m for _, m in moved) - min(m for _, m in moved) > 0.05, moved
