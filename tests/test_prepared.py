@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import io
 import os
 import pickle
 
+import msgpack
 import pytest
 import torch
 
 import spmd_aot
 from spmd_aot.examples.models import Transformer, train_step
-from spmd_aot.format import serialize
+from spmd_aot.errors import CorruptArtifactError
+from spmd_aot.format import records, serialize
 from spmd_aot.format.limits import ENV_LOAD_LIMITS
 from spmd_aot.format.serialize import Ref
 from spmd_aot.runtime import prepared
@@ -68,7 +69,7 @@ def _run(cache, steps=3):
 
 def _stored(path):
     """The record's content, as ``prepared.load`` reads it."""
-    return prepared._Unpickler(io.BytesIO(path.read_bytes()[len(prepared._MAGIC) + 32:])).load()
+    return records.decode(path.read_bytes()[len(prepared._MAGIC) + 32:])
 
 
 def _records():
@@ -98,6 +99,8 @@ def test_the_rebuilt_program_folds_and_checks_as_the_decoded_one(cache):
     # the embedding's backward keeps its run-time index check when rebuilt
     checked = [fn for fn, *_ in program._steps if type(fn).__name__ == "_ValueChecked"]
     assert checked and all(fn.__name__ == "aten::embedding_dense_backward.default" for fn in checked)
+    # and every run-time invariant (invariants.py): the expected metadata is in the record
+    assert program.n_checked > 100 and all(len(f) == 2 or f[4] is not None for f in table.folds)
 
 
 def _rewrite(path, body: bytes) -> None:
@@ -127,9 +130,13 @@ def test_a_forged_record_runs_nothing(cache, decodes, tmp_path):
         def __reduce__(self):
             return os.system, (f"touch {marker}",)
 
-    _rewrite(path, pickle.dumps(Payload()))  # a valid checksum: only the unpickler stands guard
+    _rewrite(path, pickle.dumps(Payload()))  # a valid checksum: only the reader stands guard
     _run(cache, steps=1)
     assert not marker.exists() and len(decodes) == 2
+    # msgpack that names a callable: a tag the reader does not know, refused
+    _rewrite(path, msgpack.packb({"f": ["os", "system", f"touch {marker}"]}))
+    _run(cache, steps=1)
+    assert not marker.exists() and len(decodes) == 3
 
 
 def test_an_op_off_the_allowlist_in_a_record_is_refused(cache, decodes):
@@ -139,25 +146,28 @@ def test_an_op_off_the_allowlist_in_a_record_is_refused(cache, decodes):
     steps = list(plain[6])
     steps[0] = ("aten::_local_scalar_dense.default", *steps[0][1:])  # not on the allowlist
     plain[6] = tuple(steps)
-    buffer = io.BytesIO()
-    prepared._Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(tuple(plain))
-    _rewrite(path, buffer.getvalue())
+    _rewrite(path, records.encode(tuple(plain)))
     _run(cache, steps=1)
     assert len(decodes) == 2  # refused, decoded instead
 
 
-def test_the_unpickler_builds_only_plain_data_refs_slices_and_torch_enums():
+def test_a_record_holds_only_tagged_plain_data_refs_slices_and_torch_enums():
     value = (1, 2.5, "s", None, True, [Ref(3), slice(1, None, 2)], {"k": torch.float16},
-             torch.channels_last, torch.strided, torch.device("cpu"))
-    buffer = io.BytesIO()
-    prepared._Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    back = prepared._Unpickler(io.BytesIO(buffer.getvalue())).load()
+             torch.channels_last, torch.strided, torch.device("cpu"), float("-inf"), -0.0, ((2, 3), (3, 1)))
+    back = records.decode(records.encode(value))
     assert back[:5] == value[:5] and back[5][0].index == 3 and back[5][1] == slice(1, None, 2)
     assert back[6]["k"] is torch.float16 and back[7] is torch.channels_last and back[8] is torch.strided
-    assert back[9] == torch.device("cpu")
-    for hostile in (pickle.dumps(os.getcwd), pickle.dumps(torch.zeros(1)), pickle.dumps(Program)):
-        with pytest.raises(pickle.UnpicklingError):
-            prepared._Unpickler(io.BytesIO(hostile)).load()
+    assert back[9] == torch.device("cpu") and back[10] == float("-inf") and str(back[11]) == "-0.0"
+    assert back[12] == ((2, 3), (3, 1)) and type(back[12][0]) is tuple and type(back[5]) is list
+    for unstored in (os.getcwd, torch.zeros(1), Program, {1: 2}, b"bytes"):
+        with pytest.raises(TypeError):
+            records.encode(unstored)
+    for hostile in ({"f": "os.system"}, {"d": "Tensor"}, {"d": "float32", "t": []}, {"r": -1},
+                    {"m": ["contiguous_format"]}, msgpack.ExtType(1, b"x")):
+        with pytest.raises((ValueError, CorruptArtifactError)):
+            records.decode(msgpack.packb(hostile))
+    with pytest.raises(CorruptArtifactError):  # trailing bytes, not msgpack: the bounded decoder's refusal
+        records.decode(records.encode(1) + b"\x00")
 
 
 def test_a_record_folder_others_can_write_is_neither_read_nor_written(cache, decodes):
@@ -198,9 +208,7 @@ def test_a_record_that_does_not_fit_its_artifact_is_dropped(cache, decodes):
     (path,) = _records()
     plain = list(_stored(path))
     plain[3] = ((0, "not_a_stored_constant"),)  # names a constant the artifact does not hold
-    buffer = io.BytesIO()
-    prepared._Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(tuple(plain))
-    _rewrite(path, buffer.getvalue())
+    _rewrite(path, records.encode(tuple(plain)))
     again, *_ = _run(cache, steps=1)
     assert len(decodes) == 2 and all(torch.equal(a, b) for a, b in zip(first, again))
 

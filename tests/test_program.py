@@ -1,9 +1,14 @@
 """The Program interpreter: folded constants are exact and never shared where a step could see
 them change, unpacked multi-output items are freed, and results equal the traced function's."""
 
+import operator
+
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from spmd_aot.errors import CorruptArtifactError
+from spmd_aot.runtime.invariants import DivergedValueError
 from spmd_aot.runtime.program import Program
 from spmd_aot.format.serialize import decode_graph, encode_graph
 
@@ -101,3 +106,149 @@ def test_a_repeat_written_in_place_unfolds_the_value_it_repeats_too():
     first, second = program(x), program(x)
     assert torch.equal(first[0], torch.ones(4)) and torch.equal(second[0], torch.ones(4))
     assert torch.equal(second[1], x)  # b started from zeros again
+
+
+# ------------------------------------------------------------------ run-time invariants
+# Ops whose CPU results differ from their meta results (shape or dtype). A crafted graph that
+# reads such a value would run ops whose contracts were checked on the meta value; the program
+# stops at the producer with a typed error instead (runtime/invariants.py).
+aten = torch.ops.aten
+C = 3
+
+
+def _bn(g, x, w, b, rm, rv):  # saved mean [C] on meta, [0] on CPU
+    return g.call_function(operator.getitem, (g.call_function(
+        aten._native_batch_norm_legit_no_training.default, (x, w, b, rm, rv, 0.1, 1e-5)), 1))
+
+
+def _bn_eval(g, x, w, b, rm, rv):
+    return g.call_function(operator.getitem, (g.call_function(
+        aten.native_batch_norm.default, (x, w, b, rm, rv, False, 0.1, 1e-5)), 2))
+
+
+_BN_INPUTS = ([2, C, 4], [C], [C], [C], [C])
+DIVERGENT = {
+    "batch_norm_no_training": (_bn, _BN_INPUTS, "float32"),
+    "native_batch_norm_eval": (_bn_eval, _BN_INPUTS, "float32"),
+    "embedding_bag_offset2bag": (lambda g, w, i, o: g.call_function(operator.getitem, (g.call_function(
+        aten._embedding_bag.default, (w, i, o, False, 0)), 1)), ([10, 4], [4], [2]), ("float32", "int64", "int64")),
+    "mse_loss_backward_dtype": (lambda g, a, b, c: g.call_function(aten.mse_loss_backward.default, (a, b, c, 1)),
+                                ([4], [4], [4]), ("float32", "float32", "float64")),
+    "threshold_backward_dtype": (lambda g, a, b: g.call_function(aten.threshold_backward.default, (a, b, 0.0)),
+                                 ([4], [4]), ("float32", "float64")),
+    "native_dropout_empty": (lambda g, x: g.call_function(operator.getitem, (g.call_function(
+        aten.native_dropout.default, (x, 0.5, True)), 1)), ([0],), ("float32",)),
+}
+
+
+def _real(shape, dtype):
+    if dtype == "int64":
+        return torch.tensor([1, 2, 3, 4][:shape[0]]) if shape != [2] else torch.tensor([0, 2])
+    return torch.rand(shape, dtype=getattr(torch, dtype))
+
+
+def _checked_program(build, shapes, dtypes, read=lambda g, v: g.call_function(aten.cat.default, ([v, v],))):
+    """A hand-made graph: ``build``'s value, read by ``read``; meta-checked as a load checks it;
+    the program with its run-time invariants; real inputs."""
+    from spmd_aot.format.validate import check_graph
+    from spmd_aot.runtime.invariants import describe
+
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,) * len(shapes)
+    g = torch.fx.Graph()
+    xs = [g.placeholder(f"x{i}") for i in range(len(shapes))]
+    value = build(g, *xs)
+    g.output(read(g, value))
+    nodes = decode_graph(encode_graph(g, {}), groups=[], device=CPU)
+    layout = [{"local_shape": list(s), "dtype": d} for s, d in zip(shapes, dtypes)]
+    metas = check_graph(nodes, {}, layout)
+    return Program(nodes, {}, expected=[describe(m) for m in metas]), [_real(s, d) for s, d in zip(shapes, dtypes)]
+
+
+@pytest.mark.parametrize("case", sorted(DIVERGENT))
+def test_a_value_whose_cpu_metadata_differs_from_meta_is_refused_before_it_is_read(case):
+    program, inputs = _checked_program(*DIVERGENT[case])
+    with pytest.raises(DivergedValueError, match=r"node \d+ .*load's meta check derived") as info:
+        program(*inputs)
+    assert isinstance(info.value, CorruptArtifactError)
+    assert "remove the entry" in str(info.value)
+
+
+def test_a_divergent_value_nobody_reads_costs_nothing_and_breaks_nothing():
+    """Eval-mode batch norm's saved statistics ([C] on meta, [0] on CPU) are never read."""
+    def read_only_the_input(g, saved_mean):
+        return g.call_function(aten.relu.default, (saved_mean.args[0].args[0],))  # relu(x)
+
+    program, inputs = _checked_program(_bn, _BN_INPUTS, "float32", read=read_only_the_input)
+    assert program(*inputs).shape == (2, C, 4)
+
+
+def test_frozen_batch_norm_in_a_training_step_runs():
+    """``native_batch_norm_backward(train=False)`` never reads the saved statistics, which are
+    [0] on CPU: a model with frozen (eval-mode) batch norm in a training step."""
+    bn = torch.nn.BatchNorm1d(C).eval()
+
+    def step(w, x):
+        out = torch.nn.functional.batch_norm(x, bn.running_mean, bn.running_var, w, None, False)
+        (grad,) = torch.autograd.grad(out.sum(), w)
+        return grad
+
+    w, x = torch.ones(C, requires_grad=True), torch.randn(2, C, 4)
+    gm = make_fx(step)(w, x)
+    constants = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    from spmd_aot.format.validate import check_graph
+    from spmd_aot.runtime.invariants import describe
+
+    nodes = decode_graph(encode_graph(gm.graph, {}), groups=[], device=CPU)
+    metas = check_graph(nodes, constants, [{"local_shape": [C], "dtype": "float32"},
+                                           {"local_shape": [2, C, 4], "dtype": "float32"}])
+    program = Program(nodes, constants, expected=[describe(m) for m in metas], fold=False)
+    assert program.n_checked > 0
+    torch.testing.assert_close(program(w.detach(), x), step(w, x))
+
+
+_VICTIM = r"""
+import operator, sys, torch
+sys.path.insert(0, {tests!r})
+from test_program import _checked_program, DIVERGENT, aten
+from spmd_aot.runtime.invariants import DivergedValueError
+
+case = sys.argv[1]
+build, shapes, dtypes = DIVERGENT[case]
+
+def read(g, v):  # the attack: a buffer large on meta and small on CPU, written by a fused step
+    big = g.call_function(aten.cat.default, ([v, g.call_function(aten.full.default, ([4096], 1.0))],))
+    return g.call_function(aten.add.Tensor, (big, 1.0))
+
+try:
+    program, inputs = _checked_program(build, shapes, dtypes, read=read)
+except Exception as exc:  # the load's meta check refused the graph: also safe
+    print("REFUSED AT LOAD", type(exc).__name__)
+    sys.exit(0)
+try:
+    program(*inputs)
+except DivergedValueError as exc:
+    print("REFUSED", str(exc)[:120])
+    sys.exit(0)
+print("RAN")
+"""
+
+
+@pytest.mark.parametrize("case", ["batch_norm_no_training", "embedding_bag_offset2bag", "native_dropout_empty"])
+def test_the_crafted_graph_is_refused_in_a_process_under_the_heap_checker(case, tmp_path):
+    """The victim runs in a child under glibc's malloc checker (which needs the preload on
+    glibc 2.34+): it ends with the typed error and exit 0, no signal, no heap complaint."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = tmp_path / "victim.py"
+    script.write_text(_VICTIM.format(tests=str(pathlib.Path(__file__).parent)))
+    env = dict(os.environ, MALLOC_CHECK_="3", MALLOC_PERTURB_="165")
+    debug = "/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
+    if os.path.exists(debug):
+        env["LD_PRELOAD"] = debug
+    done = subprocess.run([sys.executable, str(script), case], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith("REFUSED "), done.stdout + done.stderr[-2000:]

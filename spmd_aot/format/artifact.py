@@ -75,10 +75,13 @@ class Artifact:
 
     def program(self, groups: list[str], device: torch.device):
         """The graph, validated (allowlist, bounds, layout on meta tensors: ``check``) and bound
-        to live groups and device."""
+        to live groups and device, with what the meta check derived for every node (from the
+        run, or from its ``verified`` record), which the program's run-time invariants compare
+        the real results with (``runtime/invariants.py``)."""
         from ..runtime.program import Program
 
-        return Program(self.check(groups, device, remember=True), self.constants_on(device))
+        nodes, expected = self._check(groups, device, remember=True)
+        return Program(nodes, self.constants_on(device), expected=expected)
 
     def check(self, groups: list[str] | None = None, device: torch.device | None = None,
               remember: bool = False) -> list:
@@ -88,20 +91,28 @@ class Artifact:
         placeholders (one per mesh dimension), for checking without live process groups.
         ``remember`` (loads, not ``verify``): skip the meta run for an artifact this checker
         passed before, and record a pass (``verified.py``: a per-user record outside the cache)."""
+        return self._check(groups, device, remember=remember)[0]
+
+    def _check(self, groups: list[str] | None, device: torch.device | None,
+               remember: bool) -> tuple[list, list]:
+        """``check``'s work: the decoded nodes, and what the meta check derived for every node
+        (``invariants.describe`` of its meta result), from the run or from its record."""
         from . import verified
+        from ..runtime.invariants import describe
 
         if groups is None:
             groups = [str(d) for d in range(len(self.plan.mesh_shape))] if self.plan.world_size > 1 else []
         # a job's load runs with Python's cyclic collector paused (``runtime/collector.py``)
         with numpy_lookups_skipped():
             nodes = decode_graph(self.graph, groups=groups, device=device or torch.device("cpu"))
-            if not (remember and verified.known(self.digest)):
+            expected = verified.recall(self.digest) if remember else None
+            if expected is None or len(expected) != len(nodes):
                 from .validate import check_graph  # only here: a remembered artifact never imports it
 
-                check_graph(nodes, self.constants, self.slots)
+                expected = [describe(v) for v in check_graph(nodes, self.constants, self.slots)]
                 if remember:
-                    verified.remember(self.digest)
-        return nodes
+                    verified.remember(self.digest, expected)
+        return nodes, expected
 
     def graph_module(self, groups: list[str], device: torch.device) -> torch.fx.GraphModule:
         """The same graph as an ``fx.GraphModule``, for inspection (jobs run ``program``)."""

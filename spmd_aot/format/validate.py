@@ -68,8 +68,10 @@ def tensor_limit(inputs: list[dict], limits: LoadLimits) -> int:
 
 
 def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], inputs: list[dict],
-                limits: LoadLimits | None = None) -> None:
-    """Run ``nodes`` on meta tensors shaped as ``inputs`` (the layout) and check every result."""
+                limits: LoadLimits | None = None) -> list[Any]:
+    """Run ``nodes`` on meta tensors shaped as ``inputs`` (the layout) and check every result;
+    returns every node's meta value (the program's run-time invariants compare real results
+    with them: ``runtime/invariants.py``)."""
     limits = limits or load_limits()
     limit = tensor_limit(inputs, limits)
     placeholders = sum(1 for n in nodes if n.op == "placeholder")
@@ -124,6 +126,7 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
             env[i] = check_node(node, args, kwargs, limit)
             if key is not None:
                 memo[key] = _describe(env[i], storages)
+    return env
 
 
 def check_node(node: DecodedNode, args: tuple, kwargs: dict, limit: int) -> Any:

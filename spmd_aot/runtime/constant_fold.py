@@ -55,11 +55,13 @@ _SUPERLINEAR = ("conv", "_conv", "cudnn", "mkldnn", "einsum", "cdist", "_cdist",
 
 
 def fold_constants(nodes: list[DecodedNode], template: list[Any], output: Any,
-                   limits: LoadLimits | None = None) -> set[int]:
+                   limits: LoadLimits | None = None, admit=None) -> set[int]:
     """Evaluate input-independent call nodes; store the values later steps read in ``template``.
 
-    ``template[i]`` holds the value of every ``get_attr`` node already. Returns the indices of
-    the folded nodes (the program skips them)."""
+    ``template[i]`` holds the value of every ``get_attr`` node already. ``admit(i, value)``, if
+    given, must accept a computed value before anything folds from it (the program's run-time
+    invariant: a value whose metadata differs from the load's meta check is left to the step,
+    which refuses it there). Returns the indices of the folded nodes (the program skips them)."""
     limits = limits or load_limits()
     available = {i for i, n in enumerate(nodes) if n.op == "get_attr"}  # constants, then folded values
     values: dict[int, Any] = {i: template[i] for i in available}
@@ -98,6 +100,8 @@ def fold_constants(nodes: list[DecodedNode], template: list[Any], output: Any,
                     continue
                 budget -= cost
                 value = node.target(*_bind(node.args, values), **_bind(node.kwargs, values))
+                if admit is not None and not admit(i, value):
+                    continue
             except Exception:  # left to the step, which raises what it raises
                 continue
             values[i] = value

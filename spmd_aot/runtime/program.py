@@ -15,6 +15,13 @@ they are produced (no ``getitem`` steps), and values that depend on no input (ca
 Ops whose kernels write where index values say without bounds-checking them
 (``contracts.VALUE_CHECKS``: max-pool and embedding backward) have their index tensors' range
 checked right before every call; they are never folded, so no value escapes the check.
+
+A program built from a meta-checked graph (``expected``: what the check derived for every node)
+also checks, right after each op, that every result some op reads has the shape, strides and
+dtype the meta check derived (``invariants.py``: ops exist whose CPU results differ from their
+meta results, and contracts proven on meta hold only for values that match them). The expected
+metadata is part of the ``ProgramTable``, so a program rebuilt from its prepared record checks
+the same.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .constant_fold import fold_constants
+from .invariants import check as check_value, matches, reads
 from ..format.contracts import VALUE_CHECKS, op_name
 from ..errors import CorruptArtifactError
 from ..format.serialize import DecodedNode, Ref, has_ref, refs_in
@@ -44,15 +52,22 @@ class ProgramTable:
     n_inputs: int
     n_ops: int  # call nodes of the graph (folded and unpacked ones included)
     constants: tuple  # (node index, constant name) of every ``get_attr`` node
-    folds: tuple  # in graph order: (index, target, args, kwargs) to compute, or (index, earlier index) to share
+    folds: tuple  # in graph order: (index, target, args, kwargs, expect) to compute, or (index, earlier index) to share
     output: Any  # the output node's argument (``Ref``s inside)
-    steps: tuple  # (target, index, args, kwargs, unpack, frees), what every step calls
+    steps: tuple  # (target, index, args, kwargs, unpack, frees, expect), what every step calls; unpack:
+    #               (item index, k, expect) per item; expect: ``invariants.describe`` of the meta result, or None
 
 
 class Program:
-    def __init__(self, nodes: list[DecodedNode], constants: dict[str, torch.Tensor], *, fold: bool = True):
+    def __init__(self, nodes: list[DecodedNode], constants: dict[str, torch.Tensor], *, fold: bool = True,
+                 expected: list | None = None):
+        """``expected``: ``invariants.describe`` of the meta check's result of every node (the
+        load passes it; a program of a graph that was never meta-checked, in tests, has none
+        and checks no run-time invariant)."""
         checks: dict[int, Any] = {}  # id(op) -> its value check or None, looked up once per op
         nodes = [_value_checked(n, checks) if n.op == "call_function" else n for n in nodes]
+        if expected is not None and len(expected) != len(nodes):
+            raise CorruptArtifactError(f"{len(expected)} expected results for a graph of {len(nodes)} nodes")
         template: list[Any] = [None] * len(nodes)
         constant_at = []
         for i, n in enumerate(nodes):
@@ -60,7 +75,8 @@ class Program:
                 constant_at.append((i, n.target))
         _place_constants(template, constant_at, constants)
         output = nodes[-1].args[0]
-        folded = fold_constants(nodes, template, output) if fold else set()
+        admit = None if expected is None else (lambda i, value: matches(value, expected[i]))
+        folded = fold_constants(nodes, template, output, admit=admit) if fold else set()
         unpacked = _unpacked_items(nodes, folded)
         last_use = _last_uses(nodes, skip=folded | set(unpacked))
         frees_after: dict[int, list[int]] = {}
@@ -81,8 +97,14 @@ class Program:
         for i in sorted(folded):
             earlier = first_holder.setdefault(id(template[i]), i)
             n = nodes[i]
-            folds.append((i, earlier) if earlier != i else (i, n.target, n.args, n.kwargs))
-        steps = tuple((n.target, i, n.args, n.kwargs, tuple(unpack_at.get(i, ())), tuple(frees_after.get(i, ())))
+            folds.append((i, earlier) if earlier != i else
+                         (i, n.target, n.args, n.kwargs, None if expected is None else expected[i]))
+        checked = _checked_values(nodes, folded, unpacked, outputs) if expected is not None else set()
+
+        def expect(i):
+            return expected[i] if i in checked else None
+        steps = tuple((n.target, i, n.args, n.kwargs, tuple((item, k, expect(item)) for item, k in unpack_at.get(i, ())),
+                       tuple(frees_after.get(i, ())), expect(i))
                       for i, n in enumerate(nodes)
                       if n.op == "call_function" and i not in folded and i not in unpacked)
         self.table = ProgramTable(len(nodes), sum(1 for n in nodes if n.op == "placeholder"),
@@ -104,8 +126,9 @@ class Program:
                 if len(fold) == 2:
                     template[fold[0]] = template[fold[1]]
                 else:
-                    i, target, args, kwargs = fold
+                    i, target, args, kwargs, expect = fold
                     template[i] = target(*_materialize(args, template), **_materialize(kwargs, template))
+                    check_value(template[i], expect, i, _op_label(target))  # as folding admitted it
         self._bind(template)
         return self
 
@@ -114,24 +137,63 @@ class Program:
         table = self.table
         self.n_inputs, self.n_ops, self.n_folded = table.n_inputs, table.n_ops, len(table.folds)
         self._template, self._output = template, table.output
-        self._steps = [_compile_call(index, target, args, kwargs, unpack, frees)
-                       for target, index, args, kwargs, unpack, frees in table.steps]
+        self._steps = [_compile_call(index, target, args, kwargs, unpack, frees, expect)
+                       for target, index, args, kwargs, unpack, frees, expect in table.steps]
+        self.n_checked = sum((e is not None) + sum(u[2] is not None for u in unpack)
+                             for *_, unpack, _f, e in table.steps)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         if len(inputs) != self.n_inputs:
             raise TypeError(f"program takes {self.n_inputs} inputs, got {len(inputs)}")
         env = self._template.copy()
         env[: self.n_inputs] = inputs
-        for fn, index, gather, kwargs, unpack, frees in self._steps:
+        tensor = _Tensor
+        for fn, index, gather, kwargs, unpack, frees, expect in self._steps:
             out = fn(*gather(env), **kwargs)
+            # the run-time invariant (invariants.py), inline: one tuple compare per read value
+            if expect is not None and (out.__class__ is not tensor or (out.shape, out.stride(), out.dtype) != expect):
+                check_value(out, expect, index, self._label(index))
             env[index] = out
             if unpack:
-                for item, k in unpack:
-                    env[item] = out[k]
+                for item, k, expect in unpack:
+                    v = env[item] = out[k]
+                    if expect is not None and (v.__class__ is not tensor or (v.shape, v.stride(), v.dtype) != expect):
+                        check_value(v, expect, item, f"item {k} of node {index}, {self._label(index)}")
             if frees:
                 for f in frees:
                     env[f] = None
         return _materialize(self._output, env)
+
+    def _label(self, index: int) -> str:
+        """The op of node ``index``, for an error."""
+        for target, i, *_ in self.table.steps:
+            if i == index:
+                return _op_label(target)
+        return "?"
+
+
+_Tensor = torch.Tensor
+
+
+def _op_label(target) -> str:
+    target = getattr(target, "overload", target)
+    return op_name(target) if hasattr(target, "_overloadname") else getattr(target, "__name__", str(target))
+
+
+def _checked_values(nodes: list[DecodedNode], folded: set[int], unpacked: dict, outputs: set[int]) -> set[int]:
+    """The values whose run-time metadata is checked (``invariants.py``): every value a call
+    node reads (but at positions its op ignores), every value the step returns, and the result
+    of every op that writes in place (an ``out=`` op hands back the tensor it wrote)."""
+    checked = set(outputs)
+    for i, n in enumerate(nodes):
+        if n.op != "call_function" or i in unpacked:
+            continue
+        checked |= reads(n)
+        target = getattr(n.target, "overload", n.target)
+        schema = getattr(target, "_schema", None)
+        if schema is not None and schema.is_mutable and i not in folded:
+            checked.add(i)
+    return checked
 
 
 def _place_constants(template: list[Any], constant_at, constants: dict[str, torch.Tensor]) -> None:
@@ -188,12 +250,13 @@ def _unpacked_items(nodes: list[DecodedNode], folded: set[int]) -> dict[int, tup
     return out
 
 
-def _compile_call(index: int, target, args: tuple, kwargs: dict, unpack: Sequence[tuple[int, int]],
-                  frees: Sequence[int]):
-    """(callable, index, gather(env) -> positional args, kwargs, unpack, frees) for one node."""
+def _compile_call(index: int, target, args: tuple, kwargs: dict, unpack: Sequence[tuple[int, int, Any]],
+                  frees: Sequence[int], expect: Any):
+    """(callable, index, gather(env) -> positional args, kwargs, unpack, frees, expect) for one node."""
     fn = getattr(target, "_op", target)  # the C++ handle behind an OpOverload
+    unpack, frees = tuple(unpack), tuple(frees)
     if not has_ref(kwargs):
-        return (fn, index, _gatherer(args), kwargs, tuple(unpack), tuple(frees))
+        return (fn, index, _gatherer(args), kwargs, unpack, frees, expect)
     if all(isinstance(v, Ref) or not has_ref(v) for v in kwargs.values()):
         # a kwarg that is a value (``mm.out(a, b, out=bucket_slice)``): gathered like the args
         gather, constant = _gatherer(args), {k: v for k, v in kwargs.items() if not isinstance(v, Ref)}
@@ -204,11 +267,11 @@ def _compile_call(index: int, target, args: tuple, kwargs: dict, unpack: Sequenc
             for k, i in refs:
                 kwargs[k] = env[i]
             return _f(*gather(env), **kwargs)
-        return (value_kwargs, index, lambda env: (env,), {}, tuple(unpack), tuple(frees))
+        return (value_kwargs, index, lambda env: (env,), {}, unpack, frees, expect)
 
     def with_kwargs(env, _f=fn, _a=args, _kw=kwargs):  # rare: a kwarg holds values deeper
         return _f(*_materialize(_a, env), **_materialize(_kw, env))
-    return (with_kwargs, index, lambda env: (env,), {}, tuple(unpack), tuple(frees))
+    return (with_kwargs, index, lambda env: (env,), {}, unpack, frees, expect)
 
 
 def _gatherer(args: tuple) -> Callable[[list], tuple]:

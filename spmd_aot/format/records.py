@@ -1,0 +1,162 @@
+"""The file format of the per-user records (``verified.py``, ``runtime/prepared.py``).
+
+A record is ``magic line + sha256(body) + body``, where the body is msgpack of tagged plain
+data: msgpack's own types for None, bools, ints, floats, strings and lists, and a map with one
+key for everything else (``{"t": [...]}`` a tuple, ``{"r": 3}`` a ``Ref``, ``{"k": {...}}`` a
+dict, ``{"s": [start, stop, step]}`` a slice, ``{"d": "float32"}`` a dtype, ``{"m": ...}`` a
+memory format, ``{"l": ...}`` a layout, ``{"v": "cpu"}`` a device). Reading rebuilds those by
+name from fixed tables, through the bounded decoder (``bounded.py``: limits set before anything
+is allocated, no ext types): nothing is unpickled, imported or called by a name the file holds.
+
+Why not pickle, even restricted: a record stands in for checks the job ran itself, so reading it
+must never be able to do more than building these values, whatever its bytes. The sha256 tells
+a torn or damaged file (a crash mid-write, a full disk) from a whole one; records are written to
+a fresh name and renamed, relative to the folder's descriptor, so readers see whole records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import stat
+from typing import Any
+
+import msgpack
+import torch
+
+from . import bounded
+from .limits import load_limits
+from .serialize import Ref
+
+__all__ = ["encode", "decode", "read", "write", "remove", "trim"]
+
+_DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+_FORMATS = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.memory_format)}
+_LAYOUTS = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+_NAMED = {"d": _DTYPES, "m": _FORMATS, "l": _LAYOUTS}
+
+
+def _tagged(v: Any) -> Any:
+    if v is None or type(v) in (bool, int, float, str):
+        return v
+    kind = type(v)
+    if kind is list:
+        return [_tagged(x) for x in v]
+    if kind is tuple:
+        return {"t": [_tagged(x) for x in v]}
+    if kind is Ref:
+        return {"r": v.index}
+    if kind is dict:
+        if not all(type(k) is str for k in v):
+            raise TypeError("a map with keys other than strings has no stored form")
+        return {"k": {k: _tagged(x) for k, x in v.items()}}
+    if kind is slice:
+        return {"s": [_tagged(v.start), _tagged(v.stop), _tagged(v.step)]}
+    if kind is torch.dtype:
+        return {"d": str(v).removeprefix("torch.")}
+    if kind is torch.memory_format:
+        return {"m": str(v).removeprefix("torch.")}
+    if kind is torch.layout:
+        return {"l": str(v).removeprefix("torch.")}
+    if kind is torch.device:
+        return {"v": str(v)}
+    raise TypeError(f"a {kind.__name__} has no stored form")
+
+
+def _untagged(v: Any) -> Any:
+    kind = type(v)
+    if kind is list:
+        return [_untagged(x) for x in v]
+    if kind is not dict:
+        if v is None or kind in (bool, int, float, str):
+            return v
+        raise ValueError(f"a record holds a {kind.__name__}, which no record is written with")
+    if len(v) != 1:
+        raise ValueError("a tagged value with other than one tag")
+    (tag, x), = v.items()
+    if tag == "t" and type(x) is list:
+        return tuple(_untagged(y) for y in x)
+    if tag == "r" and type(x) is int and x >= 0:
+        return Ref(x)
+    if tag == "k" and type(x) is dict:
+        return {k: _untagged(y) for k, y in x.items()}
+    if tag == "s" and type(x) is list and len(x) == 3:
+        return slice(*(_untagged(y) for y in x))
+    names = _NAMED.get(tag)
+    if names is not None and type(x) is str and x in names:
+        return names[x]
+    if tag == "v" and type(x) is str and len(x) < 64:
+        return torch.device(x)
+    raise ValueError(f"a record holds an unknown value {str(v)[:80]}")
+
+
+def encode(value: Any) -> bytes:
+    """``value`` (tagged plain data, module doc) as msgpack; ``TypeError`` for anything else."""
+    return msgpack.packb(_tagged(value), use_bin_type=True)
+
+
+def decode(body: bytes, what: str = "record") -> Any:
+    """``encode``'s input back, read by the bounded decoder (nothing imported or unpickled);
+    ``CorruptArtifactError`` or ``ValueError`` for anything else."""
+    limits = load_limits()
+    items = max(limits.items, limits.nodes)
+    doc = bounded.unpack(body, what, objects=limits.objects_per_node * limits.nodes, max_array=items,
+                         max_map=items)
+    return _untagged(doc)
+
+
+def read(folder: int, name: str, magic: bytes, limit: int) -> bytes | None:
+    """The body of record ``name`` in the folder's descriptor: None when there is none;
+    ``ValueError`` when it is not a regular file, too large, or damaged (its sha256)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # a link (ELOOP), a FIFO without writer (ENXIO), ...
+        raise ValueError(f"not a readable record: {exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError("not a regular file")
+        data = f.read(limit + 1)
+    if len(data) > limit or not data.startswith(magic):
+        raise ValueError("not a record")
+    body = data[len(magic) + 32:]
+    if hashlib.sha256(body).digest() != data[len(magic):len(magic) + 32]:
+        raise ValueError("content does not match its sha256")
+    return body
+
+
+def write(folder: int, name: str, magic: bytes, body: bytes) -> None:
+    """Record ``name`` := ``body``, whole or not at all (a fresh name, then a rename; ranks on
+    several hosts may share one home directory)."""
+    tmp = f".{name[:16]}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(magic + hashlib.sha256(body).digest() + body)
+        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+    except BaseException:
+        remove(folder, tmp)
+        raise
+
+
+def remove(folder: int | None, name: str) -> None:
+    """Unlink ``name`` in the folder's descriptor (never through a path); quietly."""
+    if folder is None:
+        return
+    try:
+        os.unlink(name, dir_fd=folder)
+    except OSError:
+        pass
+
+
+def trim(folder: int, keep: int) -> None:
+    """Keep the ``keep`` most recently written regular files of the folder's descriptor."""
+    records = []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.is_file(follow_symlinks=False):
+                records.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.name))
+    for _, name in sorted(records, reverse=True)[keep:]:
+        remove(folder, name)
