@@ -176,3 +176,79 @@ def test_not_a_bundle(tmp_path, capsys):
     junk.write_bytes(b"this is not a tar file" * 50)
     assert main(["import", str(junk), "--cache-dir", str(tmp_path / "c")]) == 2
     assert "cannot read bundle" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- bounded work
+def _shuffled_gzip_bundle(path: pathlib.Path, n: int, size: int) -> pathlib.Path:
+    """A valid gzip bundle of ``n`` random blobs in an order unlike their digests'."""
+    import random
+
+    rng = random.Random(7)
+    blobs = {hashlib.sha256(b).hexdigest(): b for b in (rng.randbytes(size) for _ in range(n))}
+    index = json.dumps({"format": "spmd-aot-bundle", "version": 1, "refs": {},
+                        "blobs": {d: size for d in blobs}}).encode()
+    order = list(blobs)
+    rng.shuffle(order)
+    with tarfile.open(path, "w:gz", compresslevel=1) as tar:
+        info = tarfile.TarInfo("index.json")
+        info.size = len(index)
+        tar.addfile(info, io.BytesIO(index))
+        for d in order:
+            info = tarfile.TarInfo(f"objects/{d}")
+            info.size = size
+            tar.addfile(info, io.BytesIO(blobs[d]))
+    return path
+
+
+def test_compressed_bundle_is_imported_in_two_forward_passes(tmp_path, monkeypatch):
+    """Members in any order: the file is read twice from start to end, never seeked back (a
+    seekable gzip stream re-decompresses from its start for every backwards seek)."""
+    from spmd_aot.store import bundle as bundle_module
+
+    path = _shuffled_gzip_bundle(tmp_path / "many.tar.gz", 300, 4096)
+    opened, reads, seeks = [], [], []
+    real_open = bundle_module._open_stream
+
+    class Counted(io.RawIOBase):
+        def __init__(self, f):
+            self.f = f
+
+        def readable(self):
+            return True
+
+        def read(self, n=-1):
+            data = self.f.read(n)
+            reads.append(len(data))
+            return data
+
+        def readinto(self, b):
+            data = self.read(len(b))
+            b[:len(data)] = data
+            return len(data)
+
+        def seek(self, *a):  # tarfile's stream mode never seeks; count it if anything does
+            seeks.append(a)
+            return self.f.seek(*a)
+
+        def close(self):
+            self.f.close()
+            super().close()
+
+    def counted(p):
+        opened.append(p)
+        return Counted(real_open(p))
+
+    monkeypatch.setattr(bundle_module, "_open_stream", counted)
+    summary = bundle_module.import_bundle(LocalStore(tmp_path / "dest"), path)
+    assert summary.blobs == summary.written == 300
+    assert len(opened) == 2 and not seeks
+    assert sum(reads) <= 2 * path.stat().st_size + 2 * (64 << 10)
+
+
+def test_index_after_a_blob_is_refused(bundle, tmp_path, capsys):
+    members = _members(bundle)
+    members[0], members[1] = members[1], members[0]
+    bad = _write_tar(tmp_path / "late-index.tar", members)
+    assert main(["import", str(bad), "--cache-dir", str(tmp_path / "dest")]) == 2
+    assert "not index.json" in capsys.readouterr().err
+    assert _empty(tmp_path / "dest")
