@@ -10,6 +10,9 @@
 * a broadcast view of a parameter (``D[None, :, None]``) saved for backward in a block resharded
   after forward: its re-gather rebuilds the view by reshaping, against ``fully_shard`` per block.
 
+Complex state: a complex64 buffer is a layout input of its dtype, and a complex64 graph constant
+goes through the constants blob (safetensors stores complex64 as it is) with its values.
+
 Tolerance: the README's, 1e-5 after 5 AdamW steps (measured differences are ~1e-7).
 """
 
@@ -239,12 +242,52 @@ def test_each_model_loads_without_opt_in_and_matches_eager_on_two_gloo_ranks(bui
             assert r["param"] <= TOL and r["loss"] <= TOL, (rank, name, r)
 
 
-def test_a_complex_buffer_keeps_its_values_in_the_stored_state(built, tmp_path):
-    """The persistent complex64 ``freqs_cis`` is part of the job's state: a compiled step reads
-    the live buffer (complex64, unchanged by training)."""
+def test_a_complex_buffer_is_state_in_the_layout_and_the_step_keeps_it(tmp_path):
+    """A persistent complex64 ``freqs_cis`` is a state input like any buffer: the layout records
+    its dtype, and a compiled step reads the live buffer and leaves it as training leaves it."""
+    from spmd_aot.format.artifact import read_artifact
+
     torch.manual_seed(0)
     model = RopeLM("persistent")
     before = model.freqs_cis.clone()
-    fn = spmd_aot.compile(lm_step, cache_dir=tmp_path)
+    result = spmd_aot.build(_job("rope_persistent"), world_size=1, cache_dir=tmp_path)
+    inputs = read_artifact(LocalStore(tmp_path), result.digest).layout["inputs"]
+    assert [e["dtype"] for e in inputs if e["fqn"] == "freqs_cis"] == ["complex64"]
+    fn = spmd_aot.compile(lm_step, cache_dir=tmp_path, require_hit=True)
     fn(model, _optim(model), lm_batch(0, 0))
     assert model.freqs_cis.dtype == torch.complex64 and torch.equal(model.freqs_cis, before)
+
+class ComplexConstantNet(nn.Module):
+    """Rotations written as a complex literal in forward: a complex64 graph constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.view_as_complex(self.lin(x).reshape(*x.shape[:-1], 4, 2))
+        return torch.view_as_real(h * torch.tensor([1 + 1j, 0.5j, 2.0, -1j])).flatten(-2)
+
+
+def _square_step(model, optim, batch):
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_complex_graph_constant_survives_the_constants_blob(tmp_path):
+    """safetensors stores complex64 as it is: the stored constant loads with its values."""
+    job = spmd_aot.Job(step=_square_step, model=ComplexConstantNet, optimizer=_optim, batch=lambda: torch.randn(2, 8))
+    built = spmd_aot.build(job, world_size=1, cache_dir=tmp_path)
+    assert "constants" in read_manifest(LocalStore(tmp_path), built.digest)["blobs"]
+    torch.manual_seed(0)
+    model, ref = ComplexConstantNet(), ComplexConstantNet()
+    ref.load_state_dict(model.state_dict())
+    optim, ref_optim = _optim(model), _optim(ref)
+    fn = spmd_aot.compile(_square_step, cache_dir=tmp_path, require_hit=True)
+    for s in range(3):
+        batch = torch.randn(2, 8, generator=torch.Generator().manual_seed(s))
+        assert abs(fn(model, optim, batch).item() - _square_step(ref, ref_optim, batch).item()) <= TOL
+    assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())) <= TOL
