@@ -4,7 +4,7 @@
 * complex-number rotary embeddings as torchtitan and Meta's reference Llama write them
   (``view_as_complex``, ``polar``, ``view_as_real``, ``_conj`` in the backward), with
   ``freqs_cis`` a non-persistent complex64 buffer (torchtitan), a persistent one (stored with
-  the state) or computed in forward, against DDP;
+  the state) or computed in forward, against DDP, and sharded, against ``fully_shard`` per block;
 * ``nn.AdaptiveAvgPool1d`` on a transposed input (``as_strided_`` in its forward, rewritten to
   ``as_strided`` at build time), against DDP;
 * a broadcast view of a parameter (``D[None, :, None]``) saved for backward in a block resharded
@@ -157,6 +157,7 @@ VARIANTS = {  # name -> (model factory, step, batch, placement)
     "rope_buffer": (lambda: RopeLM("buffer"), lm_step, lm_batch, "replicate"),
     "rope_persistent": (lambda: RopeLM("persistent"), lm_step, lm_batch, "replicate"),
     "rope_forward": (lambda: RopeLM("forward"), lm_step, lm_batch, "replicate"),
+    "rope_sharded": (lambda: RopeLM("buffer"), lm_step, lm_batch, "shard"),
     "pool_transposed": (PoolNet, class_step, class_batch, "replicate"),
     "scale_resharded": (ScaleNet, class_step, class_batch, "shard"),
 }
@@ -185,7 +186,7 @@ def built(tmp_path_factory):
 
 
 def test_the_stored_graphs_call_the_admitted_ops_and_never_an_in_place_view(built):
-    for name in ("rope_buffer", "rope_persistent", "rope_forward"):
+    for name in ("rope_buffer", "rope_persistent", "rope_forward", "rope_sharded"):
         ops = built[name][1]
         assert {"aten::view_as_complex.default", "aten::view_as_real.default", "aten::_conj.default"} <= ops, name
     assert "aten::polar.default" in built["rope_forward"][1]
@@ -215,7 +216,7 @@ def _parity_worker(rank, world, built):
         ref = make()
         if placement == "shard":
             mesh = init_device_mesh("cpu", (world,))
-            for block in ref.blocks:
+            for block in (ref.blocks if hasattr(ref, "blocks") else ref.layers.values()):
                 fully_shard(block, mesh=mesh)
             wrapped = fully_shard(ref, mesh=mesh)
         else:
