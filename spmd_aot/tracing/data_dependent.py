@@ -1,14 +1,20 @@
 """The build-time refusal of code that reads tensor values on the host (``.item()``,
-``bool(tensor)``, ``nonzero``, ``torch.amp.GradScaler``'s skip decision).
+``bool(tensor)``, ``nonzero``, boolean-mask indexing, ``torch.amp.GradScaler``'s skip decision).
 
 A stored step is one graph run without host synchronisation, traced on fake tensors that hold
 no values, so control flow or output shapes that depend on values cannot be traced. Fake
-tensors raise deep inside torch; ``describe`` turns that into which user line made the call.
+tensors raise deep inside torch; ``describe`` turns that into one line: what the user wrote
+(the construct, told from torch's op and the user's source line), the user's file, line and
+code, the module whose forward ran, and what to write instead, a rewrite that traces and
+computes the same values.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
+import site
 import sysconfig
 import traceback
 
@@ -16,41 +22,129 @@ import torch
 
 __all__ = ["describe"]
 
-_KINDS = {  # exception type name -> what the user wrote
-    "DataDependentOutputException": "reads a tensor's value on the host (`.item()`, `float(t)`, `bool(t)`, `if t:`)",
-    "GuardOnDataDependentSymNode": "branches on a tensor's value (`bool(t)`, `if t:`, `.item()` in a condition)",
-    "DynamicOutputShapeException": "makes a tensor whose shape depends on values (`nonzero`, boolean-mask "
-                                   "indexing, `torch.unique`, `masked_select`)",
+_KINDS = ("DataDependentOutputException", "GuardOnDataDependentSymNode", "DynamicOutputShapeException")
+# torch, spmd-aot and the standard library: never the line to name
+_TORCH_AND_OURS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, os.path.dirname(__file__)))
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+# installed libraries (transformers, ...; site-packages may lie inside the standard library's folder):
+# their line is named, and the user's own line that called into them
+_INSTALLED_DIRS = tuple({os.path.join(p, "") for p in (*site.getsitepackages(), site.getusersitepackages(),
+                                                       sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])})
+
+_WHY = ("a compiled step is one graph run without host synchronisation, traced without tensor values, "
+        "so its control flow and shapes cannot depend on values")
+
+# construct -> (what the user wrote, what to write instead)
+_MASK = ("keep the full shape and mask the values instead: `torch.where(mask, x, 0)`, or "
+         "`(x * mask).sum() / mask.sum()` for a mean over the selected entries")
+_LOSS = ("let the loss skip the ignored labels itself: `F.cross_entropy(logits, labels, ignore_index=-100)` "
+         "(it averages over the kept labels, at a static shape); otherwise ")
+_BRANCH_FIX = ("compute both branches and select with `torch.where(cond, a, b)` (`cond` a bool tensor), or "
+               "check the value outside the compiled step, on what the step returns")
+_CONSTRUCTS = {
+    "scaler": ("calls torch.amp.GradScaler, whose `step` decides whether to skip the optimizer step with "
+               "`found_inf.item()`",
+               "train with bf16 autocast instead (it needs no loss scaling), or call the scaler outside "
+               "the compiled step"),
+    "nonzero": ("calls `nonzero()` (its result has one row per nonzero value)", _MASK),
+    "bool_index": ("indexes with a boolean mask (`x[mask]`: one element per True value)", _MASK),
+    "masked_select": ("calls `masked_select` (one element per True value)", _MASK),
+    "unique": ("calls `torch.unique` (one element per distinct value)",
+               "work at the static size of the n possible values instead: `F.one_hot(x, n).amax(0)` says "
+               "which occur, `F.one_hot(x, n).sum(0)` counts them"),
+    "shape": ("makes a tensor whose shape depends on values", _MASK),
+    "assert": ("asserts on a tensor's value (`assert t`)",
+               "check the value outside the compiled step, on what the step returns, or remove the "
+               "assert from the step"),
+    "branch": ("branches on a tensor's value (`if t:`, `while t:`, `bool(t)`, `x if t else y`)", _BRANCH_FIX),
+    "read": ("reads a tensor's value on the host (`.item()`, `float(t)`, `int(t)`, `.tolist()`)",
+             "keep it a 0-dim tensor and compute with it (`loss * n`, not `loss * n.item()`); to log it, return "
+             "the tensor from the step and call `.item()` on what the step returns"),
 }
-_LIBRARY_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, os.path.dirname(__file__))) + \
-    (sysconfig.get_paths()["stdlib"] + os.sep,)
+_LOSS_LINE = re.compile(r"cross_entropy|nll_loss|ignore_index|-100|label", re.IGNORECASE)
 
 
 def describe(exc: BaseException, module: str = "") -> str | None:
-    """The refusal for a data-dependent operation, or None when ``exc`` is not one.
+    """The one-line refusal for a data-dependent operation, or None when ``exc`` is not one.
     ``module``: which module's forward was running (", in module ..."), if any."""
     kind = next((k for k in _KINDS if any(c.__name__ == k for c in type(exc).__mro__)), None)
     if kind is None:
         return None
     frames = traceback.extract_tb(exc.__traceback__)
-    user = [i for i, f in enumerate(frames) if _is_user(f.filename)]
-    where = ""
-    if user:
-        f = frames[user[-1]]
-        where = f" at {f.filename}:{f.lineno} `{(f.line or '').strip()}`"
-    scaler = any(f.filename.endswith(os.path.join("amp", "grad_scaler.py")) for f in frames)
-    advice = ("torch.amp.GradScaler decides whether to skip the optimizer step with `found_inf.item()`; "
-              "train with bf16 autocast instead (it needs no loss scaling), or call the scaler outside "
-              "the compiled step" if scaler else
-              "keep it a tensor operation (`torch.where`, multiplying by a mask, `clamp`), or move it "
-              "out of the compiled step")
-    return (f"the step {_KINDS[kind]}{where}{module} ({type(exc).__name__}: {_op(exc)}): a compiled step "
-            f"is one graph run without host synchronisation, traced without tensor values, so its "
-            f"control flow and shapes cannot depend on values; {advice}")
+    op = _op(exc)
+    user = next((f for f in reversed(frames) if _is_user(f.filename)), None)
+    line = (user.line or "").strip() if user else ""
+    construct = _construct(kind, op, line, frames)
+    wrote, fix = _CONSTRUCTS[construct]
+    if construct in ("nonzero", "bool_index", "masked_select", "shape") and _LOSS_LINE.search(_function_source(exc, user)):
+        fix = _LOSS + fix
+    if user is not None and user.filename.startswith(_INSTALLED_DIRS):  # not the user's line to rewrite
+        fix = _library_fix(user.filename) + f"; in code you write: {fix}"
+    return f"the step {wrote}{_where(frames, user)}{module} ({type(exc).__name__}: {op}): {_WHY}; {fix}"
+
+
+def _library_fix(filename: str) -> str:
+    """What to do when the line is an installed library's."""
+    moe = (" (transformers' mixture-of-experts models: `experts_implementation=\"batched_mm\"` in their config)"
+           if f"{os.sep}transformers{os.sep}" in filename else "")
+    return (f"the line is in an installed library: choose its static-shape option where it has one{moe}, or "
+            "swap the module for a stand-in that computes the same with static shapes while tracing "
+            "(`spmd_aot.Override`)")
+
+
+def _construct(kind: str, op: str, line: str, frames) -> str:
+    """Which construct of ``_CONSTRUCTS`` the user wrote: from torch's op and the user's line."""
+    if any(f.filename.endswith(os.path.join("amp", "grad_scaler.py")) for f in frames):
+        return "scaler"
+    if kind == "DynamicOutputShapeException":
+        if "nonzero" in op or "argwhere" in op:
+            return "nonzero" if re.search(r"nonzero\(|argwhere\(|where\(", line) else "bool_index"
+        if "masked_select" in op:
+            return "masked_select"
+        return "unique" if "unique" in op else "shape"
+    if re.match(r"assert\b", line):
+        return "assert"
+    if re.match(r"(if|elif|while)\b", line) or re.search(r"\bif\b.+\belse\b", line) or \
+            kind == "GuardOnDataDependentSymNode":
+        return "branch"
+    return "read"
+
+
+def _function_source(exc: BaseException, user) -> str:
+    """The source of the function holding the user's line (that line alone when it cannot be read):
+    whether it computes a loss over labels decides which rewrite to name first."""
+    line = (user.line or "") if user else ""
+    tb = exc.__traceback__
+    while tb is not None and user is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename == user.filename and tb.tb_lineno == user.lineno:
+            try:
+                return "".join(inspect.getsourcelines(code)[0])
+            except (OSError, TypeError):
+                return line
+        tb = tb.tb_next
+    return line
+
+
+def _where(frames, user) -> str:
+    """`` at FILE:LINE `code` ``; for a line in an installed library, also the user's own line
+    that called into it."""
+    if user is None:
+        return ""
+    where = f" at {user.filename}:{user.lineno} `{(user.line or '').strip()}`"
+    if user.filename.startswith(_INSTALLED_DIRS):
+        own = next((f for f in reversed(frames) if _is_user(f.filename) and not f.filename.startswith(_INSTALLED_DIRS)),
+                   None)
+        if own is not None:
+            where += f" (called from {own.filename}:{own.lineno} `{(own.line or '').strip()}`)"
+    return where
 
 
 def _is_user(filename: str) -> bool:
-    return not filename.startswith("<") and not filename.startswith(_LIBRARY_DIRS)
+    """Code outside torch, spmd-aot and the standard library: the user's or an installed library's."""
+    if filename.startswith("<") or filename.startswith(_TORCH_AND_OURS):
+        return False
+    return not filename.startswith(_STDLIB) or filename.startswith(_INSTALLED_DIRS)
 
 
 def _op(exc: BaseException) -> str:
