@@ -152,3 +152,163 @@ def test_base_model_relative_patterns_and_the_models_own_plan():
     assert resolve_tp_plan((("lm_head", "colwise"),), model) == (("lm_head", "colwise"),)
     with pytest.raises(UnsupportedError, match="has none"):
         Plan(2, tp_plan="hf").for_model(nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------- embedding_rowwise
+class EmbNet(nn.Module):
+    """An embedding split on the vocabulary, a padding id among the inputs, a whole head."""
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d, padding_idx=3)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.emb(x)))
+
+
+def make_emb_model():
+    torch.manual_seed(0)
+    model = EmbNet()
+    with torch.no_grad():
+        model.emb.weight[3] = 0.5  # a non-zero padding row: its value is read, it gets no gradient
+    return model
+
+
+def make_emb_batch(s=0):
+    x, y = make_batch(s)
+    x[:, 0] = 3  # the padding id, on the first rank's share of the vocabulary
+    return x, y
+
+
+EMB_PLAN = {"emb": "embedding_rowwise"}
+
+
+def _rowwise_worker(rank, world, cache):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    # as torchtitan plans its token embedding: the ids whole on every rank
+    ref = parallelize_module(make_emb_model(), init_device_mesh("cpu", (world,)),
+                             {"emb": RowwiseParallel(input_layouts=Replicate())})
+    ref_optim = OPTIMS["adamw"](ref)
+    ref_losses = [step(ref, ref_optim, make_emb_batch(s)).item() for s in range(STEPS)]
+    model = make_emb_model()
+    optim = OPTIMS["adamw"](model)
+    compiled = spmd_aot.compile(step, cache_dir=cache, tp_plan=EMB_PLAN, require_hit=True)
+    losses = [compiled(model, optim, make_emb_batch(s)).item() for s in range(STEPS)]
+
+    def whole(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    plain = make_emb_model()  # the unsplit model on the same batches (TP ranks share theirs)
+    plain_optim = OPTIMS["adamw"](plain)
+    for s in range(STEPS):
+        step(plain, plain_optim, make_emb_batch(s))
+    ours, theirs = model.state_dict(), ref.state_dict()
+    return {"local_rows": model.emb.weight.to_local().shape[0], "traces": compiled.cache_info.traces,
+            "param": max((whole(ours[k]) - whole(v)).abs().max().item() for k, v in theirs.items()),
+            "plain": max((whole(ours[k]) - v).abs().max().item() for k, v in plain.state_dict().items()),
+            "pad_row": (whole(ours["emb.weight"])[3] - 0.5 * (1 - 1e-2 * 1e-2) ** STEPS).abs().max().item(),
+            "loss": max(abs(a - b) for a, b in zip(ref_losses, losses))}
+
+
+def test_embedding_rowwise_matches_parallelize_module_rowwise(tmp_path):
+    job = spmd_aot.Job(step=step, model=make_emb_model, optimizer=OPTIMS["adamw"], batch=make_emb_batch)
+    built = spmd_aot.build(job, world_size=2, tp_plan=EMB_PLAN, cache_dir=tmp_path)
+    # the partial lookups all_reduced; this rank's TP index cut from arange(tp) once
+    assert built.stats["by_kind"] == {"all_reduce": 1, "reduce_scatter_tensor": 1}, built.stats["by_kind"]
+    for r in run_ranks(_rowwise_worker, 2, str(tmp_path)):
+        assert r["traces"] == 0 and r["local_rows"] == 16, r
+        assert r["param"] <= TOL and r["loss"] <= TOL and r["plain"] <= TOL, r
+        assert r["pad_row"] <= 1e-7, r  # the padding row got no gradient (AdamW's decay only)
+
+
+@pytest.mark.parametrize("option", [{"max_norm": 1.0}, {"scale_grad_by_freq": True}, {"sparse": True}])
+def test_embedding_rowwise_refuses_what_a_vocabulary_shard_cannot_do(tmp_path, option):
+    def model():
+        torch.manual_seed(0)
+        net = EmbNet()
+        net.emb = nn.Embedding(32, 16, **option)
+        return net
+
+    job = spmd_aot.Job(step=step, model=model, optimizer=OPTIMS["sgd"], batch=make_batch)
+    name = next(iter(option))
+    with pytest.raises(UnsupportedError, match=f"emb .*{name}=.*embedding_rowwise.*'embedding_colwise'"):
+        spmd_aot.build(job, world_size=2, tp_plan=EMB_PLAN, cache_dir=tmp_path)
+
+
+# ---------------------------------------------------------------- transformers models' own plans
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _hf_job(name):
+    from support import corpus
+
+    return spmd_aot.Job(step=corpus.hf_step, model=corpus.factory(name), optimizer=_sgd,
+                        batch=lambda: corpus.lm_batch(0, 0))
+
+
+def _hf_worker(rank, world, cache, name):
+    from support import corpus
+
+    corpus._quiet_transformers()
+    ref = corpus.factory(name)()
+    ref_optim = _sgd(ref)
+    ref_losses = [corpus.hf_step(ref, ref_optim, corpus.lm_batch(0, s)).item() for s in range(STEPS)]
+    model = corpus.factory(name)()
+    optim = _sgd(model)
+    compiled = spmd_aot.compile(corpus.hf_step, cache_dir=cache, tp_plan="hf", require_hit=True)
+    losses = [compiled(model, optim, corpus.lm_batch(0, s)).item() for s in range(STEPS)]
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+    return {"traces": compiled.cache_info.traces,
+            "param": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()),
+            "loss": max(abs(a - b) for a, b in zip(ref_losses, losses))}
+
+
+# GPT-NeoX: its plan splits the input embedding on the vocabulary (embedding_rowwise).
+# Qwen2-MoE: its plan names the dense MLP's projections, which its sparse blocks do not have
+# (skipped, as transformers skips them); its experts run transformers' default grouped_mm.
+HF_MODELS = {"gpt_neox": ({"all_reduce": 9, "reduce_scatter_tensor": 1}, None),
+             "qwen2_moe": ({"all_reduce": 4}, ["layers.*.mlp.gate_proj", "layers.*.mlp.up_proj",
+                                               "layers.*.mlp.down_proj"])}
+
+
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
+def test_a_transformers_models_own_plan_matches_the_unsplit_model(tmp_path, caplog, name):
+    by_kind, skipped = HF_MODELS[name]
+    with caplog.at_level("WARNING", logger="spmd_aot.parallel.tp_plan"):
+        built = spmd_aot.build(_hf_job(name), world_size=2, tp_plan="hf", cache_dir=tmp_path)
+    assert built.stats["by_kind"] == by_kind
+    assert built.stats.get("tp_plan_skipped") == skipped
+    warned = [r.getMessage() for r in caplog.records if "does not have, skipped" in r.getMessage()]
+    assert (warned and all(p in warned[0] for p in skipped)) if skipped else not warned, warned
+    for r in run_ranks(_hf_worker, 2, str(tmp_path), name):
+        assert r["traces"] == 0, r
+        assert r["param"] <= TOL and r["loss"] <= TOL, r
+
+
+def test_a_written_plan_naming_a_missing_module_is_refused_pointing_at_hf(tmp_path):
+    """A plan the user wrote keeps every pattern: one that matches nothing is a typo until
+    shown otherwise. When the patterns are the model's own plan's, the error says so."""
+    from support import corpus
+
+    own = corpus.tp_plan("qwen2_moe")
+    with pytest.raises(UnsupportedError, match=r"layers\.\*\.mlp\.gate_proj.*match no module.*tp_plan='hf'"):
+        spmd_aot.build(_hf_job("qwen2_moe"), world_size=2, tp_plan=own, cache_dir=tmp_path)
+    with pytest.raises(UnsupportedError, match="match no module") as typo:
+        spmd_aot.build(_hf_job("qwen2_moe"), world_size=2, tp_plan={"layers.*.self_attn.q_prj": "colwise"},
+                       cache_dir=tmp_path)
+    assert "'hf'" not in str(typo.value)
+
+
+def test_a_models_own_plan_matching_nothing_is_refused():
+    class Config:
+        base_model_tp_plan = {"layers.*.missing": "colwise"}
+
+    model = nn.Linear(2, 2)
+    model.config = Config()
+    with pytest.raises(UnsupportedError, match=r"none of the patterns.*layers\.\*\.missing"):
+        Plan(2, tp_plan="hf").for_model(model)

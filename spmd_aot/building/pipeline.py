@@ -25,6 +25,7 @@ from .kernels import kernel_parts
 from .load_check import check_before_storing
 from ..keying.lookup import find_entry
 from .memory import graph_peak_bytes
+from ..tracing.causal_masks import masks_used_as_given
 from ..tracing.numpy_absent import numpy_lookups_skipped
 from ..tracing.override import Transforms, swapped_submodules
 from ..passes import (collective_stats, dedupe_collectives, fold_views, prefetch_groups,
@@ -46,7 +47,8 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     start = time.perf_counter()
     swap = functools.partial(swapped_submodules, state.model, transforms.module_override) \
         if transforms.module_override else None
-    with numpy_lookups_skipped(), guards.recording_sources() as ran:  # every file that runs: guarded
+    # every file that runs is guarded; torch's transformer modules use an unhinted mask as given
+    with numpy_lookups_skipped(), masks_used_as_given(), guards.recording_sources() as ran:
         traced = trace_step(step, state, plan, mesh, inputs, transform_model=swap)
         gm = traced.gm
         strip_profiler_ops(gm)
@@ -72,6 +74,8 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
              "peak_bytes": graph_peak_bytes(gm)}
     if traced.micro_batches > 1:  # only then: entries without accumulation keep the stats they had
         stats["micro_batches"] = traced.micro_batches
+    if plan.tp_skipped:  # patterns of the model's own tp_plan that name modules it lacks (skipped)
+        stats["tp_plan_skipped"] = list(plan.tp_skipped)
     _check_collectives(stats, slots, plan, traced.groups, traced.axis_budget, state.forward_only)
     opted = extra_ops(_op_names(gm))
     if opted:  # only when there are: entries without an opt-in keep the stats they always had

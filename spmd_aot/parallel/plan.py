@@ -54,6 +54,9 @@ class Plan:
     mixed_precision: MixedPrecisionPolicy | None = None
     # derived: the role of each mesh dimension (``parallel/dims.py``), e.g. ("dp_shard", "tp")
     mesh_roles: tuple[str, ...] = dataclasses.field(init=False, repr=False, compare=False, default=())
+    # derived by ``for_model``: patterns of the model's own tp_plan ("hf") that name modules it
+    # lacks, dropped as transformers drops them (``tp_plan.resolve_tp_plan``); in the build's stats
+    tp_skipped: tuple[str, ...] = dataclasses.field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self):
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -121,8 +124,13 @@ class Plan:
         the model's own plan for ``"hf"``, transformers' base-model-relative patterns prefixed)."""
         if not self.tp_plan:
             return self
-        resolved = resolve_tp_plan(self.tp_plan, model)
-        return self if resolved == self.tp_plan else dataclasses.replace(self, tp_plan=resolved)
+        skipped: list[str] = []
+        resolved = resolve_tp_plan(self.tp_plan, model, skipped)
+        if resolved == self.tp_plan:
+            return self
+        bound = dataclasses.replace(self, tp_plan=resolved)
+        object.__setattr__(bound, "tp_skipped", tuple(skipped))
+        return bound
 
     def mesh_dim(self, role: str) -> int | None:
         """The mesh dimension that has ``role``; None when the mesh has none (or one rank)."""

@@ -20,6 +20,11 @@ swapped, while tracing only, for the style's:
   input is the local slice of the features (a colwise output); the product is a partial sum,
   ``all_reduce(sum)`` over the TP ranks in forward (identity in backward), then the bias is
   added once.
+- ``embedding_rowwise`` (``RowwiseParallel`` on an ``nn.Embedding``): weight split on dim 0
+  (the vocabulary), ids whole. Each rank looks up the ids its rows hold and zeros the others;
+  the partial outputs are ``all_reduce(sum)``-ed. Which ids are this rank's depends on its TP
+  index, which one graph for every rank cannot hold as a constant: ``rank_index`` cuts it
+  from ``arange(tp)`` with one ``reduce_scatter(max)`` per step.
 
 Sequence parallel (Megatron-SP, as torchtitan plans it) keeps the residual stream split on
 dim 1 (the sequence) over the TP ranks between the model's entry and exit, so norms compute on
@@ -74,7 +79,7 @@ from ..passes.collectives import label_collective
 
 __all__ = ["TP_STYLES", "TPStyle", "Colwise", "Rowwise", "ColwiseSeq", "RowwiseSeq", "SequenceParallel",
            "SeqShardOutput", "SeqGatherInput", "ColwiseGatherOutput", "RowwiseSplitInput", "EmbeddingColwise",
-           "ReplicatedWithGradAllreduce", "TensorParallel", "planned_modules", "style_for", "AXIS"]
+           "EmbeddingRowwise", "ReplicatedWithGradAllreduce", "TensorParallel", "planned_modules", "style_for", "AXIS"]
 
 TP_STYLES: dict[str, "TPStyle"] = {}  # name -> style object, in definition order
 
@@ -247,6 +252,38 @@ class EmbeddingColwise(TPStyle):
         return _GatherSeq.apply(local, tp, [fqn], "max", -1, "output")
 
 
+class EmbeddingRowwise(TPStyle):
+    name = "embedding_rowwise"
+    summary = ("nn.Embedding split on the vocabulary (RowwiseParallel on an embedding): each rank looks "
+               "up the ids in its rows, zeros elsewhere, the partial outputs all_reduced over TP")
+    # the output all_reduce, and the cut that gives this rank its share's first id (once per step)
+    budget = {"all_reduce": 1, "reduce_scatter_tensor": 1}
+
+    def check(self, fqn, module):
+        EmbeddingColwise.check(self, fqn, module)
+        for attr, why in (("max_norm", "renormalizes the looked-up rows in place"),
+                          ("scale_grad_by_freq", "scales gradients by counts over the whole vocabulary"),
+                          ("sparse", "makes sparse gradients")):
+            if getattr(module, attr):
+                raise UnsupportedError(
+                    f"tp_plan puts {fqn} (nn.Embedding with {attr}={getattr(module, attr)!r}) {self.name}, "
+                    f"but {attr} {why}, which a vocabulary shard cannot do alone; plan it 'embedding_colwise' "
+                    "(split on the embedding dim) or leave it out of the plan")
+
+    def forward(self, tp, fqn, module, ids):
+        tp.refuse_in_sequence_region(fqn, self.name)
+        weight = module.weight
+        rows = weight.shape[0]  # this rank's share of the vocabulary: ids [start, start + rows)
+        local = ids - tp.rank_index(fqn) * rows
+        outside = (local < 0) | (local >= rows)
+        looked = F.embedding(local.masked_fill(outside, 0), weight)
+        if module.padding_idx is not None:  # its row is looked up but gets no gradient
+            looked = torch.where((ids == module.padding_idx).unsqueeze(-1), looked.detach(), looked)
+        # zero where another rank holds the id: the sum over TP is the whole lookup, and the
+        # gradient reaches only the rows this rank holds
+        return _ReduceFromTP.apply(looked.masked_fill(outside.unsqueeze(-1), 0), tp, [fqn])
+
+
 class ReplicatedWithGradAllreduce(TPStyle):
     name = "replicated_with_grad_allreduce"
     summary = ("the module runs whole on TP-local activations (e.g. per-head norms between colwise and "
@@ -287,9 +324,16 @@ def planned_modules(model: nn.Module, tp_plan) -> list[tuple[str, nn.Module, TPS
             found.append((fqn, module, TP_STYLES[match[1]]))
     unused = [pattern for pattern, _ in tp_plan if pattern not in used]
     if unused:
+        own = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+        prefix = getattr(model, "base_model_prefix", "")
+        theirs = all(p in own or (prefix and p.startswith(prefix + ".") and p[len(prefix) + 1:] in own)
+                     for p in unused)
+        fix = ("; they are the model's own plan's (config.base_model_tp_plan), written for its architecture: "
+               "pass tp_plan='hf', which skips the patterns the model lacks as transformers does, or drop "
+               "them") if own and theirs else ""
         raise UnsupportedError(
             f"tp_plan pattern(s) {unused} match no module of {type(model).__qualname__}; patterns "
-            "match module FQNs (fnmatch), e.g. 'blocks.*.attn.q' (see model.named_modules())")
+            f"match module FQNs (fnmatch), e.g. 'blocks.*.attn.q' (see model.named_modules()){fix}")
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -327,6 +371,7 @@ class TensorParallel:
         self._unplanned = {id(m): (fqn, type(m).__qualname__) for fqn, m in model.named_modules()
                            if id(m) not in planned and next(m.parameters(recurse=False), None) is not None}
         self._copies: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, list[str]]] = {}
+        self._rank_index: torch.Tensor | None = None  # ``rank_index``, made by its first reader
 
     def budget(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -348,6 +393,7 @@ class TensorParallel:
         for _, module, _ in self.modules:
             vars(module).pop("forward", None)
         self._copies.clear()
+        self._rank_index = None
 
     def refuse_in_sequence_region(self, fqn: str, style: str) -> None:
         """Plain colwise/rowwise would mix different ranks' tokens on sequence shards."""
@@ -364,6 +410,15 @@ class TensorParallel:
                 "where activations are sequence shards, but the tp_plan gives it no style: its "
                 "gradients would be partial over TP. Plan it (norms 'sequence_parallel', linears "
                 "'colwise_seq'/'rowwise_seq') or put the exit ('seq_gather_input') before it")
+
+    def rank_index(self, fqn: str) -> torch.Tensor:
+        """This rank's index along the TP dimension, as a one-element int64 tensor. One graph
+        serves every rank, so the index cannot be a constant: it is cut from ``arange(tp)``,
+        the same on every rank, by a ``reduce_scatter(max)`` (exact), once per traced step."""
+        if self._rank_index is None:
+            ranks = torch.arange(self.size, dtype=torch.float32)
+            self._rank_index = self.scatter_sequence(ranks, [fqn], "rank index", "max", 0).to(torch.int64)
+        return self._rank_index
 
     def copied_in(self, x: torch.Tensor, fqn: str) -> torch.Tensor:
         """``x`` copied to the TP region; one copy per input tensor, shared by its readers."""

@@ -9,11 +9,14 @@ out parameters without importing the styles' forwards and autograd functions
 from __future__ import annotations
 
 import fnmatch
+import logging
 
 from ..errors import SpmdAotError, UnsupportedError
 
 __all__ = ["SPLIT_DIMS", "STYLE_NAMES", "style_name", "resolve_tp_plan", "first_match", "split_dim",
            "MODEL_PLAN_NAMES", "HF_STYLE_NAMES", "HF_REFUSED_STYLES"]
+
+log = logging.getLogger(__name__)
 
 #: style name -> parameter of the module -> tensor dimension split over the TP ranks (None:
 #: whole on every TP rank); in the order the styles are documented (``tensor_parallel.py``).
@@ -28,6 +31,7 @@ SPLIT_DIMS: dict[str, dict[str, int | None]] = {
     "colwise_gather_output": {"weight": 0, "bias": 0},
     "rowwise_split_input": {"weight": 1, "bias": None},
     "embedding_colwise": {"weight": 1},
+    "embedding_rowwise": {"weight": 0},
     "replicated_with_grad_allreduce": {},
 }
 STYLE_NAMES = tuple(SPLIT_DIMS)
@@ -39,9 +43,6 @@ HF_STYLE_NAMES = {"colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwis
 _LOCAL = ("leaves parameters as shards that the model's own code combines, which spmd-aot cannot see; "
           "plan the linears 'colwise'/'rowwise'")
 HF_REFUSED_STYLES = {
-    "embedding_rowwise": "splits the vocabulary, so each TP rank must mask the token ids outside its share "
-                         "(a rank-dependent offset one graph for every rank cannot hold); plan it "
-                         "'embedding_colwise' or leave the embedding out of the plan (whole on every TP rank)",
     "packed_colwise": "splits a packed projection part by part; plan it 'colwise_gather_output' "
                       "(and its reader 'rowwise_split_input'), or leave it out",
     "packed_rowwise": "splits a packed projection part by part; plan it 'rowwise_split_input', or leave it out",
@@ -75,11 +76,31 @@ def style_name(pattern: str, style) -> str:
 MODEL_PLAN_NAMES = ("hf", "auto")
 
 
-def resolve_tp_plan(tp_plan, model: nn.Module) -> tuple[tuple[str, str], ...]:
+def resolve_tp_plan(tp_plan, model: nn.Module, skipped: list | None = None) -> tuple[tuple[str, str], ...]:
     """``tp_plan`` bound to ``model``: ``"hf"``/``"auto"`` replaced by the model's own plan, and
     patterns written relative to a transformers base model (``layers.*.self_attn.q_proj``, as
     ``config.base_model_tp_plan`` has them) prefixed with ``model.base_model_prefix`` when they
-    match no module as written but do under the prefix."""
+    match no module as written but do under the prefix.
+
+    The model's own plan is written for an architecture, not for this instance: an MoE's plan
+    can name the dense MLP's projections (``layers.*.mlp.gate_proj``) that its sparse layers
+    replace with experts, and a config can drop optional modules. As transformers does, its
+    patterns that match no module are dropped with a warning naming them (and appended to
+    ``skipped``, which the build records in its stats). A plan the user wrote keeps every
+    pattern: one that matches nothing is refused later (``planned_modules``), since a typo
+    would otherwise leave a layer whole on every rank without a word."""
+    fqns = [fqn for fqn, _ in model.named_modules()]
+    prefix = getattr(model, "base_model_prefix", "")
+
+    def bound(pattern: str) -> str | None:
+        """``pattern`` as it matches ``model``'s module names; None when it matches none."""
+        if any(fnmatch.fnmatchcase(f, pattern) for f in fqns):
+            return pattern
+        prefixed = f"{prefix}.{pattern}" if prefix else None
+        if prefixed and any(fnmatch.fnmatchcase(f, prefixed) for f in fqns):
+            return prefixed
+        return None
+
     if isinstance(tp_plan, str):
         config = getattr(model, "config", None)
         own = getattr(config, "base_model_tp_plan", None)
@@ -87,17 +108,25 @@ def resolve_tp_plan(tp_plan, model: nn.Module) -> tuple[tuple[str, str], ...]:
             raise UnsupportedError(
                 f"tp_plan={tp_plan!r} takes the model's own plan (transformers' config.base_model_tp_plan), "
                 f"but {type(model).__qualname__} has none; pass tp_plan={{PATTERN: STYLE, ...}}")
-        tp_plan = tuple((pattern, style_name(pattern, style)) for pattern, style in own.items())
-    fqns = [fqn for fqn, _ in model.named_modules()]
-    prefix = getattr(model, "base_model_prefix", "")
-    resolved = []
-    for pattern, style in tp_plan:
-        if prefix and not any(fnmatch.fnmatchcase(f, pattern) for f in fqns):
-            prefixed = f"{prefix}.{pattern}"
-            if any(fnmatch.fnmatchcase(f, prefixed) for f in fqns):
-                pattern = prefixed
-        resolved.append((pattern, style))
-    return tuple(resolved)
+        resolved, unmatched = [], []
+        for pattern, style in own.items():
+            where = bound(pattern)
+            if where is None:
+                unmatched.append(pattern)
+            else:  # styles are checked only for modules the model has, as transformers applies them
+                resolved.append((where, style_name(pattern, style)))
+        if unmatched:
+            log.warning("tp_plan=%r: %s's own plan names module(s) it does not have, skipped (transformers "
+                        "skips them too): %s", tp_plan, type(model).__qualname__, ", ".join(unmatched))
+            if skipped is not None:
+                skipped.extend(unmatched)
+        if not resolved:
+            raise UnsupportedError(
+                f"tp_plan={tp_plan!r}: none of the patterns of {type(model).__qualname__}'s own plan "
+                f"(config.base_model_tp_plan: {', '.join(own)}) matches a module of the model; pass "
+                "tp_plan={PATTERN: STYLE, ...} naming its modules (see model.named_modules())")
+        return tuple(resolved)
+    return tuple((bound(pattern) or pattern, style) for pattern, style in tp_plan)
 
 
 def first_match(tp_plan, fqn: str) -> tuple[str, str] | None:
