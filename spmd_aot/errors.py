@@ -13,6 +13,7 @@ __all__ = [
     "ArtifactMismatchError",
     "CorruptArtifactError",
     "UnsafeArtifactError",
+    "LoadLimitError",
     "OpNotAllowedError",
     "LockTimeoutError",
     "CacheIOError",
@@ -50,6 +51,11 @@ class CorruptArtifactError(SpmdAotError):
 
 class UnsafeArtifactError(CorruptArtifactError):
     """A stored graph names a callable outside the op allowlist."""
+
+
+class LoadLimitError(UnsafeArtifactError):
+    """A stored artifact would make loading (or ``verify``) do more work than a load limit
+    (``format/limits.py``) allows; the message names the limit and ``SPMD_AOT_LOAD_LIMITS``."""
 
 
 class OpNotAllowedError(UnsafeArtifactError):

@@ -29,7 +29,7 @@ class LoadLimits:
     graph_bytes: int = 256 << 20  # the graph blob (a 70B step is ~10 MiB)
     constants_bytes: int = 4 << 30  # graph constants (safetensors)
     part_bytes: int = 256 << 20  # manifest, layout, schema, code blobs
-    nodes: int = 2_000_000  # graph nodes (a 70B AdamW step has ~40k)
+    nodes: int = 250_000  # graph nodes (a 70B AdamW step has ~40k; decoding costs ~10 us a node)
     depth: int = 32  # nesting of argument values (traced graphs use 2 or 3)
     items: int = 1_000_000  # elements in one argument list or map
     # Objects (containers plus their elements) one stored msgpack document may decode to: an
@@ -41,6 +41,11 @@ class LoadLimits:
     # Constant folding at load: estimated multiply-adds of one folded op, and of all of them.
     fold_op_flops: int = 1 << 26
     fold_total_flops: int = 1 << 30
+    # The meta check's work (``validate.py``), in units of one remembered op result (~20 us):
+    # each node costs 1, each run of an op's contract and meta kernel 16 plus 4 per tensor
+    # argument. A traced 48-layer AdamW step spends 29k-50k; this bounds a crafted graph of
+    # distinct calls to a few seconds.
+    meta_work: int = 400_000
     # The largest tensor one op may create: tensor_factor x the largest tensor in the state
     # layout (activations), the whole global state (flat communication buffers), or
     # tensor_floor bytes, whichever is largest.

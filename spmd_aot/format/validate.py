@@ -29,9 +29,9 @@ import torch
 import torch.distributed._functional_collectives  # noqa: F401  (meta kernels of the collectives)
 
 from .contracts import Broken, check_call
-from ..errors import CorruptArtifactError, UnsafeArtifactError
+from ..errors import CorruptArtifactError, LoadLimitError, UnsafeArtifactError
 from ..tracing.fused_meta import FUSED_STEPS, standin
-from .limits import LoadLimits, load_limits
+from .limits import ENV_LOAD_LIMITS, LoadLimits, load_limits
 from .serialize import DecodedNode, Ref
 
 __all__ = ["check_graph", "check_node", "tensor_limit"]
@@ -81,6 +81,10 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
     # Torch's meta kernels for most ops are Python and cost ~0.5 ms a call; layers repeat, so
     # the result of an op on inputs of the same metadata is remembered and rebuilt (~20 us).
     memo: dict = {}
+    # Distinct metadata defeats the memo (2M nodes adding 2M different scalars), and one node
+    # may list a million tensors: the meta work is bounded in units of a memo hit, charged
+    # before each call runs (``_Work``).
+    work = _Work(limits.meta_work)
 
     def meta(v):
         if isinstance(v, Ref):
@@ -121,12 +125,56 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
                     key = None
             known = memo.get(key) if key is not None else None
             if known is not None:  # same op on the same metadata: same (already checked) result
+                work.spend(node, 1)
                 env[i] = _rebuild(known, tensors)
                 continue
+            work.spend(node, _run_cost(node, args, tensors if key is not None else None))
             env[i] = check_node(node, args, kwargs, limit)
             if key is not None:
                 memo[key] = _describe(env[i], storages)
     return env
+
+
+# What the meta check's work costs, in units of one memo hit (~20 us: a signature and a
+# rebuilt meta tensor). A contract plus a meta kernel run costs up to ~0.4 ms (torch's Python
+# meta kernels: ``clamp_min``, ``mul.Scalar``) and every tensor argument ~80 us more (a foreach
+# op over 20,000 tensors: 81 us each), so a run is charged RUN_COST plus TENSOR_COST per
+# tensor. A traced 48-layer AdamW step for 8 ranks spends 29k (shard) to 50k (replicate) units;
+# ``LoadLimits.meta_work`` allows 400k (the costliest crafted graphs: 5-9 s on 2 busy cores).
+RUN_COST, TENSOR_COST = 16, 4
+
+
+class _Work:
+    """The meta check's budget: ``spend`` charges a node's cost before its work is done and
+    refuses the graph once the total passes ``LoadLimits.meta_work``."""
+
+    __slots__ = ("budget", "spent")
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.spent = budget, 0
+
+    def spend(self, node: DecodedNode, units: int) -> None:
+        self.spent += units
+        if self.spent > self.budget:
+            raise LoadLimitError(
+                f"node {node.name} ({_name(node.target)}) brings the graph check past the load limit "
+                f"meta_work={self.budget} (units of one remembered op result; a run of an op's contract "
+                f"and meta kernel costs {RUN_COST}, plus {TENSOR_COST} per tensor argument): the graph "
+                "has more distinct op calls, or longer tensor lists, than any traced step this size; "
+                f"if the artifact is yours, raise it with {ENV_LOAD_LIMITS}=meta_work=...")
+
+
+def _run_cost(node: DecodedNode, args: tuple, tensors: list | None) -> int:
+    """What running ``node`` costs: ``getitem`` (one element of a foreach op's results) 1, an op
+    ``RUN_COST`` plus ``TENSOR_COST`` per tensor argument (``tensors``: those the memo key
+    collected; None: count them in ``args``, a foreach op's long lists)."""
+    if node.target is operator.getitem:
+        return 1
+    if tensors is None:
+        n = sum(isinstance(x, torch.Tensor) for a in args for x in (a if isinstance(a, (list, tuple)) else (a,)))
+    else:
+        n = len(tensors)
+    return RUN_COST + TENSOR_COST * n
 
 
 def check_node(node: DecodedNode, args: tuple, kwargs: dict, limit: int) -> Any:
