@@ -17,7 +17,8 @@ of 0, complex views of the wrong layout or dtype).
 
 The heap checker: on glibc 2.34 and later ``MALLOC_CHECK_=3`` does nothing unless
 ``libc_malloc_debug.so.0`` is preloaded, so children run with both, and each child reads its own
-``/proc/self/maps`` and refuses to run a case unless the checker is mapped (the run then fails).
+``/proc/self/maps`` and refuses to run a case unless the checker is mapped (the run then fails);
+before any case, a child writes one byte past a tensor's storage and must die of it.
 
 Every accepted case's result is also compared with what the meta kernel said it would be
 (shape and dtype): a divergence means a contract checked on meta results does not describe
@@ -507,6 +508,20 @@ def checker_env(env: dict) -> dict:
     return env
 
 
+#: One byte written past a tensor's storage, then the storage freed: glibc's heap checker aborts
+#: the process at the free (SIGABRT); without the checker the byte lands in padding unnoticed.
+_OVERFLOW = ("import ctypes, torch; t = torch.empty(1000, dtype=torch.uint8); "
+             "ctypes.memset(t.data_ptr(), 7, 1001); del t")
+
+
+def checker_catches_overflow(env: dict | None = None) -> bool:
+    """Whether a child started with ``env`` (default: the children's) dies on a one-byte heap
+    overflow past a tensor's storage: the checker is not only mapped but catches what we look for."""
+    env = env if env is not None else checker_env(dict(os.environ))
+    run = subprocess.run([sys.executable, "-c", _OVERFLOW], env=env, capture_output=True, timeout=120)
+    return run.returncode not in (0, 1)
+
+
 def checker_loaded() -> bool:
     """Whether this process's heap allocations are checked: ``MALLOC_CHECK_`` set and, where
     glibc keeps the checker in ``libc_malloc_debug``, that library mapped into this process."""
@@ -722,6 +737,11 @@ def main(argv=None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device visible", file=sys.stderr)
         return 2
+    if not checker_catches_overflow():
+        print("glibc's heap checker does not catch a one-byte overflow past a tensor's storage in a child "
+              f"(MALLOC_CHECK_=3, LD_PRELOAD={MALLOC_DEBUG}): no run of this fuzzer could see heap corruption",
+              file=sys.stderr)
+        return 2
     from spmd_aot.format.allowlist import chosen_list
     print(f"# allowlist: {chosen_list().describe()}; torch {torch.__version__}; accepted cases run on {a.device}")
     ops = allowed_ops()
@@ -735,7 +755,8 @@ def main(argv=None) -> int:
           f"({r['run_ok']} returned, {r['run_raised']} raised), crashes {len(r['crashes'])}, "
           f"valid samples refused {len(r['valid_samples_refused'])}, not run (budget) {r['not_run']} "
           f"({time.monotonic() - start:.0f} s)")
-    print(f"heap checker: MALLOC_CHECK_=3 + {MALLOC_DEBUG} (verified in every child); "
+    print(f"heap checker: MALLOC_CHECK_=3 + {MALLOC_DEBUG} (mapped in every child; caught a 1-byte overflow "
+          "past a tensor's storage before the run); "
           f"meta/real result divergences {len(r['divergences'])}")
     for c in r["crashes"]:
         print("CRASH", *c)
