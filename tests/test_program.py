@@ -138,6 +138,9 @@ DIVERGENT = {
                                  ([4], [4]), ("float32", "float64")),
     "native_dropout_empty": (lambda g, x: g.call_function(operator.getitem, (g.call_function(
         aten.native_dropout.default, (x, 0.5, True)), 1)), ([0],), ("float32",)),
+    "native_group_norm_mixed_dtype": (lambda g, x, w, b: g.call_function(operator.getitem, (g.call_function(
+        aten.native_group_norm.default, (x, w, b, 2, 4, 3, 2, 1e-5)), 1)), ([2, 4, 3], [4], [4]),
+        ("bfloat16", "float32", "float32")),
 }
 
 

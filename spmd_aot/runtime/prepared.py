@@ -56,7 +56,7 @@ MAX_RECORDS = 64
 _MAGIC = b"spmd-aot prepared 2\n"
 _MAX_BYTES = 256 << 20  # as much as a graph blob may be (LoadLimits.graph_bytes)
 _BUILDER_FILES = ("runtime/program.py", "runtime/constant_fold.py", "runtime/prepared.py",
-                  "runtime/invariants.py")
+                  "runtime/invariants.py", "format/records.py")
 _GETITEM = "operator.getitem"
 
 
