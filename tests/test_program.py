@@ -255,3 +255,42 @@ def test_the_crafted_graph_is_refused_in_a_process_under_the_heap_checker(case, 
                           timeout=300)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.startswith("REFUSED "), done.stdout + done.stderr[-2000:]
+
+
+def test_a_model_with_frozen_batch_norm_trains_from_the_cache_as_eager(tmp_path, monkeypatch):
+    """End to end: conv + batch norm in eval mode (frozen statistics) in a training step, built,
+    loaded twice (decoded, then rebuilt from its prepared record), equal to eager."""
+    import copy
+
+    import spmd_aot
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                   torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2)).eval()
+
+    def step(model, optim, batch):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    batch = (torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 1, 0]))
+    job = spmd_aot.Job(step=step, model=make, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                       batch=lambda: batch)
+    spmd_aot.build(job, world_size=1, cache_dir=tmp_path / "cache")
+    eager = make()
+    eager_optim = torch.optim.SGD(eager.parameters(), lr=0.1)
+    want = [step(eager, eager_optim, batch).item() for _ in range(3)]
+    for _ in range(2):  # the second load rebuilds from the prepared record
+        model = make()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiled = spmd_aot.compile(step, cache_dir=tmp_path / "cache", require_hit=True)
+        got = [float(compiled(model, optim, batch)) for _ in range(3)]
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+        for a, b in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
