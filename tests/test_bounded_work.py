@@ -79,3 +79,67 @@ def test_the_limit_is_the_one_the_environment_sets(built, monkeypatch):
         check_entry(store, key, crafted)
     monkeypatch.setenv(ENV_LOAD_LIMITS, "meta_work=100000")
     check_entry(store, key, crafted)  # the owner of an unusual artifact raises the limit
+
+
+# ---------------------------------------------------------------------------- explaining a miss
+def _live_key(manifest):
+    from spmd_aot.keying.key import CacheKey
+
+    return CacheKey("0" * 64, {n: "f" * 64 for n in manifest["ingredients"]},
+                    {n: {"live": 1} for n in manifest["ingredients"]})
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """Every blob digest a store's ``get`` is asked for."""
+    asked = []
+    real = LocalStore.get
+
+    def get(self, digest, *, limit=None):
+        asked.append(digest)
+        return real(self, digest, limit=limit)
+
+    monkeypatch.setattr(LocalStore, "get", get)
+    return asked
+
+
+def test_explaining_never_reads_a_blob_larger_than_a_manifest(built, tmp_path, reads):
+    from spmd_aot.keying import explain
+
+    source, digest, _ = built
+    store = LocalStore(tmp_path / "cache")
+    manifest = read_manifest(source, digest)
+    store.set_ref("real", store.put(source.get(digest)))
+    big = store.put(bytes(explain.MAX_MANIFEST_BYTES + 1))
+    for i in range(40):
+        store.set_ref(f"big-{i:02d}", big)
+    reads.clear()
+    text = explain.explain_miss(store, _live_key(manifest))
+    assert text.startswith(f"Nearest stored entry {'real'[:12]} differs in")
+    assert big not in reads and reads == [digest]
+
+
+def test_explaining_reads_each_manifest_once_within_the_caps(built, tmp_path, reads, monkeypatch):
+    from spmd_aot.format.artifact import pack_manifest
+    from spmd_aot.keying import explain
+
+    source, digest, _ = built
+    store = LocalStore(tmp_path / "cache")
+    manifest = read_manifest(source, digest)
+    shared = store.put(source.get(digest))
+    for i in range(10):  # ten refs, one manifest: read once
+        store.set_ref(f"a-{i}", shared)
+    distinct = [store.put(pack_manifest(dict(manifest, stats=dict(manifest["stats"], trace_seconds=i))))
+                for i in range(20)]
+    for i, d in enumerate(distinct):
+        store.set_ref(f"b-{i:02d}", d)
+    monkeypatch.setattr(explain, "MAX_REFS", 25)
+    reads.clear()
+    text = explain.explain_miss(store, _live_key(manifest))
+    assert text.endswith("(Compared with 25 of the 30 stored entries.)")
+    assert sorted(reads) == sorted([shared] + distinct[:15])
+    budget = sum(store.size(d) for d in (shared, *distinct[:2]))  # the byte budget: 3 manifests
+    monkeypatch.setattr(explain, "MAX_TOTAL_BYTES", budget)
+    reads.clear()
+    assert "differs in" in explain.explain_miss(store, _live_key(manifest))
+    assert reads == [shared, *distinct[:2]]

@@ -3,7 +3,10 @@ for an entry of the same key, which guard (a file, a distribution, a tensor valu
 
 Stored manifests are read as data someone else may have written: whatever their
 ``ingredient_values`` hold (deep nesting, odd types), explaining never fails; at worst it
-says the stored value is unreadable.
+says the stored value is unreadable. And whatever the cache holds, explaining does bounded
+work: it compares with at most ``MAX_REFS`` refs, reads each distinct manifest once, skips one
+larger than ``MAX_MANIFEST_BYTES`` unread (a ref may name a 255 MiB blob) and stops reading
+after ``MAX_TOTAL_BYTES``; the message says when it compared with only some entries.
 """
 
 from __future__ import annotations
@@ -18,19 +21,61 @@ from .lookup import find_entry
 __all__ = ["explain_miss", "nearest_entry", "first_difference"]
 
 
+# What one explanation may read: manifests of real steps are 10-200 KiB (a 48-layer
+# transformer's: 133 KiB), so these caps only ever cut a cache someone filled on purpose.
+MAX_REFS = 256
+MAX_MANIFEST_BYTES = 4 << 20
+MAX_TOTAL_BYTES = 8 << 20
+
+
+class _Capped:
+    """A store whose ``get`` reads at most ``limit`` bytes: ``read_manifest`` asks for a
+    manifest's load limit (256 MiB); an explanation allows far less, also when a blob grows
+    between its ``size`` and its read."""
+
+    def __init__(self, store, limit: int) -> None:
+        self.store, self.limit = store, limit
+
+    def get(self, digest: str, *, limit: int | None = None) -> bytes:
+        return self.store.get(digest, limit=self.limit if limit is None else min(limit, self.limit))
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
 def nearest_entry(store, key: CacheKey):
     """(stored key, manifest, differing ingredient names) of the closest entry, or None."""
+    return _nearest(store, key)[0]
+
+
+def _nearest(store, key: CacheKey):
+    """(``nearest_entry``'s answer, how many refs were compared, how many there are), within
+    the caps above."""
     best = None
-    for stored_key, digest in store.refs().items():
+    keys = store.ref_keys()
+    capped, read, manifests = _Capped(store, MAX_MANIFEST_BYTES), 0, {}
+    for stored_key in keys[:MAX_REFS]:
         try:
-            manifest = read_manifest(store, digest)
+            digest = store.get_ref(stored_key)
+            if digest is None:
+                continue
+            if digest not in manifests:
+                size = store.size(digest)
+                manifests[digest] = None  # missing, too large, past the budget or unreadable: skipped
+                if size is None or size > MAX_MANIFEST_BYTES or read + size > MAX_TOTAL_BYTES:
+                    continue
+                read += size
+                manifests[digest] = read_manifest(capped, digest)
+            manifest = manifests[digest]
         except SpmdAotError:
+            continue
+        if manifest is None:
             continue
         stored = manifest.get("ingredients", {})
         differ = [n for n, d in key.ingredients.items() if stored.get(n) != d]
         if best is None or len(differ) < len(best[2]):
             best = (stored_key, manifest, differ)
-    return best
+    return best, min(len(keys), MAX_REFS), len(keys)
 
 
 def explain_miss(store, key: CacheKey) -> str:
@@ -41,13 +86,20 @@ def explain_miss(store, key: CacheKey) -> str:
 
 
 def _explain_miss(store, key: CacheKey) -> str:
-    best = nearest_entry(store, key)
+    best, compared, total = _nearest(store, key)
     if best is None:
+        if total:
+            return f"No readable artifact among the {compared} of {total} stored entries compared."
         return "The cache holds no artifacts."
     stored_key, manifest, differ = best
+    text = _explain_nearest(store, key, stored_key, manifest, differ)
+    return text + (f" (Compared with {compared} of the {total} stored entries.)" if compared < total else "")
+
+
+def _explain_nearest(store, key: CacheKey, stored_key: str, manifest: dict, differ: list[str]) -> str:
     if not differ:
         try:
-            found = find_entry(store, key)
+            found = find_entry(_Capped(store, MAX_MANIFEST_BYTES), key)
         except SpmdAotError as exc:
             return f"Entry {stored_key[:12]} has the same ingredients but is unusable: {exc}."
         if found.misses:
