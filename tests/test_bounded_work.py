@@ -143,3 +143,38 @@ def test_explaining_reads_each_manifest_once_within_the_caps(built, tmp_path, re
     reads.clear()
     assert "differs in" in explain.explain_miss(store, _live_key(manifest))
     assert reads == [shared, *distinct[:2]]
+
+
+# ---------------------------------------------------------------------------- every reader capped
+def test_show_verify_and_ls_cap_every_blob_read(built, tmp_path, monkeypatch, capsys):
+    """A kernels blob of any size (here past a lowered limit) is refused unread by ``show``,
+    reported by ``verify``, and no command reads any blob without a limit."""
+    import shutil
+
+    from spmd_aot.cli.app import main as cli
+    from spmd_aot.format.artifact import pack_manifest
+
+    source, digest, key = built
+    cache = tmp_path / "cache"
+    shutil.copytree(source.root, cache)
+    store = LocalStore(cache)
+    manifest = read_manifest(store, digest)
+    big = store.put(bytes(3 << 20))
+    crafted = dict(manifest, blobs=dict(manifest["blobs"], kernels=big))
+    store.set_ref(key, store.put(pack_manifest(crafted)))
+    limits = []
+    real = LocalStore.get
+
+    def get(self, d, *, limit=None):
+        limits.append((d, limit))
+        return real(self, d, limit=limit)
+
+    monkeypatch.setattr(LocalStore, "get", get)
+    monkeypatch.setenv(ENV_LOAD_LIMITS, "constants_bytes=1M")
+    assert cli(["show", key[:12], "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "kernels:      CORRUPT" in out and "more than the 1048576 allowed" in out
+    assert cli(["verify", "--cache-dir", str(cache)]) == 1
+    assert cli(["ls", "--cache-dir", str(cache)]) == 0
+    assert limits and all(limit is not None for _, limit in limits), [d[:12] for d, lim in limits if lim is None]
+    assert all(limit <= 1 << 20 for d, limit in limits if d == big)

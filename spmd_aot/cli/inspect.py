@@ -107,6 +107,7 @@ def _print_manifest(store, key: str, digest: str, m: dict) -> None:
 
 def _print_kernels(store, manifest: dict) -> None:
     """The compiled kernels blob (``building/kernels.py``), decoded as data: what built it, how much."""
+    from ..format.artifact import blob_limit
     from ..format.kernels_blob import describe
 
     status = manifest["stats"].get("kernels")
@@ -114,8 +115,8 @@ def _print_kernels(store, manifest: dict) -> None:
         if status:
             say(f"kernels:      {status}")
         return
-    try:
-        d = describe(store.get(manifest["blobs"]["kernels"]), "kernels")
+    try:  # read within the load's limit: a writer of the cache may have put any size there
+        d = describe(store.get(manifest["blobs"]["kernels"], limit=blob_limit("kernels")), "kernels")
     except SpmdAotError as exc:
         say(f"kernels:      CORRUPT: {exc}")
         return

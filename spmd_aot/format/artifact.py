@@ -291,9 +291,19 @@ def manifest_blobs(manifest: dict, digest: str) -> list[tuple[str, str]]:
     return blob_list(manifest["blobs"], digest)
 
 
+def blob_limit(name: str) -> int:
+    """The most bytes a load reads of the part ``name`` (``LoadLimits``): every reader of a
+    part caps its read with it, so no blob a writer of the cache swaps in is read unbounded."""
+    limits = load_limits()
+    return {"graph": limits.graph_bytes, "constants": limits.constants_bytes,
+            "kernels": limits.constants_bytes}.get(name, limits.part_bytes)
+
+
 def artifact_bytes(store, digest: str) -> dict[str, bytes]:
-    """Every blob of the artifact whose manifest is ``digest``, by digest (read, not verified)."""
-    return {d: store.get(d) for _, d in manifest_blobs(read_manifest(store, digest), digest)}
+    """Every blob of the artifact whose manifest is ``digest``, by digest (read within its
+    part's load limit, not verified)."""
+    return {d: _get(store, d, blob_limit(name), name)
+            for name, d in manifest_blobs(read_manifest(store, digest), digest)}
 
 
 def read_artifact(store, digest: str) -> Artifact:
