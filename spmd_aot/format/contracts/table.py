@@ -44,7 +44,7 @@ _ELEMENTWISE_OPS = """
 _KERNEL_CHECKED_OPS = """
     _unsafe_view.default view.default reshape.default expand.default expand_as.default t.default transpose.int
     permute.default select.int slice.Tensor narrow.default split_with_sizes.default
-    unflatten.int flatten.using_ints squeeze.dim squeeze.dims unsqueeze.default view_as.default
+    unflatten.int flatten.using_ints squeeze.default squeeze.dim squeeze.dims unsqueeze.default view_as.default
     split_with_sizes_copy.default cat.default stack.default flip.default roll.default repeat.default
     constant_pad_nd.default tril.default triu.default select_backward.default slice_backward.default
     empty.memory_format full.default ones.default zeros.default arange.default arange.start arange.start_step
