@@ -54,12 +54,17 @@ def _never_over(size: int, objects: int) -> bool:
 
 
 def unpacker(data: bytes, what: str, *, objects: int, max_array: int, max_map: int,
-             max_str: int | None = None) -> msgpack.Unpacker:
-    """A streaming msgpack reader over ``data`` within these limits (see the module doc)."""
+             max_str: int | None = None, use_list: bool = True,
+             object_hook: Callable | None = None) -> msgpack.Unpacker:
+    """A streaming msgpack reader over ``data`` within these limits (see the module doc).
+    ``use_list=False`` decodes arrays as tuples; ``object_hook`` (called on every map, after
+    the count) lets a format with tagged maps rebuild its values as they are decoded."""
     size = max(len(data), 1)
     charge = None if _never_over(len(data), objects) else _counter(objects, what)
     hooks = dict(list_hook=charge, object_hook=charge) if charge else {}  # one budget for both
-    reader = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True, max_buffer_size=size,
+    if object_hook is not None:
+        hooks["object_hook"] = object_hook if charge is None else (lambda obj: object_hook(charge(obj)))
+    reader = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=use_list, max_buffer_size=size,
                               max_str_len=min(max_str or size, size), max_bin_len=size,
                               max_array_len=min(max_array, size), max_map_len=min(max_map, size),
                               max_ext_len=0, **hooks)
@@ -68,11 +73,12 @@ def unpacker(data: bytes, what: str, *, objects: int, max_array: int, max_map: i
 
 
 def unpack(data: bytes, what: str, *, objects: int, max_array: int = 1 << 20, max_map: int = 1 << 20,
-           max_str: int | None = None) -> Any:
+           max_str: int | None = None, use_list: bool = True, object_hook: Callable | None = None) -> Any:
     """The one msgpack document ``data`` holds, decoded within these limits; trailing bytes,
-    ext types and anything over a limit are ``CorruptArtifactError``."""
+    ext types, anything over a limit and any error of ``object_hook`` are ``CorruptArtifactError``."""
     try:
-        reader = unpacker(data, what, objects=objects, max_array=max_array, max_map=max_map, max_str=max_str)
+        reader = unpacker(data, what, objects=objects, max_array=max_array, max_map=max_map, max_str=max_str,
+                          use_list=use_list, object_hook=object_hook)
         value = reader.unpack()
         if reader.tell() != len(data):
             raise CorruptArtifactError(f"{what} has {len(data) - reader.tell()} bytes after its document")

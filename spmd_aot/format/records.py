@@ -1,12 +1,13 @@
 """The file format of the per-user records (``verified.py``, ``runtime/prepared.py``).
 
 A record is ``magic line + sha256(body) + body``, where the body is msgpack of tagged plain
-data: msgpack's own types for None, bools, ints, floats, strings and lists, and a map with one
-key for everything else (``{"t": [...]}`` a tuple, ``{"r": 3}`` a ``Ref``, ``{"k": {...}}`` a
-dict, ``{"s": [start, stop, step]}`` a slice, ``{"d": "float32"}`` a dtype, ``{"m": ...}`` a
-memory format, ``{"l": ...}`` a layout, ``{"v": "cpu"}`` a device). Reading rebuilds those by
-name from fixed tables, through the bounded decoder (``bounded.py``: limits set before anything
-is allocated, no ext types): nothing is unpickled, imported or called by a name the file holds.
+data: msgpack's own types for None, bools, ints, floats, strings and tuples (arrays), and a map
+with one key for everything else (``{"r": 3}`` a ``Ref``, ``{"L": [...]}`` a list,
+``{"k": [[key, value], ...]}`` a dict, ``{"s": [start, stop, step]}`` a slice, ``{"d":
+"float32"}`` a dtype, ``{"m": ...}`` a memory format, ``{"l": ...}`` a layout, ``{"v": "cpu"}``
+a device). Reading rebuilds those by name from fixed tables as the bounded decoder meets them
+(``bounded.py``: limits set before anything is allocated, no ext types; its map hook, so no
+second pass in Python): nothing is unpickled, imported or called by a name the file holds.
 
 Why not pickle, even restricted: a record stands in for checks the job ran itself, so reading it
 must never be able to do more than building these values, whatever its bytes. The sha256 tells
@@ -41,16 +42,16 @@ def _tagged(v: Any) -> Any:
     if v is None or type(v) in (bool, int, float, str):
         return v
     kind = type(v)
-    if kind is list:
-        return [_tagged(x) for x in v]
     if kind is tuple:
-        return {"t": [_tagged(x) for x in v]}
+        return [_tagged(x) for x in v]
     if kind is Ref:
         return {"r": v.index}
+    if kind is list:
+        return {"L": [_tagged(x) for x in v]}
     if kind is dict:
         if not all(type(k) is str for k in v):
             raise TypeError("a map with keys other than strings has no stored form")
-        return {"k": {k: _tagged(x) for k, x in v.items()}}
+        return {"k": [[k, _tagged(x)] for k, x in v.items()]}
     if kind is slice:
         return {"s": [_tagged(v.start), _tagged(v.stop), _tagged(v.step)]}
     if kind is torch.dtype:
@@ -64,31 +65,30 @@ def _tagged(v: Any) -> Any:
     raise TypeError(f"a {kind.__name__} has no stored form")
 
 
-def _untagged(v: Any) -> Any:
-    kind = type(v)
-    if kind is list:
-        return [_untagged(x) for x in v]
-    if kind is not dict:
-        if v is None or kind in (bool, int, float, str):
-            return v
-        raise ValueError(f"a record holds a {kind.__name__}, which no record is written with")
-    if len(v) != 1:
-        raise ValueError("a tagged value with other than one tag")
-    (tag, x), = v.items()
-    if tag == "t" and type(x) is list:
-        return tuple(_untagged(y) for y in x)
-    if tag == "r" and type(x) is int and x >= 0:
+def _untag(m: dict) -> Any:
+    """One tagged map back to its value (the decoder calls it on every map, innermost first,
+    so what it holds is rebuilt already; arrays arrive as tuples)."""
+    x = m.get("r")  # the commonest two first: value references, then dtypes
+    if x is not None and type(x) is int and x >= 0 and len(m) == 1:
         return Ref(x)
-    if tag == "k" and type(x) is dict:
-        return {k: _untagged(y) for k, y in x.items()}
-    if tag == "s" and type(x) is list and len(x) == 3:
-        return slice(*(_untagged(y) for y in x))
+    x = m.get("d")
+    if x is not None and len(m) == 1 and x in _DTYPES:
+        return _DTYPES[x]
+    if len(m) != 1:
+        raise ValueError("a tagged value with other than one tag")
+    (tag, x), = m.items()
+    if tag == "L" and type(x) is tuple:
+        return list(x)
+    if tag == "k" and type(x) is tuple and all(type(p) is tuple and len(p) == 2 and type(p[0]) is str for p in x):
+        return dict(x)
+    if tag == "s" and type(x) is tuple and len(x) == 3 and all(v is None or type(v) is int for v in x):
+        return slice(*x)
     names = _NAMED.get(tag)
     if names is not None and type(x) is str and x in names:
         return names[x]
     if tag == "v" and type(x) is str and len(x) < 64:
         return torch.device(x)
-    raise ValueError(f"a record holds an unknown value {str(v)[:80]}")
+    raise ValueError(f"a record holds an unknown value {str(m)[:80]}")
 
 
 def encode(value: Any) -> bytes:
@@ -97,13 +97,12 @@ def encode(value: Any) -> bytes:
 
 
 def decode(body: bytes, what: str = "record") -> Any:
-    """``encode``'s input back, read by the bounded decoder (nothing imported or unpickled);
-    ``CorruptArtifactError`` or ``ValueError`` for anything else."""
+    """``encode``'s input back, read by the bounded decoder, tagged maps rebuilt as they are
+    decoded (nothing imported or unpickled); ``CorruptArtifactError`` for anything else."""
     limits = load_limits()
     items = max(limits.items, limits.nodes)
-    doc = bounded.unpack(body, what, objects=limits.objects_per_node * limits.nodes, max_array=items,
-                         max_map=items)
-    return _untagged(doc)
+    return bounded.unpack(body, what, objects=limits.objects_per_node * limits.nodes, max_array=items,
+                          max_map=items, use_list=False, object_hook=_untag)
 
 
 def read(folder: int, name: str, magic: bytes, limit: int) -> bytes | None:
