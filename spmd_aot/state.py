@@ -8,9 +8,11 @@ deterministic (module registration order, then sorted state keys).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import defaultdict
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.utils._pytree as pytree
@@ -24,13 +26,14 @@ __all__ = ["TrainState", "Slot", "HyperInput", "hyperparameter_inputs", "initial
 
 # Optimizers whose lazily created state is all zeros (step counters included), so filling it
 # before the first step gives exactly eager's first step. Others must arrive with state.
-_ZERO_INIT_OPTIMIZERS = {"SGD", "Adam", "AdamW", "Adamax", "RAdam", "RMSprop", "Adadelta", "Adagrad"}
+_ZERO_INIT_OPTIMIZERS = {"SGD", "Adam", "AdamW", "Adamax", "RAdam", "RMSprop", "Adadelta", "Adagrad", "Adafactor"}
+# Optimizers that make all their state before the update (in ``_init_group``): their dry step
+# skips the update, which for these reads tensors on the host (meta tensors have no values).
+_STATE_BEFORE_UPDATE = {"Adafactor": ("torch.optim._adafactor", "adafactor")}
 
-# Optimizers whose every step reads tensors on the host (``.item()``), so no fixed graph holds
-# it: refused by name, before a dry step on meta tensors would fail less clearly.
+# Optimizers whose step cannot be one fixed graph (it reads tensors on the host, ``.item()``,
+# to decide what to run): refused by name, before a dry step on meta tensors fails less clearly.
 _HOST_READING_OPTIMIZERS = {
-    "Adafactor": "its step reads the step counter and each parameter's and update's norm on the host "
-                 "(.item()) to size every update",
     "LBFGS": "its step re-evaluates a closure and reads the loss and directional derivatives on the host",
 }
 
@@ -55,6 +58,8 @@ _TENSOR_UPDATE_INPUTS: dict[type, dict[str, str]] = {  # by exact class: a subcl
     torch.optim.SGD: {"momentum": _NONZERO, "dampening": _NONZERO, "weight_decay": _NONZERO},
     torch.optim.Adam: {"betas": _ALWAYS, "eps": _ALWAYS, "weight_decay": _NONZERO},
     torch.optim.AdamW: {"betas": _ALWAYS, "eps": _ALWAYS, "weight_decay": _NONZERO},
+    # eps is (eps1 or None, eps2): a constant (None picks the dtype's epsilon)
+    torch.optim.Adafactor: {"beta2_decay": _ALWAYS, "d": _ALWAYS, "weight_decay": _NONZERO},
 }
 
 
@@ -307,9 +312,9 @@ def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) ->
             initialize_optimizer_state(member, make_zeros)
         return
     name = type(optim).__name__
-    if name in _HOST_READING_OPTIMIZERS and type(optim).__module__.startswith("torch.optim"):
+    if name in _HOST_READING_OPTIMIZERS and getattr(torch.optim, name, None) is type(optim):
         raise UnsupportedError(
-            f"optimizer {type(optim).__module__}.{type(optim).__qualname__} cannot be compiled: "
+            f"optimizer torch.optim.{name} cannot be compiled: "
             f"{_HOST_READING_OPTIMIZERS[name]}, and a stored step cannot read tensors on the host; "
             "use torch.optim.AdamW (or Adam, SGD) in the compiled step")
     make_zeros = make_zeros or (lambda p, shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
@@ -401,7 +406,9 @@ def _dry_step(optim: torch.optim.Optimizer, stand_ins: list[list[torch.Tensor]])
         for g, params in zip(optim.param_groups, stand_ins):
             g["params"] = params
             g.update({k: False for k in ("fused", "capturable") if k in g})
-        with torch.no_grad():
+        skipped = _STATE_BEFORE_UPDATE.get(type(optim).__name__)
+        with torch.no_grad(), (mock.patch(f"{skipped[0]}.{skipped[1]}", lambda *a, **k: None) if skipped
+                               else contextlib.nullcontext()):
             _unhooked_step(optim)
         return {m: dict(optim.state[m]) for group in stand_ins for m in group}
     finally:

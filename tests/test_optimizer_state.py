@@ -10,6 +10,7 @@ OPTIMIZERS = [
     (torch.optim.AdamW, {}), (torch.optim.Adam, {"amsgrad": True}), (torch.optim.SGD, {"momentum": 0.9}),
     (torch.optim.RMSprop, {"momentum": 0.9, "centered": True}), (torch.optim.Adamax, {}),
     (torch.optim.RAdam, {}), (torch.optim.Adadelta, {}), (torch.optim.Adam, {"foreach": False}),
+    (torch.optim.Adafactor, {}),
 ]
 
 
@@ -50,3 +51,14 @@ def test_probed_state_equals_a_dry_step_on_every_parameter():
     assert not optim.state and all(p.grad is None for p in params)  # the dry steps left nothing behind
     kept = optim.param_groups[0]["params"]
     assert len(kept) == len(params) and all(a is b for a, b in zip(kept, params))
+
+
+@pytest.mark.parametrize("cls,options", OPTIMIZERS, ids=lambda x: getattr(x, "__name__", str(x)))
+def test_frozen_parameters_get_no_state(cls, options):
+    """A parameter with requires_grad=False never has a gradient: eager never makes its state."""
+    params = _params()
+    params[0].requires_grad_(False)
+    params[3].requires_grad_(False)
+    optim = cls(params, lr=1e-3, **options)
+    initialize_optimizer_state(optim)
+    assert [i for i, p in enumerate(params) if p in optim.state] == [1, 2, 4]

@@ -73,12 +73,18 @@ def adafactor(model):
     return torch.optim.Adafactor(model.parameters(), lr=1e-2)
 
 
+def adafactor_wd(model):
+    return torch.optim.Adafactor(model.parameters(), lr=1e-2, weight_decay=0.1, beta2_decay=-0.7, d=1.5)
+
+
 # name -> (model, optimizer, scheduler or None, batch)
 CASES = {
     "frozen_adamw": (FrozenTower, adamw_all_params, None, token_batch),
     "frozen_sgd": (FrozenTower, sgd_all_params, None, token_batch),
     "one_cycle_adamw": (train_steps.mlp, adamw_moved, one_cycle, train_steps.class_batch),
     "one_cycle_sgd": (train_steps.mlp, sgd_moved, one_cycle, train_steps.class_batch),
+    "adafactor": (train_steps.mlp, adafactor, None, train_steps.class_batch),
+    "adafactor_frozen_wd": (FrozenTower, adafactor_wd, None, token_batch),
 }
 
 
@@ -94,7 +100,7 @@ def _run(case, placement, rank, world, fn=None):
     losses, moved = [], []
     for s in range(STEPS):
         group = optim.param_groups[0]
-        moved.append((group["lr"], group["betas"][0] if "betas" in group else group["momentum"]))
+        moved.append((group["lr"], group["betas"][0] if "betas" in group else group.get("momentum")))
         losses.append(step(stepped, optim, batch(rank, s)).detach())
         if scheduler is not None:
             scheduler.step()
@@ -116,10 +122,10 @@ def _diffs(ref, got) -> dict:
             "loss": max(float((a - b).abs()) for a, b in zip(l1, l2))}
 
 
-def _worker(rank, world, cases, placements, cache_dir):
+def _worker(rank, world, cases, cache_dir):
     out = {}
     for case in cases:
-        for placement in placements:
+        for placement in placements_of(case):
             cache = f"{cache_dir}/{case}-{placement}"
             ref = _run(case, placement, rank, world)
             first = spmd_aot.compile(train_steps.plain_step, placement=placement, cache_dir=cache)
@@ -141,10 +147,14 @@ def _worker(rank, world, cases, placements, cache_dir):
 PLACEMENTS = ("replicate", "shard")
 
 
+def placements_of(case):
+    """Adafactor: replicate only (sharded parameters are refused, as fully_shard fails on it)."""
+    return ("replicate",) if case.startswith("adafactor") else PLACEMENTS
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_ranks(_worker, 2, list(CASES), PLACEMENTS, str(tmp_path_factory.mktemp("step-patterns")),
-                     timeout=600)
+    return run_ranks(_worker, 2, list(CASES), str(tmp_path_factory.mktemp("step-patterns")), timeout=600)
 
 
 def _report(results, case, placement):
@@ -153,8 +163,7 @@ def _report(results, case, placement):
         print(f"{case} {placement} rank {rank}: {r['diffs']} again {r['diffs_again']}")
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,placement", [(c, p) for c in CASES for p in placements_of(c)])
 def test_pattern_hits_traces_nothing_and_matches_eager(results, case, placement):
     _report(results, case, placement)
     for rank, per_rank in enumerate(results):
@@ -172,7 +181,9 @@ def test_pattern_hits_traces_nothing_and_matches_eager(results, case, placement)
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_frozen_parameters_have_no_optimizer_state(results, placement):
     """FrozenTower: embed (1 tensor) and encoder (2) frozen of 7 parameters: 4 have state."""
-    for case in ("frozen_adamw", "frozen_sgd"):
+    for case in ("frozen_adamw", "frozen_sgd", "adafactor_frozen_wd"):
+        if placement not in placements_of(case):
+            continue
         for per_rank in results:
             eager, compiled, _ = per_rank[case, placement]["keys"]
             assert sorted(compiled) == [3, 4, 5, 6] and compiled == eager
@@ -185,3 +196,68 @@ def test_the_scheduler_moved_the_numbers(results, case):
     moved = results[0][case, "replicate"]["moved"]
     assert len({lr for lr, _ in moved}) == STEPS and len({m for _, m in moved}) == STEPS, moved
     assert max(m for _, m in moved) - min(m for _, m in moved) > 0.05, moved
+
+
+def test_adafactor_on_sharded_parameters_is_refused_at_build(tmp_path):
+    job = spmd_aot.Job(step=train_steps.plain_step, model=train_steps.mlp, optimizer=adafactor,
+                       batch=lambda: train_steps.class_batch(0, 0))
+    with pytest.raises(spmd_aot.UnsupportedError, match=r"Adafactor cannot update parameters sharded .* "
+                                                        r"use placement='replicate' with Adafactor"):
+        spmd_aot.build(job, world_size=2, placement="shard", cache_dir=tmp_path)
+
+
+def test_lbfgs_is_refused_by_name(tmp_path):
+    model = train_steps.mlp()
+    step = spmd_aot.compile(train_steps.plain_step, cache_dir=tmp_path)
+    with pytest.raises(spmd_aot.UnsupportedError, match=r"torch.optim.LBFGS cannot be compiled: its step "
+                                                        r"re-evaluates a closure.*use torch.optim.AdamW"):
+        step(model, torch.optim.LBFGS(model.parameters()), train_steps.class_batch(0, 0))
+
+
+_KEY_PROGRAM = """
+import sys
+import torch
+from spmd_aot.keying.key import compute_key
+from spmd_aot.parallel.plan import Plan
+from spmd_aot.state import TrainState, initialize_optimizer_state
+from support import train_steps
+
+torch.manual_seed(0)
+model = train_steps.mlp()
+optims = [torch.optim.AdamW(model.fc1.parameters(), lr=1e-2, weight_decay=0.1),
+          torch.optim.SGD(model.head.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)]
+schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=10) for o in optims]
+for _ in range(int(sys.argv[1])):  # the scheduler moves lr, beta1 and momentum
+    for s in schedulers:
+        s.step()
+optim = __import__("spmd_aot.tracing.optimizers", fromlist=["as_optimizer"]).as_optimizer(optims)
+initialize_optimizer_state(optim)
+state = TrainState(model, optim, train_steps.class_batch(0, 0), Plan(2))
+print("KEY", compute_key(train_steps.plain_step, state, Plan(2)).key, [g["betas"][0] if "betas" in g else
+      g["momentum"] for g in optim.param_groups])
+"""
+
+
+def test_keys_are_equal_across_processes_and_scheduler_steps():
+    """Hyperparameter inputs leave the key alone: the same key in processes with different
+    PYTHONHASHSEED, before and after OneCycleLR moved lr, beta1 and momentum."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    import warnings
+
+    tests = pathlib.Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": f"{tests}{os.pathsep}{tests.parent}"}
+    procs = [subprocess.Popen([sys.executable, "-W", "ignore", "-c", _KEY_PROGRAM, str(steps)], cwd=tests,
+                              env={**env, "PYTHONHASHSEED": seed}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for seed, steps in (("1", 0), ("2", 3))]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        outs.append(next(line for line in out.splitlines() if line.startswith("KEY ")).split(" ", 2))
+    warnings.filterwarnings("ignore")
+    (_, key_a, moved_a), (_, key_b, moved_b) = outs
+    assert moved_a != moved_b  # the numbers did move
+    assert key_a == key_b

@@ -177,11 +177,13 @@ def traced_hyperparameters(optim, inputs: list, tensors: list) -> dict[int, dict
 
 @contextlib.contextmanager
 def tensor_updates():
-    """While tracing: SGD's and Adam's (AdamW's) updates run on tensors when their group holds
-    ``TracedNumber`` inputs; torch's read those numbers as Python scalars."""
+    """While tracing: SGD's, Adam's (AdamW's) and Adafactor's updates run on tensors when their
+    group holds ``TracedNumber`` inputs; torch's read those numbers as Python scalars (and
+    Adafactor's reads its step counter and two norms per parameter on the host)."""
     with contextlib.ExitStack() as stack:
         for module_name, name, on_tensors in (("torch.optim.sgd", "sgd", _sgd_on_tensors),
-                                              ("torch.optim.adam", "adam", _adam_on_tensors)):
+                                              ("torch.optim.adam", "adam", _adam_on_tensors),
+                                              ("torch.optim._adafactor", "adafactor", _adafactor_on_tensors)):
             module = importlib.import_module(module_name)  # where the optimizer's step finds the function
             stack.enter_context(mock.patch.object(module, name, _unless_traced(getattr(module, name), on_tensors)))
         yield
@@ -259,3 +261,47 @@ def _adam_on_tensors(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, stat
     updates = torch._foreach_div(exp_avgs, denoms)
     torch._foreach_mul_(updates, step_sizes)
     torch._foreach_sub_(params, updates)
+
+
+def _adafactor_on_tensors(params, grads, row_vars, col_vars, variances, state_steps, *_flags, d, lr, beta2_decay,
+                          weight_decay, eps1, eps2, maximize, grad_scale=None, found_inf=None, **_more_flags):
+    """torch.optim.Adafactor's update (``_single_tensor_adafactor``, what eager runs by default)
+    with every number a tensor: the step counter, the relative step size and the update's RMS
+    clipping, which eager reads on the host (``.item()``), are float64 tensor ops here, as
+    eager's Python floats are doubles."""
+    if grad_scale is not None or found_inf is not None:
+        raise UnsupportedError("Adafactor with a grad scaler's grad_scale/found_inf cannot be traced; unscale "
+                               "outside the compiled step")
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in params):
+        raise UnsupportedError(
+            "torch.optim.Adafactor cannot update parameters sharded over the mesh (placement='shard' or a "
+            "tensor-parallel plan): its factored second moments (row and column means of each gradient) are "
+            "not laid out like the parameter, and torch's own Adafactor fails under fully_shard too; use "
+            "placement='replicate' with Adafactor, or AdamW with placement='shard'")
+    f64 = torch.float64
+    lr, beta2_decay, d = map(_number, (lr, beta2_decay, d))
+    for param, grad, row_var, col_var, variance, step in zip(params, grads, row_vars, col_vars, variances,
+                                                             state_steps):
+        grad = -grad if maximize else grad
+        floor = eps1 if eps1 is not None else torch.finfo(param.dtype).eps
+        step.add_(1)
+        t = step.to(f64)
+        weight = torch.pow(t, beta2_decay)  # 1 - beta2_t
+        rho = torch.clamp(1 / torch.sqrt(t), max=lr)
+        alpha = torch.clamp(param.norm(2).to(f64) / (param.numel() ** 0.5), min=_number(eps2)) * rho
+        if weight_decay != 0:
+            param.mul_(1 - lr * _number(weight_decay))
+        if grad.dim() > 1:
+            row_mean = torch.linalg.vector_norm(grad, dim=-1, keepdim=True).square() / grad.size(-1)
+            row_var.copy_(row_var + (row_mean - row_var) * weight.to(row_var.dtype))
+            col_mean = torch.linalg.vector_norm(grad, dim=-2, keepdim=True).square() / grad.size(-2)
+            col_var.copy_(col_var + (col_mean - col_var) * weight.to(col_var.dtype))
+            estimate = (row_var @ col_var) / torch.clamp(row_var.mean(dim=-2, keepdim=True), min=floor)
+        else:
+            variance.copy_(variance + (grad * grad - variance) * weight.to(variance.dtype))
+            estimate = variance
+        update = torch.rsqrt(torch.clamp(estimate, min=floor * floor)) * grad
+        denom = torch.clamp(update.norm(2).to(f64) / ((update.numel() ** 0.5) * d), min=1.0)
+        param.add_(update * (-alpha / denom).to(param.dtype))
