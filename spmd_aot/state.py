@@ -48,10 +48,11 @@ _HOST_READING_OPTIMIZERS = {
 # updates read most numbers as Python scalars (``alpha=``, ``_foreach_lerp_`` weights, powers:
 # a host read, ``_local_scalar_dense``, which a stored graph refuses) and branch on
 # ``weight_decay != 0``; only the learning rate reaches them as a tensor. So tracing runs SGD's,
-# Adam's and AdamW's updates on tensors (``tracing/optimizers.py``) and every one of their
-# numbers is an input; momentum and weight decay only when nonzero, because zero takes another
-# path (no momentum buffer, no decay term) and so is part of the key. A fused kernel
-# (``fused=True``) or ``differentiable=True`` runs torch's own update: only the learning rate.
+# Adam's, AdamW's and Adafactor's updates on tensors (``tracing/optimizers.py``) and their
+# numbers are inputs; momentum and weight decay only when nonzero, because zero takes another
+# path (no momentum buffer, no decay term) and so is part of the key. A group that chose torch's
+# own implementation (``fused=True``, ``foreach=False``, ``differentiable=True``) runs it: only
+# its learning rate is an input (fused kernels take the others as Python numbers).
 _ALWAYS = "always"
 _NONZERO = "nonzero"  # an input when nonzero; zero is a constant (another graph)
 _TENSOR_UPDATE_INPUTS: dict[type, dict[str, str]] = {  # by exact class: a subclass may update otherwise
@@ -61,6 +62,7 @@ _TENSOR_UPDATE_INPUTS: dict[type, dict[str, str]] = {  # by exact class: a subcl
     # eps is (eps1 or None, eps2): a constant (None picks the dtype's epsilon)
     torch.optim.Adafactor: {"beta2_decay": _ALWAYS, "d": _ALWAYS, "weight_decay": _NONZERO},
 }
+_NO_TRACEABLE_TORCH_UPDATE = {torch.optim.Adafactor}  # every implementation reads on the host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +89,9 @@ def _is_number(v) -> bool:
 
 def _input_names(optimizer_class: type, group: dict) -> dict[str, str]:
     """name -> ``_ALWAYS`` or ``_NONZERO``: which of ``group``'s numbers can be inputs."""
-    if group.get("fused") or group.get("differentiable"):
-        return {"lr": _ALWAYS}
+    chose_torch = group.get("fused") or group.get("differentiable") or group.get("foreach") is False
+    if chose_torch and optimizer_class not in _NO_TRACEABLE_TORCH_UPDATE:
+        return {"lr": _ALWAYS}  # the user chose torch's own implementation
     return {"lr": _ALWAYS, **_TENSOR_UPDATE_INPUTS.get(optimizer_class, {})}
 
 

@@ -1,6 +1,8 @@
-"""Which optimizer implementation a traced step runs: the fused kernel where the user left the
-choice to torch and torch has one for the parameters, foreach otherwise, the user's own choice
-always; and the optimizer's flags are left as the user set them."""
+"""Which optimizer implementation a traced step runs: where the user left the choice to torch,
+the fused kernel when torch has one for the parameters and the group's only number that is a
+step input is its learning rate (plain SGD), else the multi-tensor update on tensors (SGD with
+momentum, Adam, AdamW: their betas, eps, momentum are step inputs, which fused kernels take as
+Python numbers); the user's own choice always; and the flags are left as the user set them."""
 
 import pytest
 import torch
@@ -25,16 +27,19 @@ def _job(optimizer):
 
 
 @pytest.mark.parametrize("world, placement, optimizer, expected", [
-    (1, "replicate", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), "fused"),
-    (2, "shard", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), "fused"),
-    (2, "replicate", lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), "fused"),
+    (1, "replicate", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), "foreach"),
+    (2, "shard", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), "foreach"),
+    (2, "replicate", lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), "foreach"),
+    (2, "replicate", lambda m: torch.optim.SGD(m.parameters(), lr=0.1), "fused"),
     # DTensor has no sharding rule for the fused SGD kernel: its multi-tensor path instead
-    (2, "shard", lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), "foreach"),
+    (2, "shard", lambda m: torch.optim.SGD(m.parameters(), lr=0.1), "foreach"),
+    (1, "replicate", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True), "fused"),
+    (2, "shard", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True), "fused"),
     (1, "replicate", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True), "foreach"),
     # the user asked for the per-tensor loop: no multi-tensor or fused op at all
     (1, "replicate", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False), None),
-], ids=["adamw-default", "adamw-default-shard", "sgd-default", "sgd-default-shard", "adamw-foreach",
-        "adamw-per-tensor"])
+], ids=["adamw-default", "adamw-default-shard", "sgd-momentum-default", "sgd-default", "sgd-default-shard",
+        "adamw-fused", "adamw-fused-shard", "adamw-foreach", "adamw-per-tensor"])
 def test_implementation_chosen_for_the_step(tmp_path, monkeypatch, world, placement, optimizer, expected):
     def real_kernel_on_fake_tensors(mode, func, *args):
         raise AssertionError(f"tracing ran {func} for real: a fake tensor op without a meta kernel "
@@ -54,7 +59,7 @@ def test_implementation_chosen_for_the_step(tmp_path, monkeypatch, world, placem
         assert not fused and not foreach_updates, ops
 
 
-def test_fused_default_matches_eager_and_leaves_the_flags_alone(tmp_path):
+def test_default_implementation_matches_eager_and_leaves_the_flags_alone(tmp_path):
     def fresh():
         torch.manual_seed(0)
         model = MLP(32, 64, 10)
