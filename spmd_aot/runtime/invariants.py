@@ -5,7 +5,7 @@ every op's contract on the *meta* results of the ops before it. Several admitted
 results of another shape or dtype on CPU than on meta (``_native_batch_norm_legit_no_training``'s
 saved mean/invstd are ``[C]`` on meta and ``[0]`` on CPU; ``_embedding_bag``'s offset2bag;
 ``mse_loss_backward`` and ``threshold_backward`` on mixed dtypes; ``native_dropout`` on an empty
-input). A crafted graph that ``cat``s such a value gets a buffer large on meta and small on CPU,
+input; ``native_group_norm``'s statistics on a bf16 input with fp32 weights). A crafted graph that ``cat``s such a value gets a buffer large on meta and small on CPU,
 and an op whose CPU kernel trusts its contract (a fused optimizer step) then writes past the
 real buffer. Contracts proven on meta values hold for the real values only if the real values
 have the same metadata.
@@ -14,23 +14,27 @@ So the interpreter checks, by induction over the step: every value some op reads
 returns, or an op writing in place hands back) must have exactly the shape and dtype that the
 meta check derived for it, and its strides, checked right after the op that made it and before
 any op reads it. If every value an op reads matches, the op's arguments on CPU are those its
-contract passed on meta. Strides may legitimately differ: the meta check lays every input out
-contiguously, and a real batch may be a slice of a larger tensor (so everything computed from
-it by views has other strides). A value whose strides differ passes if it is a plain layout as
-far as memory goes: its ``numel`` elements from its first one lie inside its storage (what a
-kernel that assumes a dense layout touches), unless the meta value itself overlapped (an
-``expand``), whose readers' contracts were checked on an overlapping layout already. A divergence raises ``DivergedValueError`` naming the node; nothing has read the
-value yet. Values no op reads are not checked (a benign divergence such as eval-mode batch
-norm's unused saved statistics costs nothing and breaks nothing), and neither are arguments an
-op is known to ignore (``IGNORED_READS``: ``native_batch_norm_backward`` with ``train=False``
-reads the running statistics, never the saved ones, which are ``[0]`` on CPU in eval mode: a
+contract passed on meta. A divergence raises ``DivergedValueError`` naming the node; nothing
+has read the value yet.
+
+Strides may legitimately differ: the meta check lays every input out contiguously, and a real
+batch may be a slice of a larger tensor (so everything computed from it by views has other
+strides). A value whose strides differ passes if it is a plain layout as far as memory goes:
+its ``numel`` elements from its first one lie inside its storage (what a kernel that assumes a
+dense layout touches), unless the meta value itself overlapped (an ``expand``), whose readers'
+contracts were checked on an overlapping layout already. The storage offset is not compared
+either (a slice of a batch starts anywhere); a CPU view made by a kernel lies inside its
+storage (view ops that take raw sizes, strides or storage are refused by the allowlist).
+
+Values no op reads are not checked (a benign divergence such as eval-mode batch norm's unused
+saved statistics costs nothing and breaks nothing), and neither are arguments an op is known
+to ignore (``IGNORED_READS``: ``native_batch_norm_backward`` with ``train=False`` normalises
+with the running statistics, never the saved ones, which are ``[0]`` on CPU in eval mode: a
 model with frozen batch norm in a training step).
 
 Why every op and not only those known to diverge: the list above comes from a fuzzer, not from
-a proof, and the check costs one tuple compare per value (``cost`` in the README's interpreter
-section). The storage offset is not compared: real inputs may be views at any offset (a slice
-of a batch), and a CPU view made by a kernel lies inside its storage (view ops that take raw
-sizes, strides or storage are refused by the allowlist).
+a proof, while the check is one tuple compare per value, about 0.3-0.8 us (0.3-0.45 ms a step
+for the 559 values of the 4-layer, d_model 128 bench LM, whose step takes ~70 ms here).
 """
 
 from __future__ import annotations
