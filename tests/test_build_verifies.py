@@ -96,6 +96,36 @@ def test_every_placement_of_a_build_passes_verify(tmp_path, capsys, model):
     assert f"{len(PLACEMENTS)} artifacts checked, 0 problems" in capsys.readouterr().out
 
 
+def _packed_tp_worker(rank, world, cache_dir, steps):
+    """The loaded TP step against the unsplit model trained eagerly in this process (the TP ranks
+    share one batch): the largest loss and parameter differences."""
+    from support.features import full
+
+    models, losses = [], []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = PackedQKV()
+        optim = _sgd(model)
+        fn = spmd_aot.compile(train_step, cache_dir=cache_dir, require_hit=True, placement="replicate",
+                              tp_plan=JOBS["packed_qkv"][1]) if compiled else train_step
+        losses.append([fn(model, optim, _token_batch()).item() for _ in range(steps)])
+        models.append(dict(model.named_parameters()))
+    eager, loaded = models
+    return (max(abs(a - b) for a, b in zip(*losses)),
+            max((full(loaded[name]) - p).abs().max().item() for name, p in eager.items()))
+
+
+def test_the_packed_qkv_tp_build_loads_on_gloo_ranks_and_matches_eager(tmp_path):
+    """The artifact the packed TP plan stores (a strided grad_out into SDPA's backward) loads on
+    every rank and trains as the unsplit model does (gathered q, k, v: the same function)."""
+    from support.multiproc import run_ranks
+
+    job, tp_plan = JOBS["packed_qkv"]
+    spmd_aot.build(job, world_size=2, cache_dir=str(tmp_path), placement="replicate", tp_plan=tp_plan)
+    for loss, param in run_ranks(_packed_tp_worker, 2, str(tmp_path), 5):
+        assert loss <= 1e-5 and param <= 1e-5, (loss, param)
+
+
 # ---------------------------------------------------------------------------- SDPA's grad_out contract
 B, H, L, E = 2, 4, 16, 8
 FLASH, FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu.default, \
