@@ -261,3 +261,24 @@ def test_keys_are_equal_across_processes_and_scheduler_steps():
     (_, key_a, moved_a), (_, key_b, moved_b) = outs
     assert moved_a != moved_b  # the numbers did move
     assert key_a == key_b
+
+
+def test_a_moved_constant_is_named_when_the_step_is_looked_up_again(tmp_path, caplog):
+    """fused=True keeps torch's fused kernel, which takes betas as Python numbers: OneCycleLR
+    moving beta1 then rebuilds, and the log says which number and why."""
+    import logging
+
+    torch.manual_seed(0)
+    model = train_steps.mlp()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scheduler = one_cycle(optim)
+    fn = spmd_aot.compile(train_steps.plain_step, cache_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="spmd_aot.runtime.step"):
+        for s in range(2):
+            fn(model, optim, train_steps.class_batch(0, s))
+            scheduler.step()
+        fn(model, optim, train_steps.class_batch(0, 2))
+    moved = [r.getMessage() for r in caplog.records if "changed from" in r.getMessage()]
+    assert len(moved) == 2 and all("param_groups[0]['betas']" in m and "fused and foreach unset" in m
+                                   for m in moved), moved
+    assert fn.cache_info.traces == 3

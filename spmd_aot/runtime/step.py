@@ -392,9 +392,11 @@ class _BoundStep:
         for i, (was, now) in enumerate(zip(self.baked, self.state.baked_hyperparameters())):
             for name in sorted(k for k in now if now[k] != was.get(k)):
                 log.warning(
-                    "param_groups[%d][%r] changed from %r to %r: the stored step holds it as a constant "
-                    "(torch's update reads it as a Python number), so the step is looked up again; a "
-                    "schedule that moves it on every step rebuilds on every step", i, name,
+                    "param_groups[%d][%r] changed from %r to %r: the stored step holds it as a constant, so "
+                    "the step is looked up again, and a schedule that moves it on every step rebuilds on "
+                    "every step. The learning rate is always a step input; the other numbers of SGD, Adam, "
+                    "AdamW and Adafactor are when the group leaves fused and foreach unset (momentum and "
+                    "weight decay once nonzero)", i, name,
                     was.get(name), now[name])
 
     def _inputs(self, batch_leaves) -> list[torch.Tensor]:
