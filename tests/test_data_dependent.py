@@ -56,6 +56,14 @@ class LossModel(nn.Module):
         if self.mode == "where":  # its rewrite
             return torch.where((~keep).sum() == 0, F.cross_entropy(logits, labels.clamp(min=0)),
                                F.cross_entropy(logits, labels, ignore_index=-100) * 2)
+        if self.mode == "equal":
+            return F.cross_entropy(logits, labels, ignore_index=-100) * torch.equal(labels, labels.clamp(min=-100))
+        if self.mode == "tensor_equal":  # its rewrite
+            return F.cross_entropy(logits, labels, ignore_index=-100) * ~(labels != labels.clamp(min=-100)).any()
+        if self.mode == "repeat":
+            return logits[:, 0].repeat_interleave(keep.long()).sum()
+        if self.mode == "repeat_masked":  # its rewrite (each count at most 1)
+            return torch.where(keep, logits[:, 0], 0).sum()
         if self.mode == "assert":
             assert keep.any()
             return F.cross_entropy(logits, labels, ignore_index=-100)
@@ -101,6 +109,9 @@ CASES = {
     "unique": ("calls `torch.unique`", "torch.unique(labels.clamp(min=0))", "F.one_hot(x, n).amax(0)", "one_hot"),
     "item": ("reads a tensor's value on the host", "* keep.sum().item()", "keep it a 0-dim tensor", "tensor"),
     "branch": ("branches on a tensor's value", "if keep.all():", "torch.where(cond, a, b)", "where"),
+    "equal": ("calls `torch.equal`", "torch.equal(labels, labels.clamp(min=-100))", "~(a != b).any()", "tensor_equal"),
+    "repeat": ("calls `repeat_interleave` with tensor repeats", "logits[:, 0].repeat_interleave(keep.long()).sum()",
+               "torch.where(mask, x, 0)", "repeat_masked"),
     "assert": ("asserts on a tensor's value", "assert keep.any()", "outside the compiled step", None),
 }
 

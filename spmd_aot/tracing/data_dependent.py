@@ -52,7 +52,13 @@ _CONSTRUCTS = {
     "unique": ("calls `torch.unique` (one element per distinct value)",
                "work at the static size of the n possible values instead: `F.one_hot(x, n).amax(0)` says "
                "which occur, `F.one_hot(x, n).sum(0)` counts them"),
+    "repeat_interleave": ("calls `repeat_interleave` with tensor repeats (its length is their sum)",
+                          "repeat a fixed number of times (`repeats` a Python int), or repeat up to the largest "
+                          "count and mask the rest: `torch.where(mask, x, 0)`"),
     "shape": ("makes a tensor whose shape depends on values", _MASK),
+    "equal": ("calls `torch.equal` (a Python bool made from the values)",
+              "compare as a tensor: `~(a != b).any()` is a bool tensor, True where `torch.equal(a, b)` is, to use "
+              "in arithmetic or `torch.where(cond, a, b)`"),
     "assert": ("asserts on a tensor's value (`assert t`)",
                "check the value outside the compiled step, on what the step returns, or remove the "
                "assert from the step"),
@@ -76,7 +82,7 @@ def describe(exc: BaseException, module: str = "") -> str | None:
     line = (user.line or "").strip() if user else ""
     construct = _construct(kind, op, line, frames)
     wrote, fix = _CONSTRUCTS[construct]
-    if construct in ("nonzero", "bool_index", "masked_select", "shape") and _LOSS_LINE.search(_function_source(exc, user)):
+    if construct in ("nonzero", "bool_index", "masked_select") and _LOSS_LINE.search(_function_source(exc, user)):
         fix = _LOSS + fix
     if user is not None and user.filename.startswith(_INSTALLED_DIRS):  # not the user's line to rewrite
         fix = _library_fix(user.filename) + f"; in code you write: {fix}"
@@ -101,7 +107,11 @@ def _construct(kind: str, op: str, line: str, frames) -> str:
             return "nonzero" if re.search(r"nonzero\(|argwhere\(|where\(", line) else "bool_index"
         if "masked_select" in op:
             return "masked_select"
+        if "repeat_interleave" in op:
+            return "repeat_interleave"
         return "unique" if "unique" in op else "shape"
+    if "aten.equal" in op and not re.match(r"(if|elif|while|assert)\b", line):
+        return "equal"
     if re.match(r"assert\b", line):
         return "assert"
     if re.match(r"(if|elif|while)\b", line) or re.search(r"\bif\b.+\belse\b", line) or \
