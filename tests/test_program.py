@@ -294,3 +294,18 @@ def test_a_model_with_frozen_batch_norm_trains_from_the_cache_as_eager(tmp_path,
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
         for a, b in zip(model.parameters(), eager.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_inputs_are_checked_too_a_slice_passes_an_expanded_tensor_does_not():
+    """The induction's base: the meta check laid every input out contiguously. A slice of a
+    larger batch (other strides, every element its own) runs; an expanded tensor (stride 0,
+    fewer elements than its shape) would make kernels that assume a dense layout read past
+    its storage, so the step refuses it."""
+    program, _ = _checked_program(lambda g, x: g.call_function(aten.mul.Tensor, (x, 2.0)), ([4, 6],), "float32",
+                                  read=lambda g, v: v)
+    wide = torch.randn(4, 12)
+    torch.testing.assert_close(program(wide[:, :6]), wide[:, :6] * 2)  # strides (12, 1)
+    with pytest.raises(DivergedValueError, match=r"step input 0 .*strides \[0, 1\].*x.contiguous\(\)"):
+        program(torch.randn(1, 6).expand(4, 6))
+    with pytest.raises(TypeError, match="inputs are tensors"):
+        program(3)

@@ -141,12 +141,12 @@ def _plain(table: ProgramTable) -> tuple:
     devices: what ``encode`` stores)."""
     folds = tuple(f if len(f) == 2 else (f[0], _target_name(f[1]), *f[2:]) for f in table.folds)
     steps = tuple((_target_name(t), *rest) for t, *rest in table.steps)
-    return (table.n_nodes, table.n_inputs, table.n_ops, table.constants, folds, table.output, steps)
+    return (table.n_nodes, table.n_inputs, table.n_ops, table.constants, folds, table.output, steps, table.inputs)
 
 
 def _table(plain) -> ProgramTable:
     """The stored form back to a ``ProgramTable``: op names resolved through the allowlist."""
-    n_nodes, n_inputs, n_ops, constants, folds, output, steps = plain
+    n_nodes, n_inputs, n_ops, constants, folds, output, steps, inputs = plain
     targets: dict[str, object] = {}
     checks: dict[int, object] = {}
 
@@ -157,4 +157,4 @@ def _table(plain) -> ProgramTable:
 
     folds = tuple(f if len(f) == 2 else (f[0], target(f[1]), *f[2:]) for f in folds)
     steps = tuple((target(name), *rest) for name, *rest in steps)
-    return ProgramTable(n_nodes, n_inputs, n_ops, constants, folds, output, steps)
+    return ProgramTable(n_nodes, n_inputs, n_ops, constants, folds, output, steps, inputs)

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .constant_fold import fold_constants
-from .invariants import check as check_value, matches, reads
+from .invariants import DivergedValueError, check as check_value, matches, reads
 from ..format.contracts import VALUE_CHECKS, op_name
 from ..errors import CorruptArtifactError
 from ..format.serialize import DecodedNode, Ref, has_ref, refs_in
@@ -56,6 +56,7 @@ class ProgramTable:
     output: Any  # the output node's argument (``Ref``s inside)
     steps: tuple  # (target, index, args, kwargs, unpack, frees, expect), what every step calls; unpack:
     #               (item index, k, expect) per item; expect: ``invariants.describe`` of the meta result, or None
+    inputs: tuple = ()  # the meta check's expectation of every input (empty: unchecked)
 
 
 class Program:
@@ -107,9 +108,10 @@ class Program:
                        tuple(frees_after.get(i, ())), expect(i))
                       for i, n in enumerate(nodes)
                       if n.op == "call_function" and i not in folded and i not in unpacked)
-        self.table = ProgramTable(len(nodes), sum(1 for n in nodes if n.op == "placeholder"),
-                                  sum(1 for n in nodes if n.op == "call_function"), tuple(constant_at),
-                                  tuple(folds), output, steps)
+        n_inputs = sum(1 for n in nodes if n.op == "placeholder")
+        self.table = ProgramTable(len(nodes), n_inputs, sum(1 for n in nodes if n.op == "call_function"),
+                                  tuple(constant_at), tuple(folds), output, steps,
+                                  () if expected is None else tuple(expected[:n_inputs]))
         self._bind(template)
 
     @classmethod
@@ -141,10 +143,18 @@ class Program:
                        for target, index, args, kwargs, unpack, frees, expect in table.steps]
         self.n_checked = sum((e is not None) + sum(u[2] is not None for u in unpack)
                              for *_, unpack, _f, e in table.steps)
+        self._inputs_expected = table.inputs
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         if len(inputs) != self.n_inputs:
             raise TypeError(f"program takes {self.n_inputs} inputs, got {len(inputs)}")
+        if self._inputs_expected:  # the induction's base: the inputs are what the meta check laid out
+            try:
+                for x, expect in zip(inputs, self._inputs_expected):
+                    if (x.shape, x.stride(), x.dtype) != expect:
+                        self._check_input(inputs, x, expect)
+            except AttributeError:
+                raise TypeError(f"program inputs are tensors, got {[type(x).__name__ for x in inputs]}") from None
         env = self._template.copy()
         env[: self.n_inputs] = inputs
         tensor = _Tensor
@@ -163,6 +173,18 @@ class Program:
                 for f in frees:
                     env[f] = None
         return _materialize(self._output, env)
+
+    def _check_input(self, inputs: tuple, x: torch.Tensor, expect: Any) -> None:
+        """An input whose strides are not the contiguous ones the meta check assumed passes if
+        it is dense enough (``invariants.matches``: a slice of a batch, a channels-last weight);
+        otherwise (an expanded tensor) the step refuses to run on it."""
+        if matches(x, expect):
+            return
+        i = next(i for i, y in enumerate(inputs) if y is x)
+        raise DivergedValueError(
+            f"step input {i} has shape {list(x.shape)}, strides {list(x.stride())}, {x.dtype}, where the "
+            f"artifact's load check laid it out as shape {list(expect[0])}, {expect[2]}, every element in its "
+            "own memory; an expanded or overlapping tensor is not (pass x.contiguous()).")
 
     def _label(self, index: int) -> str:
         """The op of node ``index``, for an error."""
