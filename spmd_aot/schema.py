@@ -21,7 +21,7 @@ __all__ = ["Schema", "Comm", "COMM_FIELDS"]
 
 @dataclasses.dataclass(frozen=True)
 class Comm:
-    """Communication options (README "Communication"). ``replicate``: gradients averaged in
+    """Communication options (docs/parallelism.md). ``replicate``: gradients averaged in
     buckets of at most ``bucket_cap_mb`` MiB, the first ``first_bucket_cap_mb`` (DDP's
     defaults). ``shard``: ``shard_groups`` FQN patterns, one communication group each (empty:
     one per block); ``reshard_after_forward`` gathers parameters again in backward (FSDP2's

@@ -23,7 +23,7 @@ identical copies of the example transformer + AdamW, one per variant:
             (forward, backward, AdamW: the kernels ``aot_compile`` of the step precompiles)
 
 The optimizer is ``AdamW(lr=1e-3)`` with torch's defaults, as users write it; the loaded step
-then runs the fused AdamW kernel (see README "Optimizer implementation") where eager runs
+then runs the fused AdamW kernel (see docs/models.md "Optimizer implementation") where eager runs
 torch's per-tensor loop on CPU. ``--fused-adamw`` gives every variant ``fused=True``, so the
 ratio shows what is left without that choice.
 

@@ -48,7 +48,7 @@ def configurations():
 
 #: Built-in optimizers whose initial state is zeros (what a first compiled step supports), each
 #: traced in every implementation a user can ask for: the per-tensor loop, foreach, and torch's
-#: default (None: the traced step picks fused or foreach, see README "Optimizer implementation").
+#: default (None: the traced step picks fused or foreach, see docs/models.md "Optimizer implementation").
 OPTIMIZER_FACTORIES = {
     "SGD": lambda ps, **kw: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, **kw),
     "Adam": lambda ps, **kw: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, **kw),

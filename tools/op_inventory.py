@@ -5,7 +5,7 @@
 TARGET defaults to ``spmd_aot.examples.quickstart:job``. Building for cuda needs a CUDA-enabled
 torch (no GPU: the CUDA wheel on a CPU box); each overload only in the CUDA graph is marked with
 how loading treats it (``allowlist``: on the list with a contract; ``CUDA-only, unproven``: a
-kernel the op fuzzer cannot run on CPU, loaded only with an opt-in, see README "CUDA artifacts";
+kernel the op fuzzer cannot run on CPU, loaded only with an opt-in, see docs/cuda.md;
 ``REFUSED``: not on the list). Exit status 0 unless a build fails.
 """
 

@@ -16,7 +16,7 @@ URL there works too (``s3://bucket/prefix``, ``memory://NAME``: ``store/registry
 opens it as a job does (an s3:// bucket behind a local cache, $SPMD_AOT_LOCAL_CACHE, written
 through), the other subcommands inspect the store itself.
 
-Exit status (the README's table):
+Exit status (docs/api.md's table):
   0    success (``explain``: the configuration is cached)
   1    the answer is no: ``verify`` found problems, ``explain`` found a miss
   2    a usage error or an spmd-aot error, printed as ``error: <message>`` on stderr; a cache

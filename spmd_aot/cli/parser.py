@@ -33,7 +33,7 @@ def _common() -> argparse.ArgumentParser:
                         help="also log INFO lines (keys, hits, misses, timings) to stderr")
     common.add_argument("--trust-cache", action="store_true",
                         help="use a cache directory other users can write, without a signing key "
-                             "(as $SPMD_AOT_TRUST_CACHE=1; see the README's threat model)")
+                             "(as $SPMD_AOT_TRUST_CACHE=1; see docs/security.md)")
     common.add_argument("--allow-op", action="append", default=[], metavar="OP",
                         help="also allow operator overload OP ('namespace::op.overload') beyond the op "
                              "allowlist, in builds and loads (repeatable; as $SPMD_AOT_ALLOW_OPS); every job "
@@ -231,7 +231,7 @@ def add_shard_options(p) -> None:
                         "(more memory, fewer all_gathers) instead of gathering them again")
     p.add_argument("--tp-plan", action="append", type=_tp_style, default=[], metavar="PATTERN=STYLE",
                    help="tensor parallel on the last mesh dimension: modules whose FQN matches PATTERN "
-                        "(fnmatch) run STYLE (colwise, rowwise or a sequence-parallel style, see README), "
+                        "(fnmatch) run STYLE (colwise, rowwise or a sequence-parallel style, see docs/parallelism.md), "
                         "e.g. 'blocks.*.attn.q=colwise'; or 'hf': a transformers model's own plan "
                         "(config.base_model_tp_plan) "
                         "(repeat for several; first match wins). Without --mesh-shape TP alone over the "

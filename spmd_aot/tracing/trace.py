@@ -51,6 +51,8 @@ class TracedStep:
     groups: list[ParamGroup] = dataclasses.field(default_factory=list)  # shard communication groups
     axis_budget: dict[str, int] = dataclasses.field(default_factory=dict)  # collectives the axes' calls may add
     micro_batches: int = 1  # backward() calls accumulated before one optimizer step
+    # ids of parameters no gradient reaches, whose optimizer state the graph does not take
+    untaken: set[int] = dataclasses.field(default_factory=set)
 
 
 def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list[torch.Tensor],
@@ -63,13 +65,16 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
     ``backward()`` before a step) is traced a second time with its reductions deferred to the
     last backward before each step (``accumulation.py``).
     """
+    state.untaken = set()  # ``inputs`` hold every state tensor; the trace finds which the step takes
     recorded = Accumulation()
     traced = _StepTracer(step, state, plan, mesh, transform_model, recorded).trace(inputs)
     points = recorded.sync_points() if plan.world_size > 1 and mesh is not None else None
     if points is None:
+        state.untaken = traced.untaken
         return traced
     deferred = Accumulation(points)
     traced = _StepTracer(step, state, plan, mesh, transform_model, deferred).trace(inputs)
+    state.untaken = traced.untaken
     traced.micro_batches = recorded.micro_batches
     # a resharded group is gathered in each micro-batch's forward and backward (as FSDP2)
     extra = 2 * (traced.micro_batches - 1) * sum(1 for g in traced.groups if g.reshard)
@@ -103,6 +108,7 @@ class _StepTracer:
         # the axes' tracing contexts (TP: planned modules run their style's forward), checked here
         self.axis_contexts = axes.Tracing(plan, state.model, mesh)
         self.where = _ModuleStack()
+        self.without_gradient: set[int] = set()  # traced leaves the optimizer stepped without a gradient
         self.gradient_collectives: dict[str, str] = {}
         self.out_spec = self.out_constants = None
 
@@ -125,8 +131,28 @@ class _StepTracer:
                 f"tracing the step failed for {self.plan.describe()}{self.where.describe()}: "
                 f"{type(exc).__name__}: {_first_lines(str(exc))}{hint}"
             ) from exc
+        untaken = self._drop_untaken_state(gm)
         return TracedStep(gm, self.out_spec, self.out_constants, _group_names(gm, self.mesh, self.plan),
-                          self.gradient_collectives, self.groups, self.axis_contexts.budget())
+                          self.gradient_collectives, self.groups, self.axis_contexts.budget(), untaken=untaken)
+
+    def _drop_untaken_state(self, gm) -> set[int]:
+        """Parameters the optimizer stepped without a gradient (requires_grad, but the loss does
+        not reach them) whose state inputs the graph never reads: those inputs are removed, so
+        the stored step does not take that state and eager's state (none for them) is kept.
+        Returns their ids."""
+        if not self.without_gradient:
+            return set()
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        by_param: dict[int, list] = {}
+        state_nodes = [placeholders[i] for i in self.by_kind.get("optim_state", [])]
+        for (real, _), node in zip(self.state.optimizer_slots(), state_nodes):
+            by_param.setdefault(id(real), []).append(node)
+        untaken = {pid for pid, nodes in by_param.items()
+                   if pid in self.without_gradient and not any(n.users for n in nodes)}
+        for pid in untaken:
+            for node in by_param[pid]:
+                gm.graph.erase_node(node)
+        return untaken
 
     def _flat_step(self, *flat):
         state, forward_only = self.state, self.forward_only
@@ -147,7 +173,8 @@ class _StepTracer:
         gathers = self._gathers(leaves)
         computes = _ComputeOnAccess(leaves, [s.layout for s in self.param_slots], self.expander, gathers)
         optimizer = contextlib.nullcontext() if forward_only else \
-            _each_optimizer_swapped(state.optim, by_real, traced_state, hypers, self.accumulation)
+            _each_optimizer_swapped(state.optim, by_real, traced_state, hypers, self.accumulation,
+                                    self.without_gradient)
         with (self.transform_model() if self.transform_model else contextlib.nullcontext()), \
                 stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
                 optimizer, self.where.tracking(state.model), self.axis_contexts, self.accumulation.recording(), \
@@ -361,7 +388,7 @@ def _default_implementation(optim, group: dict) -> str | None:
     the multi-tensor path makes a dozen passes (and on CPU a dozen dispatches per tensor): on a
     2-layer transformer that is most of what separates the step from eager's. torch itself
     defaults to neither only for backward compatibility. The result differs from eager's
-    per-tensor loop by rounding only (parity tests hold it to the README's tolerances).
+    per-tensor loop by rounding only (parity tests hold it to the tolerances of docs/models.md).
     """
     if group.get("foreach", False) is not None or group.get("fused") or group.get("differentiable"):
         return None
@@ -391,12 +418,14 @@ def _is_traced(value) -> bool:
 
 
 @contextlib.contextmanager
-def _optimizer_swapped(optim, by_real: dict, traced_state, hypers: dict, accumulation=None):
+def _optimizer_swapped(optim, by_real: dict, traced_state, hypers: dict, accumulation=None, without_gradient=None):
     """Point the optimizer at the traced leaves and take its compile-friendly path.
 
     With ``torch.compiler.is_compiling()`` true and ``capturable=True`` the built-in optimizers
     keep step counters as tensors instead of calling ``.item()`` (impossible on fake tensors).
+    ``without_gradient`` collects the ids of the real parameters the step met with no gradient.
     """
+    real_of = {id(leaf): real_id for real_id, leaf in by_real.items()}
     saved_params = [g["params"] for g in optim.param_groups]
     saved_hypers = {i: {name: optim.param_groups[i][name] for name in values} for i, values in hypers.items()}
     saved_capturable = [g.get("capturable") for g in optim.param_groups]
@@ -407,6 +436,9 @@ def _optimizer_swapped(optim, by_real: dict, traced_state, hypers: dict, accumul
     def compile_path_step(*args, **kwargs):
         if accumulation is not None:
             accumulation.note_step()
+        if without_gradient is not None:
+            without_gradient.update(real_of[id(p)] for g in optim.param_groups for p in g["params"]
+                                    if p.requires_grad and p.grad is None)
         # Where the user left the implementation to torch (foreach=None, fused=None), take the
         # fastest one torch has for the group, judged on the traced leaves and their state.
         default_impl = [_default_implementation(optim, g) for g in optim.param_groups]
@@ -446,7 +478,8 @@ def _optimizer_swapped(optim, by_real: dict, traced_state, hypers: dict, accumul
 
 
 @contextlib.contextmanager
-def _each_optimizer_swapped(optim, by_real: dict, traced_state, hypers: dict, accumulation=None):
+def _each_optimizer_swapped(optim, by_real: dict, traced_state, hypers: dict, accumulation=None,
+                            without_gradient=None):
     """``_optimizer_swapped`` for each optimizer of a set (``optimizers.OptimizerSet``), each with
     its own groups' hyperparameter inputs (``hypers`` is indexed over the set's concatenated groups)."""
     with contextlib.ExitStack() as stack:
@@ -454,6 +487,7 @@ def _each_optimizer_swapped(optim, by_real: dict, traced_state, hypers: dict, ac
         for member in members(optim):
             n = len(member.param_groups)
             own = {i - first: values for i, values in hypers.items() if first <= i < first + n}
-            stack.enter_context(_optimizer_swapped(member, by_real, traced_state, own, accumulation))
+            stack.enter_context(_optimizer_swapped(member, by_real, traced_state, own, accumulation,
+                                                   without_gradient))
             first += n
         yield
