@@ -309,3 +309,55 @@ def test_inputs_are_checked_too_a_slice_passes_an_expanded_tensor_does_not():
         program(torch.randn(1, 6).expand(4, 6))
     with pytest.raises(TypeError, match="inputs are tensors"):
         program(3)
+
+
+_FUSED_ADAM_VICTIM = r"""
+import operator, sys, torch
+from spmd_aot.format.serialize import decode_graph, encode_graph
+from spmd_aot.format.validate import check_graph
+from spmd_aot.runtime.invariants import DivergedValueError, describe
+from spmd_aot.runtime.program import Program
+
+aten, C = torch.ops.aten, 4096
+g = torch.fx.Graph()
+x, w, b, rm, rv, param, grad, sq, step = [g.placeholder(f"x{i}") for i in range(9)]
+saved_mean = g.call_function(operator.getitem, (g.call_function(
+    aten._native_batch_norm_legit_no_training.default, (x, w, b, rm, rv, 0.1, 1e-5)), 1))  # [C] meta, [0] CPU
+exp_avg = g.call_function(aten.cat.default, ([saved_mean, g.call_function(aten.full.default, ([C], 1.0))],))
+g.call_function(aten._fused_adam_.default, ([param], [grad], [exp_avg], [sq], [], [step]),
+                dict(lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False))
+g.output(exp_avg)
+shapes = [[2, C, 1], [C], [C], [C], [C], [2 * C], [2 * C], [2 * C], []]
+nodes = decode_graph(encode_graph(g, {}), groups=[], device=torch.device("cpu"))
+metas = check_graph(nodes, {}, [{"local_shape": s, "dtype": "float32"} for s in shapes])  # passes
+expected = [describe(m) for m in metas] if sys.argv[1] == "checked" else None
+try:
+    Program(nodes, {}, expected=expected, fold=False)(*[torch.rand(s) for s in shapes])
+except DivergedValueError as exc:
+    print("REFUSED", str(exc)[:100])
+    sys.exit(0)
+print("RAN")
+"""
+
+
+def test_the_fused_adam_write_past_a_short_buffer_is_stopped(tmp_path):
+    """The attack in full: a buffer ``[2C]`` on meta and ``[C]`` on CPU (batch norm's saved mean
+    catted with C ones) as a fused Adam step's ``exp_avg``, every contract passing on meta. Without
+    the run-time expectations the kernel writes 16 KiB past the buffer and glibc aborts the
+    process; with them the step stops at the batch norm, exit 0."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "victim.py"
+    script.write_text(_FUSED_ADAM_VICTIM)
+    env = dict(os.environ, MALLOC_CHECK_="3")
+    debug = "/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
+    if os.path.exists(debug):
+        env["LD_PRELOAD"] = debug
+    checked = subprocess.run([sys.executable, str(script), "checked"], env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert checked.returncode == 0 and checked.stdout.startswith("REFUSED node"), checked.stdout + checked.stderr
+    unchecked = subprocess.run([sys.executable, str(script), "unchecked"], env=env, capture_output=True,
+                               text=True, timeout=300)
+    assert unchecked.returncode < 0 or "RAN" not in unchecked.stdout, (unchecked.returncode, unchecked.stdout)
