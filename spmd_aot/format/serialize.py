@@ -140,7 +140,7 @@ class Ref:
     def __repr__(self):
         return f"Ref({self.index})"
 
-    def __reduce__(self):  # pickled (``runtime/prepared.py``) as the call ``Ref(index)``
+    def __reduce__(self):  # copied as the call ``Ref(index)`` (records store it as ``{"r": index}``)
         return Ref, (self.index,)
 
 
