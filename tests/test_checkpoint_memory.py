@@ -1,4 +1,4 @@
-"""Activation checkpointing's memory effect (issue 21 item 5): the stored graph keeps the
+"""Activation checkpointing's memory effect: the stored graph keeps the
 recomputation, and checkpointing lowers both the build-time estimate ``stats["peak_bytes"]``
 (``spmd_aot.building.memory.graph_peak_bytes``) and eager's measured peak (``spmd_aot.building.memory.PeakMemory``,
 a ``TorchDispatchMode`` counting the storages op outputs allocate until they are freed).

@@ -1,4 +1,4 @@
-"""spmd_aot.runtime.device_check: a loaded artifact's device against the live process (issue 19, part 4).
+"""spmd_aot.runtime.device_check: a loaded artifact's device against the live process.
 
 Each case crafts the process (CUDA devices, backend, torchrun's LOCAL_RANK/LOCAL_WORLD_SIZE) and a
 model whose parameters report the device, so the CUDA rules are tested on a CPU-only machine.

@@ -1,4 +1,4 @@
-"""Train steps as users write them (issue 21): each pattern builds, hits on every rank and
+"""Train steps as users write them: each pattern builds, hits on every rank and
 matches eager DDP / FSDP2 at world 2, on real gloo ranks; the stored graphs hold the
 collectives the README promises."""
 

@@ -1,4 +1,4 @@
-"""CUDA artifacts built on a machine with no GPU (issue 19): run by `.ci/run`'s CUDA-wheel stage only.
+"""CUDA artifacts built on a machine with no GPU: run by `.ci/run`'s CUDA-wheel stage only.
 
 Not under pytest's ``testpaths`` (the main suite, on the CPU wheel, never collects it): run it
 explicitly with a CUDA-enabled torch, ``python -m pytest -q tests_cuda``. Every artifact goes to

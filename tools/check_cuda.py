@@ -227,7 +227,7 @@ def found(args) -> list[str]:
 def sdpa_choices(device: str, z: Sizes) -> str:
     """Which attention kernel eager picks on this device (``torch._fused_sdp_choice``), for the
     checks' head shapes: a GPU-less CUDA build records math attention, and only a real device
-    says what eager would have run (issue 19: the SDPA backend of the target GPU)."""
+    says what eager would have run (the SDPA backend of the target GPU)."""
     if device == "cuda" and not torch.cuda.is_available():
         return "# SDPA backend eager picks: unknown (no CUDA device visible)"
     from torch.nn.attention import SDPBackend

@@ -1,4 +1,4 @@
-"""Train steps as users write them (issue 21), run eagerly (DDP / FSDP2) and compiled on real
+"""Train steps as users write them, run eagerly (DDP / FSDP2) and compiled on real
 gloo ranks: gradient accumulation, several optimizers, module copies, loss scaling."""
 
 from __future__ import annotations
