@@ -152,6 +152,10 @@ class TrainState:
         self.params = _named_unique(model.named_parameters(remove_duplicate=False))
         self.buffers = _named_unique(model.named_buffers(remove_duplicate=False))
         self.param_fqn = {id(p): names[0] for names, p in self.params}
+        # Parameters whose optimizer state the step does not take: no gradient reaches them in
+        # the step, so the optimizer skips them (``untaken_state``). Set by the trace, and at
+        # load from the stored layout; their state is no graph input.
+        self.untaken: set[int] = set()
         if optim is not None:
             self._check_optimizer_params()
         self.batch_leaves, self.batch_spec = pytree.tree_flatten(batch)
@@ -192,10 +196,30 @@ class TrainState:
         if self.optim is None:
             return slots
         for names, p in self.params:
+            if id(p) in self.untaken:
+                continue
             for key in sorted(self.optim.state.get(p, {})):
                 if isinstance(self.optim.state[p][key], torch.Tensor):
                     slots.append((p, key))
         return slots
+
+    def untaken_state(self, stored: list[dict], created: set[int]) -> None:
+        """Agree with a stored step's inputs (``stored``: its layout) on which parameters'
+        optimizer state it takes. A parameter that has state here but none in the stored layout
+        gets no gradient in the step (the trace found so), so eager's optimizer never touches
+        it: state that ``initialize_optimizer_state`` made for it (``created``: their ids) is removed, as
+        eager never makes it; state the user brought (a checkpoint) stays, untouched."""
+        if self.optim is None:
+            return
+        taken = {s["fqn"] for s in stored if s["kind"] == "optim_state"}
+        untaken = set()
+        for names, p in self.params:
+            keys = [k for k, v in self.optim.state.get(p, {}).items() if isinstance(v, torch.Tensor)]
+            if keys and not any(f"{names[0]}.{k}" in taken for k in keys):
+                untaken.add(id(p))
+                if id(p) in created:
+                    del self.optim.state[p]
+        self.untaken = untaken
 
     def optimizer_state_structure(self) -> list:
         """Everything about optimizer state that shapes the graph (not tensor values)."""
@@ -301,7 +325,7 @@ def _slot(kind, names, t: torch.Tensor, requires_grad: bool = False, layout=None
                 requires_grad, tuple(names[1:]), layout)
 
 
-def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) -> None:
+def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) -> list[torch.Tensor]:
     """Create the optimizer's lazily built state now, so the traced step is the steady one.
 
     Only parameters that can have a gradient get state, as in eager. A dry run of
@@ -309,11 +333,10 @@ def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) ->
     ``_probed_state``) reveals which tensors the optimizer creates; they are then made for real as zeros, which is exactly what eager creates for the
     optimizers in ``_ZERO_INIT_OPTIMIZERS``. Parameters that already have state keep it.
     ``make_zeros(param, shape, dtype, device)`` lets sharded parameters get sharded state.
+    Returns the parameters it made state for.
     """
     if hasattr(optim, "members"):  # several optimizers (optimizers.OptimizerSet): each its own
-        for member in optim.members:
-            initialize_optimizer_state(member, make_zeros)
-        return
+        return [p for member in optim.members for p in initialize_optimizer_state(member, make_zeros)]
     name = type(optim).__name__
     if name in _HOST_READING_OPTIMIZERS and getattr(torch.optim, name, None) is type(optim):
         raise UnsupportedError(
@@ -325,7 +348,7 @@ def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) ->
     # adapters) never has a gradient, so eager's optimizer never makes state for it.
     missing = [p for g in optim.param_groups for p in g["params"] if p.requires_grad and not optim.state.get(p)]
     if not missing:
-        return
+        return []
     name = type(optim).__name__
     if name not in _ZERO_INIT_OPTIMIZERS:
         raise UnsupportedError(
@@ -349,6 +372,7 @@ def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) ->
             else:
                 state[key] = value
         optim.state[p] = state
+    return list(created)
 
 
 _PROBE_SHAPE = (2, 3)  # a stand-in parameter's shape; state of this shape is shaped like its parameter

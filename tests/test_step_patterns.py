@@ -43,6 +43,20 @@ class FrozenTower(torch.nn.Module):
         return self.head(h + self.adapter(h))
 
 
+class UnusedBranch(torch.nn.Module):
+    """A trainable branch the loss does not reach (requires_grad, never a gradient): eager's
+    optimizer skips it (p.grad is None) and makes no state for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(12, 24)
+        self.aux = torch.nn.Linear(24, 3)  # an auxiliary head this step does not use
+        self.head = torch.nn.Linear(24, 5)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
 def token_batch(rank, step):
     g = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randint(0, 32, (8, 4), generator=g), torch.randint(0, 5, (8,), generator=g)
@@ -83,6 +97,8 @@ CASES = {
     "frozen_sgd": (FrozenTower, sgd_all_params, None, token_batch),
     "one_cycle_adamw": (train_steps.mlp, adamw_moved, one_cycle, train_steps.class_batch),
     "one_cycle_sgd": (train_steps.mlp, sgd_moved, one_cycle, train_steps.class_batch),
+    "unused_adamw": (UnusedBranch, adamw_all_params, None, train_steps.class_batch),
+    "unused_sgd": (UnusedBranch, sgd_all_params, None, train_steps.class_batch),
     "adafactor": (train_steps.mlp, adafactor, None, train_steps.class_batch),
     "adafactor_frozen_wd": (FrozenTower, adafactor_wd, None, token_batch),
 }
@@ -93,7 +109,7 @@ def _run(case, placement, rank, world, fn=None):
     make_model, make_optim, make_scheduler, batch = CASES[case]
     torch.manual_seed(0)
     model = make_model()
-    stepped = train_steps._eager_model(model, placement, world) if fn is None else model
+    stepped = _eager_model(model, placement, world) if fn is None else model
     optim = make_optim(model)
     scheduler = make_scheduler(optim) if make_scheduler else None
     step = fn or train_steps.plain_step
@@ -105,6 +121,14 @@ def _run(case, placement, rank, world, fn=None):
         if scheduler is not None:
             scheduler.step()
     return model, optim, losses, moved
+
+
+def _eager_model(model, placement, world):
+    if placement == "replicate" and isinstance(model, UnusedBranch):  # DDP must be told of unused ones
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, find_unused_parameters=True)
+    return train_steps._eager_model(model, placement, world)
 
 
 def _state_keys(optim) -> dict:
@@ -187,6 +211,16 @@ def test_frozen_parameters_have_no_optimizer_state(results, placement):
         for per_rank in results:
             eager, compiled, _ = per_rank[case, placement]["keys"]
             assert sorted(compiled) == [3, 4, 5, 6] and compiled == eager
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_parameters_no_gradient_reaches_have_no_optimizer_state(results, placement):
+    """UnusedBranch: aux (parameters 2 and 3) never gets a gradient: no state, as in eager, on
+    the first start (traced) and on a fresh start (hit)."""
+    for case in ("unused_adamw", "unused_sgd"):
+        for per_rank in results:
+            eager, compiled, again = per_rank[case, placement]["keys"]
+            assert sorted(compiled) == [0, 1, 4, 5] and compiled == eager == again
 
 
 @pytest.mark.parametrize("case", ["one_cycle_adamw", "one_cycle_sgd"])

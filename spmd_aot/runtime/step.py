@@ -161,8 +161,10 @@ class CompiledStep:
         if spread:
             ranks.broadcast_model_once(model)
             axes.prepare_live_state(model, optim, plan, mesh)  # as fully_shard / parallelize_module; idempotent
+        created: set[int] = set()  # parameters whose optimizer state this call made
         if optim is not None:
-            initialize_optimizer_state(optim, axes.state_zeros if spread else self._zero_fill.make)
+            created = {id(p) for p in initialize_optimizer_state(
+                optim, axes.state_zeros if spread else self._zero_fill.make)}
             self._zero_fill.start()
         state = TrainState(model, optim, batch, plan)
         key = compute_key(self.fn, state, plan, self.transforms.identities(), self.extra_sources,
@@ -188,6 +190,7 @@ class CompiledStep:
             program, failure = None, None
             try:
                 artifact = self._read_everywhere(digest, world, artifact, leases)
+                state.untaken_state(artifact.slots, created)  # state of parameters no gradient reaches
                 slots = state.slots()
                 problem = layout_mismatch(artifact.slots, slots, plan)
                 if problem:

@@ -147,10 +147,14 @@ class _StepTracer:
         state_nodes = [placeholders[i] for i in self.by_kind.get("optim_state", [])]
         for (real, _), node in zip(self.state.optimizer_slots(), state_nodes):
             by_param.setdefault(id(real), []).append(node)
-        untaken = {pid for pid, nodes in by_param.items()
-                   if pid in self.without_gradient and not any(n.users for n in nodes)}
+        untaken, dead = set(), {}
+        for pid, nodes in by_param.items():
+            readers = [_dead_readers(n) for n in nodes] if pid in self.without_gradient else [None]
+            if all(r is not None for r in readers):
+                untaken.add(pid)
+                dead[pid] = [x for r in readers for x in r] + nodes
         for pid in untaken:
-            for node in by_param[pid]:
+            for node in dead[pid]:  # users first
                 gm.graph.erase_node(node)
         return untaken
 
@@ -234,6 +238,22 @@ class _StepTracer:
                 )
         tensors = [v for v in out_leaves if isinstance(v, torch.Tensor)]
         return [v.to_local() if hasattr(v, "to_local") else v for v in tensors]
+
+
+def _dead_readers(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The nodes reading ``node`` when nothing uses what they compute (the views the expander
+    makes of a state input the optimizer then skips), users before what they use; None when
+    anything reads it for real (a mutating op, or a result that is used)."""
+    out: list[torch.fx.Node] = []
+    for user in node.users:
+        schema = getattr(user.target, "_schema", None)
+        if user.op != "call_function" or schema is None or schema.is_mutable:
+            return None
+        below = _dead_readers(user)
+        if below is None:
+            return None
+        out += below + [user]
+    return out
 
 
 def _note_gradient_collectives(fqn: str, found: dict[str, str], grad) -> None:
