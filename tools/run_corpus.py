@@ -1,4 +1,4 @@
-"""Run the real-model corpus (tests/corpus.py) and print its Markdown **Models** table: per model
+"""Run the real-model corpus (tests/support/corpus.py) and print its Markdown **Models** table: per model
 and configuration, the largest parity difference from eager (with the job's own floor), build
 seconds, first-call seconds on a hit, and the loaded/eager step-time ratio; then every failure.
 

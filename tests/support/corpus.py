@@ -37,6 +37,7 @@ import spmd_aot
 from spmd_aot.examples.models import train_step as logits_step  # logits + cross_entropy, as ours is written
 
 VOCAB, SEQ, BATCH, IMAGE, CLASSES = 128, 16, 2, 32, 10
+MEL = 8  # Whisper's mel bins; its encoder reads 2 x SEQ frames
 STEPS = 5
 TOL = 1e-5  # README: parameters, optimizer state and losses within 1e-5 in fp32 after 5 steps
 PERTURBATION = 1e-7  # relative; the eager run against itself with this perturbation is the job's floor
@@ -55,6 +56,15 @@ def hf_step(model, optim, batch):
     """What a user writes first for a transformers model: ``model(input_ids=x, labels=y).loss``
     (the batch is the dict of keyword arguments: input_ids/pixel_values and labels)."""
     loss = model(**batch).loss
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def contrastive_step(model, optim, batch):
+    """CLIP's contrastive loss as its model card trains it: ``model(..., return_loss=True).loss``."""
+    loss = model(**batch, return_loss=True).loss
     loss.backward()
     optim.step()
     optim.zero_grad()
@@ -96,6 +106,22 @@ def image_batch(rank: int = 0, step: int = 0) -> dict:
     g = _generator(rank, step)
     return {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g),
             "labels": torch.randint(0, CLASSES, (BATCH,), generator=g)}
+
+
+def audio_seq2seq_batch(rank: int = 0, step: int = 0) -> dict:
+    """Whisper: log-mel features (the encoder's 2 x SEQ frames) and decoder labels."""
+    g = _generator(rank, step)
+    return {"input_features": torch.randn(BATCH, MEL, 2 * SEQ, generator=g),
+            "labels": torch.randint(4, VOCAB, (BATCH, SEQ // 2), generator=g)}
+
+
+def text_image_batch(rank: int = 0, step: int = 0) -> dict:
+    """CLIP: captions ending in the end-of-text token (the text tower pools there) and images,
+    caption i describing image i."""
+    g = _generator(rank, step)
+    captions = torch.randint(0, VOCAB - 1, (BATCH, SEQ), generator=g)
+    captions[:, -1] = VOCAB - 1
+    return {"input_ids": captions, "pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g)}
 
 
 def token_pair_batch(rank: int = 0, step: int = 0):
@@ -238,6 +264,176 @@ def _resnet(**overrides):
                                                          layer_type="basic", num_labels=CLASSES, **overrides))
 
 
+def _whisper(**overrides):
+    t = _quiet_transformers()
+    return t.WhisperForConditionalGeneration(t.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=MEL, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_source_positions=SEQ, max_target_positions=SEQ, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=3, **overrides))
+
+
+def _clip(**overrides):
+    t = _quiet_transformers()
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=SEQ, eos_token_id=VOCAB - 1)
+    vision = dict(image_size=IMAGE, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2)
+    return t.CLIPModel(t.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16, **overrides))
+
+
+def _mamba(**overrides):
+    t = _quiet_transformers()
+    return t.MambaForCausalLM(t.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2,
+                                            expand=2, conv_kernel=4, **overrides))
+
+
+def _swin(**overrides):
+    t = _quiet_transformers()
+    return t.SwinForImageClassification(t.SwinConfig(image_size=IMAGE, patch_size=4, embed_dim=16, depths=[2, 1],
+                                                     num_heads=[2, 2], window_size=4, num_labels=CLASSES,
+                                                     **overrides))
+
+
+def _convnext(**overrides):
+    t = _quiet_transformers()
+    return t.ConvNextForImageClassification(t.ConvNextConfig(num_stages=2, patch_size=4, hidden_sizes=[16, 32],
+                                                             depths=[1, 1], num_labels=CLASSES, **overrides))
+
+
+def _gpt_neox(**overrides):
+    t = _quiet_transformers()
+    return t.GPTNeoXForCausalLM(t.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                num_attention_heads=4, intermediate_size=64,
+                                                max_position_embeddings=64, **overrides))
+
+
+def _bloom(**overrides):
+    t = _quiet_transformers()
+    return t.BloomForCausalLM(t.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, **overrides))
+
+
+def _bart(**overrides):
+    t = _quiet_transformers()
+    return t.BartForConditionalGeneration(t.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+        **overrides))
+
+
+def _lora(**overrides):
+    """peft LoRA (rank 4) on a tiny Llama's q/v projections: only the adapters train, every
+    base parameter is frozen (``requires_grad=False``)."""
+    import peft
+
+    base = _decoder("LlamaConfig", "LlamaForCausalLM", **overrides)
+    return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+# ---------------------------------------------------------------------------- a torchtitan-style Llama
+@dataclasses.dataclass
+class TitanArgs:
+    dim: int = 32
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    vocab_size: int = VOCAB
+    ffn_hidden: int = 64
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 64
+
+
+def precompute_freqs_cis(dim: int, end: int, theta: float) -> torch.Tensor:
+    """The rotary frequencies as complex numbers (torchtitan, Meta's reference Llama)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+    freqs = torch.outer(torch.arange(end, device=freqs.device), freqs).float()
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis[: xq.shape[1]].view(1, xq.shape[1], 1, xq_.shape[-1])
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    bs, slen, n_kv_heads, head_dim = x.shape
+    if n_rep == 1:
+        return x
+    return x[:, :, :, None, :].expand(bs, slen, n_kv_heads, n_rep, head_dim).reshape(bs, slen, -1, head_dim)
+
+
+class TitanAttention(nn.Module):
+    def __init__(self, args: TitanArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.dim // args.n_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x, freqs_cis):
+        bs, seqlen, _ = x.shape
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        n_rep = self.n_heads // self.n_kv_heads
+        xq, xk, xv = (z.transpose(1, 2) for z in (xq, repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)))
+        out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+
+
+class TitanFeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, args: TitanArgs):
+        super().__init__()
+        self.attention = TitanAttention(args)
+        self.feed_forward = TitanFeedForward(args.dim, args.ffn_hidden)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x, freqs_cis):
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TitanLlama(nn.Module):
+    """torchtitan's Llama as written there: blocks in an ``nn.ModuleDict`` keyed ``"0"``,
+    ``"1"``, ..., complex RoPE from a ``freqs_cis`` buffer, SDPA ``is_causal=True``, an untied
+    output projection whose logits are upcast to fp32."""
+
+    def __init__(self, args: TitanArgs):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len,
+                                                               args.rope_theta), persistent=True)
+        self.layers = nn.ModuleDict({str(i): TitanBlock(args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h)).float()
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
     """One corpus entry. ``make(**config_overrides)`` builds the module (unseeded: ``factory``
@@ -287,6 +483,26 @@ MODELS: dict[str, Model] = {
                      about="ours, nanoGPT style: SDPA is_causal, tied embeddings"),
     "llama_eval": Model(_p(_decoder, "LlamaConfig", "LlamaForCausalLM"), lm_batch, step=hf_eval_step, eval=True,
                         about="Llama forward-only eval step (use_cache default)"),
+    "whisper": Model(_whisper, audio_seq2seq_batch, about="Whisper encoder-decoder (audio): conv front end, "
+                     "frozen sinusoidal positions"),
+    "clip": Model(_clip, text_image_batch, step=contrastive_step,
+                  about="CLIP two towers, contrastive loss (return_loss=True)"),
+    "mamba": Model(_mamba, lm_batch, about="Mamba state-space LM, sequential scan (CPU slow path)"),
+    "swin": Model(_swin, image_batch, about="Swin hierarchical vision: shifted windows, patch merging"),
+    "convnext": Model(_convnext, image_batch, about="ConvNeXt: depthwise conv, channels-last LayerNorm, layer scale"),
+    "gpt_neox": Model(_gpt_neox, lm_batch, about="GPT-NeoX, packed query_key_value, partial rotary"),
+    "phi3": Model(_p(_decoder, "Phi3Config", "Phi3ForCausalLM", pad_token_id=0), lm_batch, tp=True,
+                  about="Phi-3, packed qkv_proj and gate_up_proj (plan: colwise_rep/rowwise_rep)"),
+    "bloom": Model(_bloom, lm_batch, about="BLOOM, ALiBi position bias"),
+    "gemma2": Model(_p(_decoder, "Gemma2Config", "Gemma2ForCausalLM", sliding_window=8), lm_batch, tp=True,
+                    about="Gemma 2, attention and final logit soft-capping, alternating sliding window"),
+    "qwen2_moe": Model(_p(_decoder, "Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32, shared_expert_intermediate_size=64), lm_batch, tp=True,
+                       about="Qwen2-MoE with a shared expert, default experts implementation"),
+    "bart": Model(_bart, seq2seq_batch, about="BART encoder-decoder, learned positions, dropout 0.1 on"),
+    "titan_llama": Model(lambda **kw: TitanLlama(TitanArgs(**kw)), token_pair_batch, step=logits_step,
+                         about="ours, torchtitan style: complex RoPE, ModuleDict blocks, GQA, SwiGLU"),
+    "llama_lora": Model(_lora, lm_batch, about="peft LoRA r=4 on a Llama's q/v: base frozen, adapters train"),
 }
 
 
@@ -414,9 +630,15 @@ def _tp_size(config: str, world: int) -> int:
 
 # ---------------------------------------------------------------------------- the eager oracles
 def _torch_style(style: str):
+    """transformers' style name as torch's ``parallelize_module`` style: ``colwise_rep`` gathers
+    the output features (whole on every TP rank), ``rowwise_rep`` takes a whole input and splits it."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}[style]()
+    gathered, split = (lambda: ColwiseParallel(output_layouts=Replicate()),
+                       lambda: RowwiseParallel(input_layouts=Replicate()))
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "colwise_rep": gathered,
+            "colwise_gather_output": gathered, "rowwise_rep": split, "rowwise_split_input": split}[style]()
 
 
 def _allreduce_grads_over(module: nn.Module, group) -> None:
@@ -476,9 +698,21 @@ def eager_model(name: str, config: str, world: int, perturb: bool = False):
             fully_shard(model, mesh=mesh["dp"])
         return model, model
     if placement == "shard":
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        _fully_shard_with_scalars(model, init_device_mesh("cpu", (world,)))
         return model, model
     return model, DistributedDataParallel(model)
+
+
+def _fully_shard_with_scalars(model: nn.Module, mesh) -> None:
+    """``fully_shard`` refuses 0-d parameters (CLIP's ``logit_scale``): as a user does, leave
+    them out (``ignored_params``) and average their gradients over the ranks, as DDP would."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    scalars = {p for p in model.parameters() if p.dim() == 0}
+    for p in scalars:
+        p.register_post_accumulate_grad_hook(lambda q: dist.all_reduce(q.grad, op=dist.ReduceOp.AVG))
+    fully_shard(model, mesh=mesh, ignored_params=scalars or None)
 
 
 def _timed(fn, *args):
