@@ -98,21 +98,27 @@ def _input_names(optimizer_class: type, group: dict) -> dict[str, str]:
 def hyperparameter_inputs(optim) -> list[HyperInput]:
     """The hyperparameters ``optim`` (an optimizer or an ``optimizers.OptimizerSet``) feeds to the
     step as 0-dim float64 tensors, in layout order: by group, then name, then position."""
+    return [HyperInput(i, name, pos) for i, names in enumerate(_fed_names(optim)) for name, positions in names
+            for pos in positions]
+
+
+def _fed_names(optim) -> list[list[tuple[str, tuple]]]:
+    """Per param group: (name, positions) of its inputs, names sorted; positions ``(None,)`` for
+    a number, ``(0, 1, ...)`` for a tuple of numbers."""
     if optim is None:
         return []
     out = []
-    index = 0
     for member in getattr(optim, "members", [optim]):
+        cls = type(member)
         for group in member.param_groups:
-            for name, when in sorted(_input_names(type(member), group).items()):
+            fed = []
+            for name, when in sorted(_input_names(cls, group).items()):
                 value = group.get(name)
-                items = list(enumerate(value)) if isinstance(value, tuple) else [(None, value)]
-                if not items or not all(_is_number(v) for _, v in items):
+                items = value if isinstance(value, tuple) else (value,)
+                if not items or not all(map(_is_number, items)) or (when == _NONZERO and 0 in items):
                     continue
-                if when == _NONZERO and any(v == 0 for _, v in items):
-                    continue
-                out += [HyperInput(index, name, pos) for pos, _ in items]
-            index += 1
+                fed.append((name, tuple(range(len(items))) if isinstance(value, tuple) else (None,)))
+            out.append(fed)
     return out
 
 
@@ -156,6 +162,7 @@ class TrainState:
         # the step, so the optimizer skips them (``untaken_state``). Set by the trace, and at
         # load from the stored layout; their state is no graph input.
         self.untaken: set[int] = set()
+        self._hyper_made: dict[HyperInput, tuple] = {}  # input -> (value, its tensor): ``hyper_tensors``
         if optim is not None:
             self._check_optimizer_params()
         self.batch_leaves, self.batch_spec = pytree.tree_flatten(batch)
@@ -246,15 +253,16 @@ class TrainState:
     def baked_hyperparameters(self) -> list[dict]:
         """Per group, the optimizer's own hyperparameters that are constants in the graph, and
         which are inputs (a value moving between input and constant, zero momentum for one,
-        changes the graph)."""
+        changes the graph). Compared on every step: kept cheap."""
         if self.optim is None:
             return []
-        inputs: dict[int, set] = defaultdict(set)
-        for h in self.hyper_inputs():
-            inputs[h.group].add(h.name)
         names = [k for k in self.optim.defaults if k != "params"]
-        return [{k: ("<input>" if k in inputs[i] else g.get(k)) for k in names}
-                for i, g in enumerate(self.optim.param_groups)]
+        out = []
+        for g, fed in zip(self.optim.param_groups, _fed_names(self.optim)):
+            entry = {k: g.get(k) for k in names}
+            entry.update((name, "<input>") for name, _ in fed)
+            out.append(entry)
+        return out
 
     # ----------------------------------------------------------------- flat layout
     def slots(self) -> list[Slot]:
@@ -285,8 +293,18 @@ class TrainState:
         return tensors
 
     def hyper_tensors(self) -> list[torch.Tensor]:
+        """The hyperparameter inputs' values as 0-dim float64 tensors; one made for a value is
+        reused while the value stays (the graph only reads them), so a step pays for what moved."""
         groups = self.optim.param_groups if self.optim is not None else []
-        return [torch.tensor(h.value(groups), dtype=torch.float64) for h in self.hyper_inputs()]
+        made = self._hyper_made
+        out = []
+        for h in self.hyper_inputs():
+            value = h.value(groups)
+            held = made.get(h)
+            if held is None or held[0] != value:
+                held = made[h] = (value, torch.tensor(value, dtype=torch.float64))
+            out.append(held[1])
+        return out
 
     def graph_inputs(self, slots: list[Slot] | None = None, batch_leaves=None) -> list[torch.Tensor]:
         """What the graph is called with: local storage of every state tensor, the learning
