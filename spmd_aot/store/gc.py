@@ -151,7 +151,7 @@ class _BuildLocks:
         for name, _ in entries:
             if not name.endswith(".lock") or name in self.held:
                 continue
-            lock = FileLock(self.local.tree, ("locks",), name)
+            lock = self.local.lock_file(("locks",), name)
             if try_exclusive(lock):
                 self.held[name] = lock
             else:
@@ -197,7 +197,7 @@ def collect_garbage(store, *, max_size: int | None = None, max_age: float | None
     if not locks_supported():  # pragma: no cover
         raise SpmdAotError("gc needs POSIX file locks (fcntl), which this platform lacks")
     now = time.time() if now is None else now
-    gc_lock = FileLock(local.tree, (LEASES,), "gc.lock")
+    gc_lock = local.lock_file((LEASES,), "gc.lock")
     if not gc_lock.acquire(lock_timeout):
         raise LockTimeoutError(f"another gc of {local.root} has been running for {lock_timeout:g} s "
                                f"(it holds {gc_lock.path})")

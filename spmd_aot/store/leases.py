@@ -10,7 +10,10 @@ exclusive ``flock`` on the same file, taken without waiting (``try_exclusive``):
 holds a lease, gc skips that artifact. A reader that arrives while gc is deleting waits for
 gc's exclusive lock, then finds the manifest gone and gets ``ArtifactGoneError`` (a
 ``CorruptArtifactError``: the runtime treats it as a miss), never a half-deleted artifact. The
-OS drops a dead reader's lease, so leases never go stale.
+OS drops a dead reader's lease, so leases never go stale. Lease files are the cache owner's,
+mode 0600 (0660 in a shared cache: ``LocalStore.lock_mode``), so another user who can read the
+cache cannot hold one; and a reader waits for a lease at most ``LEASE_WAIT`` seconds, then
+reads without one (``reading``), so no lock anyone holds can fail a hit.
 
 **Last use.** ``touch_used(store, key)`` (called after each load) sets ``used/<key>``'s mtime;
 without one the ref file's mtime counts (when it was built or pulled).
@@ -27,7 +30,7 @@ import os
 import stat
 from typing import Iterator
 
-from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError
+from ..errors import CorruptArtifactError, SpmdAotError
 from .fsafe import LinkError
 from .local import LocalStore
 from .locks import FileLock, locks_supported
@@ -55,7 +58,7 @@ def require_local(store: Store) -> LocalStore:
 
 
 def lease_lock(local: LocalStore, digest: str) -> FileLock:
-    return FileLock(local.tree, (LEASES,), f"{digest}.lock")
+    return local.lock_file((LEASES,), f"{digest}.lock")
 
 
 def try_exclusive(lock: FileLock) -> bool:
@@ -68,19 +71,31 @@ def try_exclusive(lock: FileLock) -> bool:
         return False
 
 
+#: How long a reader waits for a lease: gc holds one exclusively only while it deletes that
+#: artifact (milliseconds).
+LEASE_WAIT = 10.0
+
+
 @contextlib.contextmanager
-def reading(store, digest: str, *, timeout: float = 120.0) -> Iterator[None]:
+def reading(store, digest: str, *, timeout: float | None = None) -> Iterator[None]:
     """Hold a reader lease on the artifact whose manifest is ``digest`` while loading it::
 
         with reading(store, digest):
             artifact = read_artifact(store, digest)
 
     gc does not delete an artifact while any process holds a lease on it. Raises
-    ``ArtifactGoneError`` if the artifact was deleted before the lease was taken, and
-    ``LockTimeoutError`` if gc kept it locked for ``timeout`` seconds (it holds it only while
-    deleting it). On a read-only cache, or without a local cache, no lease is taken.
+    ``ArtifactGoneError`` if the artifact was deleted before the lease was taken. On a
+    read-only cache, or without a local cache, no lease is taken.
+
+    A load never waits longer than ``timeout`` (default ``LEASE_WAIT``) for the lease: held
+    longer, it is a stuck gc or a lock someone else holds (lease files are the owner's, mode
+    0600, but a descriptor opened on an older, readable one keeps its lock). The artifact is
+    then read without a lease (logged): its blobs are immutable and re-hashed when read, so the
+    worst a deletion meanwhile can do is a missing blob, which the load reports as damage and
+    rebuilds, as after any gc.
     """
     check_digest(digest)
+    timeout = LEASE_WAIT if timeout is None else timeout
     local = local_files(store)
     lease = None
     if local is not None and locks_supported():
@@ -95,8 +110,10 @@ def reading(store, digest: str, *, timeout: float = 120.0) -> Iterator[None]:
             lease = None
         else:
             if not taken:
-                raise LockTimeoutError(f"could not take reader lease {lease.path} within {timeout:g} s: "
-                                       "a gc has held it that long; is a gc process stuck?")
+                log.warning("reader lease %s is held exclusively for over %g s (a stuck gc, or a lock another "
+                            "process holds); reading artifact %s without a lease: a gc may remove it meanwhile, "
+                            "and the load would then rebuild it", lease.path, timeout, digest[:12])
+                lease = None
     try:
         if not store.has(digest):
             raise ArtifactGoneError(

@@ -134,8 +134,14 @@ class LocalStore:
         self.tree = Tree(root, policy)
         self.root = self.tree.root
         self.lock_timeout = lock_timeout
+        # Private unless declared shared (``trust_cache`` / $SPMD_AOT_TRUST_CACHE): a new cache
+        # directory is 0700, its lock and lease files 0600, so no other user can read entries or
+        # hold a lock the owner's builds and loads take. A shared one is 0755, its locks 0660
+        # (the group that shares it can take them; others cannot open them).
+        self.shared = trust.opted_in(trust_cache)
+        self.lock_mode = 0o660 if self.shared else 0o600
         try:
-            _make_dirs(self.root)
+            _make_dirs(self.root, 0o755 if self.shared else 0o700)
         except OSError as e:
             if not self.root.is_dir():
                 raise SpmdAotError(
@@ -426,6 +432,10 @@ class LocalStore:
 
     # ------------------------------------------------------------------ locks
 
+    def lock_file(self, parts: tuple[str, ...], name: str) -> FileLock:
+        """A lock on ``root/parts/name`` whose file is created (or narrowed to) ``lock_mode``."""
+        return FileLock(self.tree, parts, name, self.lock_mode)
+
     @contextlib.contextmanager
     def lock(self, key: str, timeout: float | None = None) -> Iterator[pathlib.Path]:
         """Hold an inter-process lock named ``key`` (e.g. while building one artifact).
@@ -433,7 +443,7 @@ class LocalStore:
         ``timeout`` defaults to the store's ``lock_timeout``; a negative value waits forever.
         Yields the lock file's path.
         """
-        lock = FileLock(self.tree, ("locks",), f"{check_key(key)}.lock")
+        lock = self.lock_file(("locks",), f"{check_key(key)}.lock")
         t = self.lock_timeout if timeout is None else timeout
         try:
             taken = lock.acquire(t)
@@ -550,16 +560,16 @@ class LocalStore:
         return removed
 
 
-def _make_dirs(path: pathlib.Path) -> None:
-    """``mkdir -p`` with mode 0755 for every directory it creates, whatever the umask, so a
-    fresh cache passes the trust rule (``trust.py``)."""
+def _make_dirs(path: pathlib.Path, mode: int) -> None:
+    """``mkdir -p`` with ``mode`` (0700, or 0755 for a shared cache) for every directory it
+    creates; the umask can only narrow it, so a fresh cache passes the trust rule (``trust.py``)."""
     missing = []
     while not path.exists() and path != path.parent:
         missing.append(path)
         path = path.parent
     for p in reversed(missing):
         with contextlib.suppress(FileExistsError):
-            p.mkdir(0o755)
+            p.mkdir(mode)
 
 
 def _writer_alive(tmp_name: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import time
 
 from ..errors import SpmdAotError
@@ -59,10 +60,15 @@ class FileLock:
 
     After locking it re-checks that the name still refers to the locked file: gc unlinks lease
     files of deleted artifacts, and a lock on an unlinked file protects nothing.
+
+    ``flock`` needs only a descriptor, and any user who can open a file for reading can hold
+    one: so a lock file is created with ``mode`` (``LocalStore.lock_mode``: 0600, or 0660 in a
+    cache declared shared), and one of ours with more permission bits (made by an older
+    release, 0644) is narrowed to ``mode`` when opened.
     """
 
-    def __init__(self, tree: Tree, parts: tuple[str, ...], name: str) -> None:
-        self.tree, self.parts, self.name = tree, parts, name
+    def __init__(self, tree: Tree, parts: tuple[str, ...], name: str, mode: int = 0o600) -> None:
+        self.tree, self.parts, self.name, self.mode = tree, parts, name, mode
         self.path = tree.path(*parts, name)
         self.fd: int | None = None
 
@@ -73,8 +79,9 @@ class FileLock:
         deadline = None if timeout < 0 else time.monotonic() + timeout
         delay = 0.001
         while True:
-            fd = self.tree.open(self.parts, self.name, os.O_RDWR | os.O_CREAT, create_dirs=True)
+            fd = self.tree.open(self.parts, self.name, os.O_RDWR | os.O_CREAT, self.mode, create_dirs=True)
             try:
+                self._narrow(fd)
                 locked = _try_lock(fd, shared, self.path)
                 if locked and self._still_named(fd):
                     self.fd = fd
@@ -89,6 +96,15 @@ class FileLock:
                 return False
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+    def _narrow(self, fd: int) -> None:
+        st = os.fstat(fd)
+        extra = stat.S_IMODE(st.st_mode) & ~self.mode
+        if extra and st.st_uid == os.geteuid():
+            try:
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) & self.mode)
+            except OSError:  # a filesystem without modes: nothing to narrow
+                pass
 
     def _still_named(self, fd: int) -> bool:
         st = self.tree.lstat(self.parts, self.name)
