@@ -316,3 +316,27 @@ def test_a_moved_constant_is_named_when_the_step_is_looked_up_again(tmp_path, ca
     assert len(moved) == 2 and all("param_groups[0]['betas']" in m and "fused and foreach unset" in m
                                    for m in moved), moved
     assert fn.cache_info.traces == 3
+
+
+@pytest.mark.parametrize("make_optim,fed", [
+    (adamw_moved, {"lr", "betas[0]", "betas[1]", "eps", "weight_decay"}),
+    (sgd_moved, {"lr", "momentum", "weight_decay"}),
+    (adafactor_wd, {"lr", "beta2_decay", "d", "weight_decay"}),
+])
+def test_the_stored_graph_reads_every_hyperparameter_input(tmp_path, make_optim, fed):
+    """No number a scheduler may move is baked into the graph: each hyperparameter input of the
+    stored step has readers (its value is used, not a constant taken at trace time)."""
+    from spmd_aot.format.artifact import read_artifact
+    from spmd_aot.store import open_store
+
+    model = FrozenTower if make_optim is adafactor_wd else train_steps.mlp
+    batch = token_batch if make_optim is adafactor_wd else train_steps.class_batch
+    job = spmd_aot.Job(step=train_steps.plain_step, model=model, optimizer=make_optim, batch=lambda: batch(0, 0))
+    built = spmd_aot.build(job, world_size=2, cache_dir=tmp_path)
+    artifact = read_artifact(open_store(tmp_path), built.digest)
+    nodes = artifact.check()
+    placeholders = [i for i, n in enumerate(nodes) if n.op == "placeholder"]
+    read = set().union(*(n.refs for n in nodes))
+    hyper = {s["fqn"]: i for s, i in zip(artifact.layout["inputs"], placeholders) if s["kind"] == "hyper"}
+    assert {fqn.removeprefix("param_groups[0].") for fqn in hyper} == fed
+    assert all(i in read for i in hyper.values()), [f for f, i in hyper.items() if i not in read]
