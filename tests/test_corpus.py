@@ -38,9 +38,11 @@ KNOWN = {
             "loading refuses: the build stops with UnsafeArtifactError naming as_strided_",
     "mamba": "the shard build: the slow scan's self.D[None, :, None] on the parameter fully_shard gathers "
              "is replayed as aten::as_strided, which loading refuses (UnsafeArtifactError; replicate builds)",
-    ("phi3", "tp"): "the loaded graph gives _scaled_dot_product_flash_attention_for_cpu_backward a grad_out "
-                    "whose last dimension is strided (strides [16, 256, 1, 32], the gradient o_proj's "
-                    "rowwise_rep backward gathers): the loader's op contract refuses it, the build stored it",
+    ("phi3", "tp"): "o_proj's rowwise_rep backward gathers the input gradient over its last dimension by "
+                    "permute / all_gather_into_tensor / permute and leaves it strided (strides (16, 1, 32)); "
+                    "reshaped, it reaches _scaled_dot_product_flash_attention_for_cpu_backward as a grad_out "
+                    "with strides [16, 256, 1, 32], which the loader's op contract refuses (UnsafeArtifactError "
+                    "at load: the build stored it)",
 }
 
 
@@ -93,6 +95,17 @@ def test_data_dependent_moe_routing_is_refused_at_build_naming_the_op(tmp_path):
     assert built.rc == 2, built.output
     assert "model.layers.0.mlp.experts (MixtralExperts)" in built.output, built.output
     assert "aten.nonzero" in built.output, built.output
+
+
+def test_a_transformers_plan_style_spmd_aot_refuses_is_named_at_build(tmp_path):
+    """GPT-NeoX's own TP plan splits its embedding over the vocabulary ('embedding_rowwise'): the
+    build refuses the plan naming the pattern and the style (exit 2, nothing traced). The corpus's
+    GPT-NeoX TP case runs the plan the refusal asks for: the same plan, the embedding left out."""
+    plan = dict(corpus.factory("gpt_neox")().config.base_model_tp_plan)
+    assert {k: v for k, v in plan.items() if k != "embed_in"} == corpus.GPT_NEOX_PLAN
+    built = corpus.api_build("gpt_neox", str(tmp_path), world_size=2, placement="replicate", tp_plan=plan)
+    assert built.rc == 2, built.output
+    assert "tp_plan['embed_in']" in built.output and "'embedding_rowwise'" in built.output, built.output
 
 
 # ---------------------------------------------------------------------------- keys

@@ -331,6 +331,13 @@ def _lora(**overrides):
     return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
 
 
+# GPT-NeoX's own plan without ``embed_in``: spmd-aot refuses its 'embedding_rowwise' and says to
+# leave the embedding out (whole on every TP rank); the packed query_key_value stays 'colwise'
+# (its rows are grouped per head, so a TP rank's rows are whole heads).
+GPT_NEOX_PLAN = {"layers.*.attention.query_key_value": "colwise", "layers.*.attention.dense": "rowwise",
+                 "layers.*.mlp.dense_h_to_4h": "colwise", "layers.*.mlp.dense_4h_to_h": "rowwise"}
+
+
 # ---------------------------------------------------------------------------- a torchtitan-style Llama
 @dataclasses.dataclass
 class TitanArgs:
@@ -413,6 +420,13 @@ class TitanBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+# torchtitan's Llama TP plan for these module names (its parallelize_llama, without sequence parallel)
+TITAN_PLAN = {"layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
+              "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
+              "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+              "layers.*.feed_forward.w2": "rowwise"}
+
+
 class TitanLlama(nn.Module):
     """torchtitan's Llama as written there: blocks in an ``nn.ModuleDict`` keyed ``"0"``,
     ``"1"``, ..., complex RoPE from a ``freqs_cis`` buffer, SDPA ``is_causal=True``, an untied
@@ -437,13 +451,16 @@ class TitanLlama(nn.Module):
 @dataclasses.dataclass(frozen=True)
 class Model:
     """One corpus entry. ``make(**config_overrides)`` builds the module (unseeded: ``factory``
-    seeds it); ``tp`` says whether the model's own transformers TP plan is run (decoder LMs)."""
+    seeds it); ``tp`` says whether a TP case is run: with ``plan`` where given (a model without a
+    transformers plan, or whose plan needs the change spmd-aot's refusal asks for), else with the
+    model's own transformers plan."""
 
     make: Callable[..., nn.Module]
     batch: Callable[[int, int], Any]
     step: Callable = hf_step
     eval: bool = False  # a forward-only step (optimizer=None), the model in eval mode
     tp: bool = False
+    plan: dict | None = None
     about: str = ""
 
 
@@ -490,7 +507,8 @@ MODELS: dict[str, Model] = {
     "mamba": Model(_mamba, lm_batch, about="Mamba state-space LM, sequential scan (CPU slow path)"),
     "swin": Model(_swin, image_batch, about="Swin hierarchical vision: shifted windows, patch merging"),
     "convnext": Model(_convnext, image_batch, about="ConvNeXt: depthwise conv, channels-last LayerNorm, layer scale"),
-    "gpt_neox": Model(_gpt_neox, lm_batch, about="GPT-NeoX, packed query_key_value, partial rotary"),
+    "gpt_neox": Model(_gpt_neox, lm_batch, tp=True, plan=GPT_NEOX_PLAN,
+                      about="GPT-NeoX, packed query_key_value, partial rotary (plan: its own, embed_in left out)"),
     "phi3": Model(_p(_decoder, "Phi3Config", "Phi3ForCausalLM", pad_token_id=0), lm_batch, tp=True,
                   about="Phi-3, packed qkv_proj and gate_up_proj (plan: colwise_rep/rowwise_rep)"),
     "bloom": Model(_bloom, lm_batch, about="BLOOM, ALiBi position bias"),
@@ -501,6 +519,7 @@ MODELS: dict[str, Model] = {
                        about="Qwen2-MoE with a shared expert, default experts implementation"),
     "bart": Model(_bart, seq2seq_batch, about="BART encoder-decoder, learned positions, dropout 0.1 on"),
     "titan_llama": Model(lambda **kw: TitanLlama(TitanArgs(**kw)), token_pair_batch, step=logits_step,
+                         tp=True, plan=TITAN_PLAN,
                          about="ours, torchtitan style: complex RoPE, ModuleDict blocks, GQA, SwiGLU"),
     "llama_lora": Model(_lora, lm_batch, about="peft LoRA r=4 on a Llama's q/v: base frozen, adapters train"),
 }
@@ -559,8 +578,10 @@ def __getattr__(name: str):
 
 
 def tp_plan(name: str) -> dict:
-    """The model's own transformers TP plan (``config.base_model_tp_plan``) as the user passes it."""
-    return dict(factory(name)().config.base_model_tp_plan)
+    """The corpus entry's ``plan``, else the model's own transformers TP plan
+    (``config.base_model_tp_plan``), as the user passes it."""
+    spec = MODELS[name]
+    return dict(spec.plan) if spec.plan is not None else dict(factory(name)().config.base_model_tp_plan)
 
 
 # ---------------------------------------------------------------------------- building
@@ -656,7 +677,7 @@ def _parallelize(model: nn.Module, plan: dict, mesh) -> None:
 
     from torch.distributed.tensor.parallel import parallelize_module
 
-    prefix = model.base_model_prefix + "."
+    prefix = model.base_model_prefix + "." if hasattr(model, "base_model_prefix") else ""
     styles = {}
     for fqn, module in model.named_modules():
         rel = fqn[len(prefix):] if fqn.startswith(prefix) else None
