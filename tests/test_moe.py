@@ -112,10 +112,10 @@ def _step(model, optim, batch):
     return loss
 
 
-# (model, dtype) -> tolerance: fp32 as README; bf16 rounds each product to 8 bits, and the
-# kernel and the static form sum a row's products in different orders inside the matmul
+# (model, dtype) -> tolerance: fp32 as README; bf16 half a bf16 ulp at 1.0 (measured 4.9e-4 after 3
+# steps): the kernel and the static form's matmul may add a row's products in different orders
 CASES = {("mixtral", "float32"): TOL, ("qwen2_moe", "float32"): TOL, ("olmoe", "float32"): TOL,
-         ("mixtral", "bfloat16"): 2e-2}
+         ("mixtral", "bfloat16"): 4e-3}
 
 
 def _job(name, dtype):
