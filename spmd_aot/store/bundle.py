@@ -89,8 +89,9 @@ def _member(name: str, size: int) -> tarfile.TarInfo:
 def export_bundle(store, refs: dict[str, str], out: str | os.PathLike) -> BundleSummary:
     """Write the artifacts ``refs`` (key -> manifest digest) of ``store`` to the tar ``out``.
 
-    Every blob is read through ``store.get`` (re-hashed). The file appears complete or not at
-    all (written beside ``out``, then renamed).
+    Every blob is read through ``store.get`` (re-hashed), one at a time: twice, once for the
+    index's sizes and once into the tar, so memory holds one blob, never the whole bundle. The
+    file appears complete or not at all (written beside ``out``, then renamed).
     """
     if not refs:
         raise SpmdAotError("nothing to export: name at least one artifact")
@@ -106,16 +107,14 @@ def export_bundle(store, refs: dict[str, str], out: str | os.PathLike) -> Bundle
     total = 0
     sizes = {}
     try:
+        for d in sorted(blobs):
+            sizes[d] = len(store.get(d, limit=largest_blob()))
         with tarfile.open(tmp, _write_mode(out), format=tarfile.PAX_FORMAT) as tar:
-            datas = []
-            for d in sorted(blobs):
-                data = store.get(d, limit=largest_blob())
-                sizes[d] = len(data)
-                datas.append((d, data))
             index = json.dumps({"format": FORMAT, "version": VERSION, "refs": dict(sorted(refs.items())),
                                 "blobs": sizes}, indent=1, sort_keys=True).encode()
             tar.addfile(_member(INDEX_NAME, len(index)), io.BytesIO(index))
-            for d, data in datas:
+            for d in sorted(blobs):
+                data = store.get(d, limit=sizes[d])  # re-hashed: the same bytes as measured
                 tar.addfile(_member(f"objects/{d}", len(data)), io.BytesIO(data))
                 total += len(data)
         os.replace(tmp, out)
