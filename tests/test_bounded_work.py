@@ -178,3 +178,19 @@ def test_show_verify_and_ls_cap_every_blob_read(built, tmp_path, monkeypatch, ca
     assert cli(["ls", "--cache-dir", str(cache)]) == 0
     assert limits and all(limit is not None for _, limit in limits), [d[:12] for d, lim in limits if lim is None]
     assert all(limit <= 1 << 20 for d, limit in limits if d == big)
+
+
+def test_ls_reads_each_manifest_once_however_many_refs_name_it(built, tmp_path, reads, capsys):
+    from spmd_aot.cli.app import main as cli
+
+    source, digest, _ = built
+    store = LocalStore(tmp_path / "cache")
+    store.set_ref("real", store.put(source.get(digest)))
+    big = store.put(bytes(2 << 20))  # not a manifest: every ref to it is listed as damaged
+    for i in range(40):
+        store.set_ref(f"big-{i:02d}", big)
+    reads.clear()
+    assert cli(["ls", "--cache-dir", str(store.root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("big-") and "CORRUPT" in line for line in out) == 40
+    assert reads.count(big) == 1 and reads.count(digest) == 1

@@ -19,9 +19,11 @@ def cmd_ls(args) -> int:
         print(f"no artifacts in {root}; build some with: "
               f"spmd-aot build TARGET --world-size N --cache-dir {shlex.quote(str(root))}")
         return EXIT_OK
-    rows = []
-    for entry in entries:
-        rows.append([entry.key[:12], (entry.digest or "?")[:12], *_ls_columns(store, entry)])
+    rows, columns = [], {}
+    for entry in entries:  # each manifest read once, however many refs name it
+        if entry.error or entry.digest not in columns:
+            columns[entry.digest] = _ls_columns(store, entry)
+        rows.append([entry.key[:12], (entry.digest or "?")[:12], *columns[entry.digest]])
     print_table(["KEY", "DIGEST", "WORLD", "PLACEMENT", "DEVICE", "NODES", "COLLECTIVES", "BYTES"],
                  rows, right={2, 5, 6, 7})
     print(f"{len(entries)} artifact{'s' if len(entries) != 1 else ''} in {root}")
