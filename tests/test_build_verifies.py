@@ -197,3 +197,44 @@ def test_the_cli_build_exits_2_naming_the_op_and_stores_no_ref(tmp_path, capsys,
     err = capsys.readouterr().err
     assert "error: " in err and "mm.default" in err and "argument 'self' is refused" in err, err
     assert not (cache.exists() and LocalStore(str(cache)).refs())
+
+
+# ---------------------------------------------------------------------------- an existing entry a load refuses
+def test_a_build_does_not_report_a_cached_entry_the_load_check_refuses(tmp_path, monkeypatch):
+    """An entry stored earlier (by an older spmd-aot, or a writer of the cache) that a load would
+    refuse does not count as cached: the build traces again; when the new graph fails too, it raises."""
+    job = spmd_aot.Job(step=train_step, model=lambda: MLP(32, 64, 10), optimizer=_sgd, batch=lambda: make_batch("mlp"))
+    first = spmd_aot.build(job, world_size=2, cache_dir=str(tmp_path))
+    assert first.traced
+    original = CONTRACTS["aten::mm.default"]
+
+    def refuse(a):
+        raise contracts.Broken("self", "is refused by this test's contract")
+    monkeypatch.setitem(CONTRACTS, "aten::mm.default", Contract(refuse, original.alias_ok, original.family))
+    with pytest.raises(spmd_aot.UnsupportedError, match="fails the check every load runs"):
+        spmd_aot.build(job, world_size=2, cache_dir=str(tmp_path))
+    assert LocalStore(str(tmp_path)).refs() == {first.key: first.digest}  # nothing replaced it
+    monkeypatch.setitem(CONTRACTS, "aten::mm.default", original)
+    again = spmd_aot.build(job, world_size=2, cache_dir=str(tmp_path))
+    assert not again.traced and again.digest == first.digest
+
+
+def test_an_existing_entry_the_load_check_refuses_is_rebuilt(tmp_path, monkeypatch, caplog):
+    from spmd_aot.building import pipeline
+    from spmd_aot.errors import UnsafeArtifactError
+
+    job = spmd_aot.Job(step=train_step, model=lambda: MLP(32, 64, 10), optimizer=_sgd, batch=lambda: make_batch("mlp"))
+    first = spmd_aot.build(job, world_size=2, cache_dir=str(tmp_path))
+    checked, real = [], pipeline.check_entry
+
+    def refused_once(store, key, digest):  # the stored entry fails the load check; a new one passes
+        checked.append(digest)
+        if len(checked) == 1:
+            raise UnsafeArtifactError(f"node mm (mm.default) breaks its op's argument contract (in {digest[:12]})")
+        return real(store, key, digest)
+    monkeypatch.setattr(pipeline, "check_entry", refused_once)
+    with caplog.at_level("WARNING", logger="spmd_aot.building.pipeline"):
+        again = spmd_aot.build(job, world_size=2, cache_dir=str(tmp_path))
+    assert again.traced and checked == [first.digest]
+    assert "is damaged (node mm (mm.default) breaks its op's argument contract" in caplog.text
+    assert LocalStore(str(tmp_path)).refs()[again.key] == again.digest

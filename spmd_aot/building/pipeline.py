@@ -18,7 +18,7 @@ import torch
 
 from ..keying import guards
 from ..format.allowlist import extra_ops
-from ..format.artifact import amended, encode_artifact, layout_entries, read_artifact, store_artifact
+from ..format.artifact import amended, check_entry, encode_artifact, layout_entries, store_artifact
 from ..errors import CorruptArtifactError, UnsupportedError
 from ..keying.key import CacheKey
 from .kernels import kernel_parts
@@ -134,10 +134,12 @@ def trace_and_store(store, step: Callable, state: TrainState, plan: Plan, key: C
     """Trace and store unless an entry for the key whose guards hold here exists (another
     process may have stored it while this one waited for the lock). Returns (digest, traced).
 
-    An existing entry counts only if it reads back whole and is the entry for this key; a
-    damaged one (a missing part, a corrupt blob, a ref to another key's manifest) is rebuilt.
-    An entry whose guards fail stays reachable behind the new one (``previous``). A new entry is
-    checked as a load checks it before anything is stored (``load_check.py``).
+    An existing entry counts only if it passes the checks a load runs (``check_entry``: it reads
+    back whole, is the entry for this key, and its graph passes the load check); a damaged one (a
+    missing part, a corrupt blob, a ref to another key's manifest, a graph a load refuses) is
+    rebuilt. An entry whose guards fail stays reachable behind the new one (``previous``). A new
+    entry is checked as a load checks it before anything is stored (``load_check.py``). So a build
+    that returns leaves under the key an entry that every load accepts.
     ``store_failures``: the errors of storing that raise ``UnstoredTrace`` (holding the blobs).
     """
     from ..store.leases import reading
@@ -149,7 +151,7 @@ def trace_and_store(store, step: Callable, state: TrainState, plan: Plan, key: C
             previous = found.head
             if found.digest is not None:
                 with reading(store, found.digest):  # a lease: gc must not delete it while it is read
-                    read_artifact(store, found.digest)  # every part present and intact
+                    check_entry(store, key.key, found.digest)  # intact, and what a load accepts
                 return found.digest, False
         except CorruptArtifactError as exc:
             log.warning("cache entry for key %s is damaged (%s); rebuilding it", key.key[:12], exc)
