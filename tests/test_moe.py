@@ -170,3 +170,30 @@ def test_default_experts_match_eager_ddp(moe_builds):
         for case, r in per_rank.items():
             assert r["traces"] == 0, (rank, case, r)
             assert r["param"] <= CASES[case] and r["loss"] <= CASES[case], (rank, case, r)
+
+
+class _BiasedExperts(torch.nn.Module):
+    """Calls torch._grouped_mm with a bias, which has no static form here."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 8, 8))
+        self.register_buffer("b", torch.zeros(2, 8))  # not differentiable: a buffer
+
+    def forward(self, x):
+        offs = torch.tensor([8, 16], dtype=torch.int32)
+        return torch._grouped_mm(x, self.w, offs=offs, bias=self.b)
+
+
+def test_a_build_refuses_a_grouped_mm_with_no_static_form_in_one_line(tmp_path):
+    def step(model, optim, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    job = spmd_aot.Job(step=step, model=_BiasedExperts, optimizer=_sgd, batch=lambda: torch.randn(16, 8))
+    with pytest.raises(UnsupportedError, match="with a bias at .*test_moe.py:[0-9]+ .*batched_mm") as refused:
+        spmd_aot.build(job, world_size=2, cache_dir=tmp_path)
+    assert "\n" not in str(refused.value)
