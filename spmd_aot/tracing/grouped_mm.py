@@ -46,7 +46,8 @@ __all__ = ["DECOMPOSITIONS", "grouped_mm", "histc", "floor_divide", "index_put_"
 aten = torch.ops.aten
 
 _FIX = ("build the model with experts_implementation=\"batched_mm\" (transformers: "
-        "`from_pretrained(..., experts_implementation=\"batched_mm\")` or `config._experts_implementation`)")
+        "`from_pretrained(..., experts_implementation=\"batched_mm\")` or the config's "
+        "`experts_implementation=\"batched_mm\"`)")
 
 
 def _refuse(what: str) -> UnsupportedError:
