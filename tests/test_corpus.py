@@ -38,11 +38,6 @@ KNOWN = {
             "loading refuses: the build stops with UnsafeArtifactError naming as_strided_",
     "mamba": "the shard build: the slow scan's self.D[None, :, None] on the parameter fully_shard gathers "
              "is replayed as aten::as_strided, which loading refuses (UnsafeArtifactError; replicate builds)",
-    ("phi3", "tp"): "o_proj's rowwise_rep backward gathers the input gradient over its last dimension by "
-                    "permute / all_gather_into_tensor / permute and leaves it strided (strides (16, 1, 32)); "
-                    "reshaped, it reaches _scaled_dot_product_flash_attention_for_cpu_backward as a grad_out "
-                    "with strides [16, 256, 1, 32], which the loader's op contract refuses (UnsafeArtifactError "
-                    "at load: the build stored it)",
 }
 
 
