@@ -348,8 +348,9 @@ def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) ->
 
     Only parameters that can have a gradient get state, as in eager. A dry run of
     ``optim.step()`` on meta-device stand-ins (one per param group and dtype:
-    ``_probed_state``) reveals which tensors the optimizer creates; they are then made for real as zeros, which is exactly what eager creates for the
-    optimizers in ``_ZERO_INIT_OPTIMIZERS``. Parameters that already have state keep it.
+    ``_probed_state``) reveals which tensors the optimizer creates; they are then made for real
+    as zeros, which is exactly what eager creates for the optimizers in
+    ``_ZERO_INIT_OPTIMIZERS``. Parameters that already have state keep it.
     ``make_zeros(param, shape, dtype, device)`` lets sharded parameters get sharded state.
     Returns the parameters it made state for.
     """

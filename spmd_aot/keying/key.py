@@ -8,8 +8,9 @@ code (every module of the package but the few listed in ``_NOT_GRAPH_PRODUCING``
 and every object it reaches (code, closures, globals, module attributes it reads), the model
 classes, a deep fingerprint of every module's attributes and hooks (config objects included,
 see ``fingerprint``), parameter/buffer/optimizer-state shapes and dtypes, optimizer class,
-hyperparameters and hooks, batch structure, world size, mesh, placement, mixed-precision policy,
-device type, user transformations.
+hyperparameters (the names of those fed to the step as inputs, ``state.hyperparameter_inputs``,
+the values of the others) and hooks, batch structure, world size, mesh, placement,
+mixed-precision policy, device type, user transformations.
 
 What only the trace can know (which files' code ran, which real tensors it read) is recorded
 while tracing and checked at load (``guards``): a cache hit needs the key *and* the guards.
