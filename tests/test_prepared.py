@@ -92,7 +92,7 @@ def test_a_second_hit_rebuilds_the_program_from_the_record_with_the_same_results
 def test_the_rebuilt_program_folds_and_checks_as_the_decoded_one(cache):
     _run(cache, steps=1)
     (path,) = _records()
-    table = prepared._table(_stored(path))
+    table = prepared.table_from_stored(_stored(path))
     assert isinstance(table, ProgramTable) and table.folds  # the causal mask is folded
     program = Program.from_table(table, {})
     assert program.n_folded == len(table.folds) > 0

@@ -10,12 +10,15 @@ against its op's contract on meta tensors shaped by the layout) while it is stil
 refusal is a build error and nothing is written under the key.
 
 It costs one meta run of the graph per build (a few percent of a build: the README's figures).
+With a signing key set, a second one: the checked program is stored as the entry's ``program``
+part (``format/program_blob.py``), so that jobs that verify the signature skip the load check.
 """
 
 from __future__ import annotations
 
 from ..errors import CorruptArtifactError, UnsupportedError
-from ..format.artifact import artifact_in_memory, check_entry
+from ..format import program_blob, signing
+from ..format.artifact import amended, artifact_in_memory, check_entry
 from ..keying.key import CacheKey
 
 __all__ = ["check_before_storing"]
@@ -25,10 +28,15 @@ def check_before_storing(blobs: dict[str, bytes], key: CacheKey) -> None:
     """Raise ``UnsupportedError`` when a load of ``blobs`` (an entry for ``key``) would refuse it.
 
     The blobs are checked as ``store_artifact`` would store them (signed when a signing key is
-    set), under the allowlist opt-ins in force, which are the build's."""
+    set), under the allowlist opt-ins in force, which are the build's. With a signing key set,
+    ``blobs`` gains the checked program (``program_blob.PART``) and a manifest naming it."""
     digest, memory = artifact_in_memory(blobs)
     try:
-        check_entry(memory, key.key, digest)
+        artifact = check_entry(memory, key.key, digest)
+        part = (program_blob.encode(artifact) if signing.signing_key() is not None
+                and program_blob.PART not in blobs else None)
+        if part is not None:
+            blobs.update(amended(blobs, {program_blob.PART: part}, {}))
     except CorruptArtifactError as exc:  # UnsafeArtifactError and OpNotAllowedError are kinds of it
         raise UnsupportedError(
             f"the built graph fails the check every load runs, so nothing was stored under key "

@@ -42,8 +42,9 @@ FORMAT = 3
 
 _PARTS = ("graph", "code", "schema", "layout", "constants")
 #: Parts an entry may hold beside ``_PARTS``: compiled kernels (``kernels.py``: native code,
-#: loaded only when trusted, ``kernel_load.py``).
-_OPTIONAL_PARTS = ("kernels",)
+#: loaded only when trusted, ``kernel_load.py``); the checked program of a signed entry
+#: (``program_blob.py``: read only when the manifest's signature was verified).
+_OPTIONAL_PARTS = ("kernels", "program")
 
 
 @dataclasses.dataclass
@@ -57,6 +58,7 @@ class Artifact:
     constants: dict[str, torch.Tensor]
     spec: pytree.TreeSpec | None = None  # the decoded output spec (``read_artifact`` sets it)
     kernels: bytes | None = None  # the compiled kernels blob, when the entry has one (verified, not decoded)
+    program_blob: bytes | None = None  # the ``program`` part, read only when the manifest's signature verified
 
     @property
     def plan(self) -> Plan:
@@ -310,6 +312,7 @@ def read_artifact(store, digest: str) -> Artifact:
     """Load and verify every blob of the artifact whose manifest is ``digest``."""
     from safetensors.torch import load as load_safetensors
 
+    signed = signing.signing_key() is not None  # then read_manifest verifies the signature
     manifest = read_manifest(store, digest)
     limits = load_limits()
     sizes = {"graph": limits.graph_bytes, "constants": limits.constants_bytes}
@@ -328,6 +331,8 @@ def read_artifact(store, digest: str) -> Artifact:
     artifact = Artifact(digest, manifest, parts["graph"], code, parts["schema"], layout, constants)
     if "kernels" in manifest["blobs"]:
         artifact.kernels = _get(store, manifest["blobs"]["kernels"], limits.constants_bytes, "kernels")
+    if signed and "program" in manifest["blobs"]:  # unsigned: never read, the graph is checked in full
+        artifact.program_blob = _get(store, manifest["blobs"]["program"], limits.part_bytes, "program")
     artifact.out_spec()  # parse now: a bad spec is a corrupt artifact, not a failure mid-step
     return artifact
 

@@ -210,11 +210,12 @@ class DecodedNode:
 
 
 def decode_graph(data: bytes, *, groups: list[str], device: torch.device,
-                 limits: LoadLimits | None = None) -> list[DecodedNode]:
+                 limits: LoadLimits | None = None, world: str | None = None) -> list[DecodedNode]:
     """msgpack bytes -> validated nodes, bound to live process groups and the local device.
 
     ``groups[d]`` is the live group name of mesh dimension ``d``; a world group is taken as
-    the default process group.
+    the default process group, or ``world`` when given (``program_blob.py`` binds both to
+    placeholders, to bind them to the live groups at load).
 
     Values that refer to other nodes are ``Ref``s. Raises ``UnsafeArtifactError`` for a target
     outside the allowlist and ``CorruptArtifactError`` for anything else malformed; nothing
@@ -228,7 +229,7 @@ def decode_graph(data: bytes, *, groups: list[str], device: torch.device,
     try:
         count, start = _header(data, limits)
         nodes = _unpacker(memoryview(data)[start:], count, limits)
-        return _Decoder(groups, device, limits).document(nodes, count)
+        return _Decoder(groups, device, limits, world).document(nodes, count)
     except CorruptArtifactError:
         raise
     except Exception as exc:  # msgpack raises several types for garbage
@@ -307,11 +308,13 @@ def _argument_kinds(op) -> tuple[tuple[str, ...], dict[str, str]]:
 
 
 class _Decoder:
-    def __init__(self, groups: list[str], device: torch.device, limits: LoadLimits):
+    def __init__(self, groups: list[str], device: torch.device, limits: LoadLimits, world: str | None = None):
         self.limits = limits
         self.read: set[int] = set()  # the nodes the node being decoded refers to
         self.groups: dict = dict(enumerate(groups))
-        if groups:
+        if groups and world is not None:
+            self.groups["world"] = world
+        elif groups:
             import torch.distributed as dist
 
             self.groups["world"] = dist.group.WORLD.group_name if dist.is_initialized() else groups[0]

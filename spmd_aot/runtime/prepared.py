@@ -48,7 +48,7 @@ from ..format.contracts import op_name
 from ..format.serialize import Ref, resolve_target
 from .program import Program, ProgramTable, value_checked
 
-__all__ = ["program_for", "load", "save", "record_dir", "MAX_RECORDS"]
+__all__ = ["program_for", "load", "save", "record_dir", "stored_form", "table_from_stored", "builder_code", "MAX_RECORDS"]
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,17 @@ def record_dir() -> pathlib.Path:
 
 
 def program_for(artifact, groups: list[str], device: torch.device):
-    """The ``Program`` of a loaded ``artifact``: rebuilt from its record when there is one,
-    otherwise decoded, checked and built (``Artifact.program``), and its table kept."""
+    """The ``Program`` of a loaded ``artifact``: built from its signed ``program`` part when the
+    manifest's signature was verified (``format/program_blob.py``: the builder's checked
+    program, so a fresh node skips the load check too), else rebuilt from its record when there
+    is one, otherwise decoded, checked and built (``Artifact.program``), and its table kept."""
+    if artifact.program_blob is not None:
+        from ..format import program_blob
+
+        program = program_blob.program(artifact, groups, device)
+        if program is not None:
+            log.debug("artifact %s: program built from its signed program part", artifact.digest[:12])
+            return program
     table = load(artifact.digest, groups, device)
     if table is not None:
         try:
@@ -92,7 +101,7 @@ def load(digest: str, groups: list[str], device: torch.device) -> ProgramTable |
             return None
         try:
             body = records.read(folder, name, _MAGIC, _MAX_BYTES)
-            return None if body is None else _table(records.decode(body, "prepared-program record"))
+            return None if body is None else table_from_stored(records.decode(body, "prepared-program record"))
         except Exception as exc:  # a record is an optimization: any doubt, and the load decodes
             log.info("prepared-program record %s ignored (%s: %s); decoding the graph", name,
                      type(exc).__name__, str(exc)[:200])
@@ -103,7 +112,7 @@ def load(digest: str, groups: list[str], device: torch.device) -> ProgramTable |
 def save(digest: str, groups: list[str], device: torch.device, table: ProgramTable) -> None:
     """Keep ``table`` for later loads (best effort, as ``verified.remember``)."""
     try:
-        body = records.encode(_plain(table))
+        body = records.encode(stored_form(table))
         if len(body) > _MAX_BYTES:
             return
         with verified.private_dir(record_dir(), create=True) as folder:
@@ -115,13 +124,14 @@ def save(digest: str, groups: list[str], device: torch.device, table: ProgramTab
 
 
 def _name(digest: str, groups: list[str], device: torch.device) -> str:
-    ident = (f"{verified.entry_name(digest)}\0{_builder_code()}\0{sys.version}\0"
+    ident = (f"{verified.entry_name(digest)}\0{builder_code()}\0{sys.version}\0"
              f"{list(groups)!r}\0{device}")
     return hashlib.sha256(ident.encode()).hexdigest()
 
 
 @functools.lru_cache(maxsize=1)
-def _builder_code() -> str:
+def builder_code() -> str:
+    """The identity of the code that builds and stores programs (a table from other code is not read)."""
     here = pathlib.Path(__file__).parent.parent
     h = hashlib.sha256()
     for name in _BUILDER_FILES:
@@ -136,7 +146,7 @@ def _target_name(target) -> str:
     return op_name(getattr(target, "overload", target))  # a value-checked op: the op it wraps
 
 
-def _plain(table: ProgramTable) -> tuple:
+def stored_form(table: ProgramTable) -> tuple:
     """``table`` with ops named (everything else is plain data, ``Ref``s, slices, torch enums,
     devices: what ``encode`` stores)."""
     folds = tuple(f if len(f) == 2 else (f[0], _target_name(f[1]), *f[2:]) for f in table.folds)
@@ -144,7 +154,7 @@ def _plain(table: ProgramTable) -> tuple:
     return (table.n_nodes, table.n_inputs, table.n_ops, table.constants, folds, table.output, steps, table.inputs)
 
 
-def _table(plain) -> ProgramTable:
+def table_from_stored(plain) -> ProgramTable:
     """The stored form back to a ``ProgramTable``: op names resolved through the allowlist."""
     n_nodes, n_inputs, n_ops, constants, folds, output, steps, inputs = plain
     targets: dict[str, object] = {}
