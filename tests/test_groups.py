@@ -122,8 +122,13 @@ def test_module_dict_children_are_blocks_like_module_list_children():
     twins = assign_groups(twin, Plan(2, "shard"), [(n, "float32") for n, _ in twin.named_parameters()])
     assert [g.label for g in groups] == ["root"] + [f"layers.{i}" for i in range(LAYERS)]
     assert [[f.replace("layers.", "blocks.") for f in g.fqns] for g in groups] == [list(g.fqns) for g in twins]
-    nested = torch.nn.ModuleDict({"enc": torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]), "head": torch.nn.Linear(2, 2)})
-    assert block_prefixes(nested) == ["enc.0", "enc.1", "head"]
+    # a ModuleDict of different modules is a namespace (towers, heads): its contents are looked into
+    towers = torch.nn.ModuleDict({"text": _model(), "vision": _dict_model(), "head": torch.nn.Linear(2, 2)})
+    assert block_prefixes(towers) == [f"text.blocks.{i}" for i in range(LAYERS)] + \
+        [f"vision.layers.{i}" for i in range(LAYERS)]
+    nested = torch.nn.ModuleDict({"enc": torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]),
+                                  "dec": torch.nn.ModuleList([torch.nn.Linear(2, 2)])})
+    assert block_prefixes(nested) == ["enc.0", "enc.1", "dec.0"]
 
 
 def test_a_module_dict_model_communicates_per_block(tmp_path, shard_build):

@@ -11,7 +11,10 @@ of an ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` (a child that is its
 container is split into its own children), as ``fully_shard`` applied to every transformer
 block. ModuleDict counts because torchtitan-style models keep their layers in one
 (``self.layers = nn.ModuleDict({str(i): Block() ...})``, so checkpoints keep their keys when
-layers are dropped); without it such a model was one group, gathered whole at once. Parameters in
+layers are dropped); without it such a model was one group, gathered whole at once. A
+ModuleDict is also a namespace for different submodules (a text and a vision tower, several
+heads): only one whose children share a class is a stack of blocks; another is looked into,
+as any module. Parameters in
 no block or pattern form the *root* group. Only sharded parameters join groups; parameters
 kept whole keep their all_reduce.
 
@@ -61,10 +64,16 @@ def block_prefixes(model: nn.Module) -> list[str]:
     containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
     out: list[str] = []
 
+    def stack(module: nn.Module) -> bool:
+        """Whether ``module``'s children are blocks (a ModuleDict only when they share a class)."""
+        if isinstance(module, nn.ModuleDict):
+            return len({type(child) for child in module.children()}) == 1
+        return isinstance(module, containers)
+
     def visit(module: nn.Module, prefix: str) -> None:
         for name, child in module.named_children():
             path = prefix + name
-            if isinstance(module, containers) and not isinstance(child, containers):
+            if stack(module) and not isinstance(child, containers):
                 out.append(path)
             else:
                 visit(child, path + ".")

@@ -42,8 +42,8 @@ class Plan:
     # (DDP's defaults), so the first all_reduce starts early in backward. shard: parameters are
     # gathered and their gradients reduce-scattered per group: ``shard_groups`` are FQN
     # patterns, one group each (a parameter joins the first group that matches); empty means
-    # one group per child of every ModuleList/Sequential/ModuleDict plus one for the remaining
-    # parameters (as ``fully_shard`` per block). ``reshard_after_forward`` frees gathered
+    # one group per child of every ModuleList/Sequential/ModuleDict (``groups.block_prefixes``)
+    # plus one for the remaining parameters (as ``fully_shard`` per block). ``reshard_after_forward`` frees gathered
     # parameters after forward and gathers them again for backward (FSDP2's default).
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
