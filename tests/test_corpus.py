@@ -25,12 +25,10 @@ TESTS = pathlib.Path(__file__).resolve().parent
 
 # Known failures, each with its cause; strict: a fix makes the test fail until the mark goes.
 # A model name marks every test of that model; (name, configuration) marks one loaded case.
-_GROUPED_MM = ("transformers' default MoE experts (grouped_mm) call aten._grouped_mm, whose meta kernel in "
-               "torch 2.13 accepts only bf16 (the CPU kernel runs fp32): tracing on fake tensors fails")
 KNOWN = {
-    "mixtral": _GROUPED_MM,
-    "qwen2_moe": _GROUPED_MM + " (in module model.layers.0.mlp.experts (Qwen2MoeExperts)); its TP plan "
-                               "also names layers.*.mlp.gate_proj/up_proj/down_proj, which its MoE layers lack",
+    ("qwen2_moe", "tp"): "its TP plan (passed as written) names layers.*.mlp.gate_proj/up_proj/down_proj, which "
+                         "its MoE layers lack: a written plan naming missing modules is refused (tp_plan='hf' "
+                         "skips them, as transformers does)",
     "titan_llama": "complex RoPE: aten::view_as_complex, aten::view_as_real and aten::_conj (its backward) are "
                    "not on the op allowlist, so the build refuses the step naming view_as_complex (with the "
                    "three opted in through SPMD_AOT_ALLOW_OPS it builds, hits and matches eager)",
@@ -90,17 +88,6 @@ def test_data_dependent_moe_routing_is_refused_at_build_naming_the_op(tmp_path):
     assert built.rc == 2, built.output
     assert "model.layers.0.mlp.experts (MixtralExperts)" in built.output, built.output
     assert "aten.nonzero" in built.output, built.output
-
-
-def test_a_transformers_plan_style_spmd_aot_refuses_is_named_at_build(tmp_path):
-    """GPT-NeoX's own TP plan splits its embedding over the vocabulary ('embedding_rowwise'): the
-    build refuses the plan naming the pattern and the style (exit 2, nothing traced). The corpus's
-    GPT-NeoX TP case runs the plan the refusal asks for: the same plan, the embedding left out."""
-    plan = dict(corpus.factory("gpt_neox")().config.base_model_tp_plan)
-    assert {k: v for k, v in plan.items() if k != "embed_in"} == corpus.GPT_NEOX_PLAN
-    built = corpus.api_build("gpt_neox", str(tmp_path), world_size=2, placement="replicate", tp_plan=plan)
-    assert built.rc == 2, built.output
-    assert "tp_plan['embed_in']" in built.output and "'embedding_rowwise'" in built.output, built.output
 
 
 # ---------------------------------------------------------------------------- keys
