@@ -251,6 +251,12 @@ def _hf_job(name):
                         batch=lambda: corpus.lm_batch(0, 0))
 
 
+def corpus_model(name):
+    from support import corpus
+
+    return corpus.factory(name)()
+
+
 def _hf_worker(rank, world, cache, name):
     from support import corpus
 
@@ -277,8 +283,11 @@ HF_MODELS = {"gpt_neox": ({"all_reduce": 9, "reduce_scatter_tensor": 1}, None),
 
 
 @pytest.mark.parametrize("name", sorted(HF_MODELS))
-def test_a_transformers_models_own_plan_matches_the_unsplit_model(tmp_path, caplog, name):
+def test_a_transformers_models_own_plan_matches_the_unsplit_model(tmp_path, caplog, monkeypatch, name):
+    from spmd_aot.parallel import tp_plan
+
     by_kind, skipped = HF_MODELS[name]
+    monkeypatch.setattr(tp_plan, "_WARNED", set())  # the warning is logged once per process
     with caplog.at_level("WARNING", logger="spmd_aot.parallel.tp_plan"):
         built = spmd_aot.build(_hf_job(name), world_size=2, tp_plan="hf", cache_dir=tmp_path)
     assert built.stats["by_kind"] == by_kind
@@ -288,6 +297,10 @@ def test_a_transformers_models_own_plan_matches_the_unsplit_model(tmp_path, capl
     for r in run_ranks(_hf_worker, 2, str(tmp_path), name):
         assert r["traces"] == 0, r
         assert r["param"] <= TOL and r["loss"] <= TOL, r
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="spmd_aot.parallel.tp_plan"):
+        Plan(2, tp_plan="hf").for_model(corpus_model(name))  # a job binding the plan again: no repeat
+    assert not caplog.records
 
 
 def test_a_written_plan_naming_a_missing_module_is_refused_pointing_at_hf(tmp_path):

@@ -17,6 +17,7 @@ __all__ = ["SPLIT_DIMS", "STYLE_NAMES", "style_name", "resolve_tp_plan", "first_
            "MODEL_PLAN_NAMES", "HF_STYLE_NAMES", "HF_REFUSED_STYLES"]
 
 log = logging.getLogger(__name__)
+_WARNED: set = set()  # (model class, skipped patterns) already logged by ``resolve_tp_plan``
 
 #: style name -> parameter of the module -> tensor dimension split over the TP ranks (None:
 #: whole on every TP rank); in the order the styles are documented (``tensor_parallel.py``).
@@ -115,11 +116,13 @@ def resolve_tp_plan(tp_plan, model: nn.Module, skipped: list | None = None) -> t
                 unmatched.append(pattern)
             else:  # styles are checked only for modules the model has, as transformers applies them
                 resolved.append((where, style_name(pattern, style)))
-        if unmatched:
+        said = (type(model).__qualname__, tuple(unmatched))
+        if unmatched and said not in _WARNED:  # once per process: every job start binds the plan again
+            _WARNED.add(said)
             log.warning("tp_plan=%r: %s's own plan names module(s) it does not have, skipped (transformers "
                         "skips them too): %s", tp_plan, type(model).__qualname__, ", ".join(unmatched))
-            if skipped is not None:
-                skipped.extend(unmatched)
+        if unmatched and skipped is not None:
+            skipped.extend(unmatched)
         if not resolved:
             raise UnsupportedError(
                 f"tp_plan={tp_plan!r}: none of the patterns of {type(model).__qualname__}'s own plan "
