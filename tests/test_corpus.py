@@ -1,5 +1,5 @@
 """The real-model corpus: transformers decoder LMs (GPT-2, Llama, Mistral, Qwen3, Gemma, Gemma 2,
-Phi-3, GPT-NeoX, BLOOM), MoE (Mixtral, Qwen2-MoE), encoder-decoders (T5, BART, Whisper), BERT,
+Phi-3, GPT-NeoX, BLOOM), MoE (Mixtral, Qwen2-MoE), encoder-decoders (T5, Whisper), BERT,
 CLIP, Mamba, vision (ViT, Swin, ConvNeXt, ResNet), a peft LoRA model and our nanoGPT- and
 torchtitan-style models, built with the CLI, loaded with ``require_hit=True`` on 2 gloo ranks
 (0 traces) and compared with eager DDP / ``fully_shard`` / ``parallelize_module`` after 5 AdamW

@@ -1,6 +1,7 @@
 """Run the real-model corpus (tests/support/corpus.py) and print its Markdown **Models** table: per model
 and configuration, the largest parity difference from eager (with the job's own floor), build
-seconds, first-call seconds on a hit, and the loaded/eager step-time ratio; then every failure.
+seconds, first-call seconds on a hit, the loaded/eager step-time ratio and the seconds the case
+takes on its ranks (eager twice and the loaded run); then every failure.
 
     python tools/run_corpus.py [--models gpt2,llama] [--group-size 4]
 
@@ -31,13 +32,14 @@ def _row(name: str, config: str, built, per_rank: list | None) -> str:
 
     spec = corpus.MODELS.get(name)
     model = "SPMD wrapper (GPT-2 eval)" if name == "spmd" else f"{name}: {spec.about}"
-    tp = "HF plan, tp=2" if corpus.CONFIGS[config][2] else "-"
+    tp = "-" if not corpus.CONFIGS[config][2] else f"{'HF plan' if spec.plan is None else 'plan'}, tp=2"
     build_s = f"{built.seconds_for(corpus.CONFIGS[config][0]) if built.ok else built.seconds:.1f}"
     if not built.ok:
-        return f"| {model} | {_placement(config)} | {tp} | build fails | {build_s} | - | - |"
+        return f"| {model} | {_placement(config)} | {tp} | build fails | {build_s} | - | - | - |"
+    run_s = f"{max(r.get('run_s', 0.0) for r in per_rank):.1f}"
     errors = [r["error"].splitlines()[0][:120] for r in per_rank if "error" in r]
     if errors:
-        return f"| {model} | {_placement(config)} | {tp} | fails: {errors[0]} | {build_s} | - | - |"
+        return f"| {model} | {_placement(config)} | {tp} | fails: {errors[0]} | {build_s} | - | - | {run_s} |"
     diff = max(v for r in per_rank for v in r["diff"].values())
     floor = max((v for r in per_rank for v in r.get("floor", {}).values()), default=None)
     mark = "" if not any(corpus.verdict(r) for r in per_rank) else " **over tolerance**"
@@ -45,7 +47,7 @@ def _row(name: str, config: str, built, per_rank: list | None) -> str:
     load = max(r["load_s"] for r in per_rank) if "load_s" in per_rank[0] else None
     ratio = statistics.median(r["ratio"] for r in per_rank) if "ratio" in per_rank[0] else None
     return (f"| {model} | {_placement(config)} | {tp} | {shown} | {build_s} | "
-            f"{'-' if load is None else f'{load:.2f}'} | {'-' if ratio is None else f'{ratio:.2f}'} |")
+            f"{'-' if load is None else f'{load:.2f}'} | {'-' if ratio is None else f'{ratio:.2f}'} | {run_s} |")
 
 
 def _failure(per_rank: list) -> str:
@@ -72,8 +74,8 @@ def main(argv=None) -> int:
     names = args.models.split(",") if args.models else None
     with tempfile.TemporaryDirectory(prefix="spmd-aot-corpus-") as root:
         run = corpus.run_corpus(root, names, group_size=args.group_size)
-    print("| model | placement | TP | max parity diff (floor) | build s | load s | loaded/eager |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | placement | TP | max parity diff (floor) | build s | load s | loaded/eager | run s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     failures = []
     for name, config in corpus.cases(names):
         built = run.builds[name, config]
