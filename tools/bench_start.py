@@ -143,12 +143,51 @@ def parity(step, model, optim, batch, cfg: dict) -> float:
     return max((a - b).abs().max().item() for a, b in zip(model.parameters(), eager.parameters()))
 
 
+#: What a load's phases are timed by (module, attribute, phase): ``--fresh-node`` reports them.
+#: Wrapped in the child before its first call; modules are imported where the load imports them
+#: anyway, except ``validate`` (the meta check), which is timed inside ``Artifact._check``.
+_PHASES = (("spmd_aot.format.artifact", "read_artifact", "read and verify blobs"),
+           ("spmd_aot.runtime.step", "read_artifact", "read and verify blobs"),
+           ("spmd_aot.format.artifact.Artifact", "_check", "decode + meta check (imports included)"),
+           ("spmd_aot.format.artifact", "decode_graph", "graph decode"),
+           ("spmd_aot.format.program_blob", "program", "program from the signed part"),
+           ("spmd_aot.runtime.prepared", "load", "prepared record read"),
+           ("spmd_aot.runtime.prepared", "save", "prepared record write"),
+           ("spmd_aot.runtime.program.Program", "__init__", "program build (fold, plan)"))
+
+
+def _time_phases() -> dict[str, float]:
+    """Seconds per phase (``_PHASES``) of this process's load, filled as it runs."""
+    import importlib
+
+    spent: dict[str, float] = {}
+
+    def timed(fn, phase):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[phase] = spent.get(phase, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    for where, name, phase in _PHASES:
+        if where.endswith((".Artifact", ".Program")):  # a method: patched on its class
+            mod, cls = where.rsplit(".", 1)
+            owner = getattr(importlib.import_module(mod), cls)
+        else:
+            owner = importlib.import_module(where)
+        setattr(owner, name, timed(getattr(owner, name), phase))
+    return spent
+
+
 def child(variant: str, cfg: dict, cache_dir: str, spawned_at: float) -> dict:
     """One fresh process's start-up: runs in the child, prints a JSON line."""
     import torch
 
     torch.set_num_threads(1)
     model, optim, batch = _objects(cfg)
+    phases = _time_phases() if variant.startswith("spmd-aot") and os.environ.get("BENCH_START_PHASES") else {}
     start = time.perf_counter()
     step = _step_for(variant, cfg, cache_dir, model)
     setup = time.perf_counter() - start
@@ -160,7 +199,9 @@ def child(variant: str, cfg: dict, cache_dir: str, spawned_at: float) -> dict:
     if info is not None and not info.hit:
         raise SystemExit(f"{variant}: expected a cache hit")
     return {"first_s": first, "ready_s": info.seconds if info is not None else None, "setup_s": setup,
-            "start_to_first_s": start_to_first, "parity": parity(step, model, optim, batch, cfg)}
+            "start_to_first_s": start_to_first, "phases": dict(phases),
+            "validate_imported": "spmd_aot.format.validate" in sys.modules,
+            "parity": parity(step, model, optim, batch, cfg)}
 
 
 def fresh_runs(variants: list[str], cfg: dict, cache_dir: str, repeats: int, env: dict,
@@ -294,6 +335,78 @@ def own_work_over_eager(runs: list[dict], eager: list[dict]) -> float:
                              for r, e in zip(runs, eager))
 
 
+FRESH_ROWS = ("unsigned, first load on a fresh node", "unsigned, repeat load",
+              "signed, first load on a fresh node", "signed, repeat load")
+
+
+def fresh_node(cfg: dict, repeats: int, tmp: str, env: dict) -> dict[str, list[dict]]:
+    """First loads as a cluster job's nodes pay them, beside repeat loads, signed and unsigned.
+
+    Two caches hold the same build, one built with a signing key (its entry carries the checked
+    program, ``format/program_blob.py``). A "first load" child gets a new, empty
+    ``XDG_STATE_HOME`` (no record of passed checks, no prepared program: a node that never ran
+    the job); a "repeat load" child shares one state folder that an untimed load filled. Every
+    child is a fresh interpreter (imports cold in the process; the OS file cache is warm, as
+    after the job's first rank on a node). The four rows take turns, one round per repeat,
+    after one untimed round."""
+    import shutil
+
+    key = "bench-start-signing-key"
+    caches = {"unsigned": os.path.join(tmp, "cache-unsigned"), "signed": os.path.join(tmp, "cache-signed")}
+    os.environ.pop("SPMD_AOT_SIGNING_KEY", None)
+    print(f"# built the unsigned entry in {build(cfg, caches['unsigned']):.1f} s", flush=True)
+    os.environ["SPMD_AOT_SIGNING_KEY"] = key
+    try:
+        print(f"# built the signed entry in {build(cfg, caches['signed']):.1f} s", flush=True)
+    finally:
+        os.environ.pop("SPMD_AOT_SIGNING_KEY", None)
+    runs: dict[str, list[dict]] = {row: [] for row in FRESH_ROWS}
+    for i in range(repeats + 1):
+        for row in FRESH_ROWS:
+            kind = row.split(",")[0]
+            state = (os.path.join(tmp, f"state-{kind}-{i}-fresh") if "first" in row
+                     else os.path.join(tmp, f"state-{kind}-repeat"))
+            child_env = dict(env, XDG_STATE_HOME=state, BENCH_START_PHASES="1")
+            if kind == "signed":
+                child_env["SPMD_AOT_SIGNING_KEY"] = key
+            spawned_at = time.time()
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "spmd-aot hit",
+                                  "--cache-dir", caches[kind], "--spawned-at", repr(spawned_at),
+                                  "--config", json.dumps(cfg)], env=child_env, capture_output=True, text=True,
+                                 timeout=900)
+            if out.returncode != 0:
+                raise RuntimeError(f"{row} process failed:\n{out.stdout}\n{out.stderr}")
+            if "first" in row:
+                shutil.rmtree(state, ignore_errors=True)
+            if i:  # round 0 is untimed: OS file cache, and the repeat rows' state
+                runs[row].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return runs
+
+
+def fresh_table(cfg: dict, runs: dict[str, list[dict]]) -> str:
+    """Ready time (key, lookup, load, bind: ``cache_info.seconds``) and first call per row, and
+    where a row's ready time goes (median seconds per phase, nested phases indented)."""
+    lines = [f"# {cfg['layers']} layers, d_model {cfg['d_model']}, context {cfg['seq']}, batch {cfg['batch']}, "
+             f"AdamW, world 1, one OpenMP thread; medians of {len(next(iter(runs.values())))} fresh processes per "
+             "row, rows interleaved",
+             "| | ready | first call | compile() + first call | meta checker imported |", "|---|---|---|---|---|"]
+    for row, rs in runs.items():
+        lines.append(f"| {row} | {statistics.median(r['ready_s'] for r in rs):.3f} s | "
+                     f"{statistics.median(r['first_s'] for r in rs):.3f} s | "
+                     f"{statistics.median(r['setup_s'] + r['first_s'] for r in rs):.3f} s | "
+                     f"{'yes' if any(r['validate_imported'] for r in rs) else 'no'} |")
+    lines.append("")
+    phases = [phase for _, _, phase in _PHASES]
+    phases = list(dict.fromkeys(phases))
+    lines.append("| phase (ms, median) | " + " | ".join(runs) + " |")
+    lines.append("|---|" + "---|" * len(runs))
+    for phase in phases:
+        cells = [f"{1e3 * statistics.median(r['phases'].get(phase, 0.0) for r in rs):.1f}" for rs in runs.values()]
+        if any(c != "0.0" for c in cells):
+            lines.append(f"| {phase} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=12)
@@ -306,6 +419,9 @@ def main(argv=None) -> int:
     p.add_argument("--with-torch-compile", action="store_true")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 layer, d_model 16, 1 repeat without a warm-up process, 2 blocks of 1 step")
+    p.add_argument("--fresh-node", action="store_true",
+                   help="only first loads on a fresh node (empty per-user state) against repeat loads, "
+                        "signed and unsigned, with where the time goes")
     p.add_argument("--json", help="also write the figures here")
     p.add_argument("--plot", default=os.path.join(tempfile.gettempdir(), "bench_start.svg"),
                    help="bar chart of first call and steady step per row (SVG)")
@@ -341,6 +457,13 @@ def main(argv=None) -> int:
         env["PYTHONPYCACHEPREFIX"] = os.path.join(tmp, "pycache")
         try:
             os.environ.update(own)
+            if args.fresh_node:
+                runs = fresh_node(cfg, args.repeats, tmp, env)
+                print(fresh_table(cfg, runs))
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump({"config": cfg, "fresh_node": runs}, f, indent=1)
+                return 0
             print(f"# built the artifact in {build(cfg, cache_dir, with_kernels):.1f} s", flush=True)
             if AOT_COMPILE in variants:
                 print(f"# saved the aot_compile step and the AOTInductor package in "
