@@ -244,3 +244,25 @@ def test_gloo_ranks_bind_the_stored_program_to_their_live_groups_and_match_ddp(t
     for r in results:
         assert r["hit"] and r["decodes"] == 0, r
         assert r["param"] <= 1e-5 and r["state"] <= 1e-5 and r["loss"] <= 1e-5, r
+
+
+def test_verify_refuses_a_signed_part_that_is_not_what_the_graph_gives(signed):
+    """``check_entry`` (``spmd-aot verify``, and a build that finds the entry) compares the part
+    with the program this code builds from the graph; a re-signed, altered table is refused."""
+    from spmd_aot.format import records
+    from spmd_aot.format.artifact import check_entry
+
+    store, key, digest = signed
+    check_entry(store, key, digest)  # the stored part is exactly what the graph gives
+    art = read_artifact(store, digest)
+    doc = records.decode(art.program_blob[len(program_blob.MAGIC):])
+    table = list(doc["table"])
+    table[2] += 1  # one op more than the graph has
+    doc["table"] = tuple(table)
+    altered = store.put(program_blob.MAGIC + records.encode(doc))
+
+    def swap(m):
+        m["blobs"][program_blob.PART] = altered
+    new = _rewrite_manifest(store, digest, swap, KEY.encode())
+    with pytest.raises(CorruptArtifactError, match="not the program its graph gives"):
+        check_entry(store, key, new)

@@ -352,6 +352,10 @@ def check_entry(store, key: str, digest: str) -> Artifact:
         from .kernels_blob import unpack
 
         unpack(artifact.kernels, f"artifact {digest[:12]}")
+    if artifact.program_blob is not None:  # read only when the signature verified
+        from . import program_blob
+
+        program_blob.check(artifact)
     return artifact
 
 

@@ -47,7 +47,7 @@ from . import records
 from ..errors import CorruptArtifactError
 from .serialize import Ref
 
-__all__ = ["MAGIC", "GROUP_PREFIX", "WORLD", "PART", "encode", "program"]
+__all__ = ["MAGIC", "GROUP_PREFIX", "WORLD", "PART", "encode", "program", "check"]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,24 @@ def encode(artifact) -> bytes | None:
                     artifact.digest[:12], exc)
         return None
     return MAGIC + body
+
+
+def check(artifact) -> None:
+    """``spmd-aot verify``'s check of a signed entry's part: it must be exactly what this code
+    builds from the entry's graph (``CorruptArtifactError`` otherwise). A part of other builder
+    code or another torch release is not compared: a load ignores it too."""
+    data = artifact.program_blob
+    if data is None or not data.startswith(MAGIC):
+        if data is not None:
+            raise CorruptArtifactError(f"program part of artifact {artifact.digest[:12]} does not start with {MAGIC!r}")
+        return
+    doc = records.decode(data[len(MAGIC):], f"program part of artifact {artifact.digest[:12]}")
+    if type(doc) is dict and (doc.get("builder"), doc.get("torch")) != (_identity(), str(torch.__version__)):
+        return
+    if encode(artifact) != data:
+        raise CorruptArtifactError(
+            f"artifact {artifact.digest[:12]}: its signed program part is not the program its graph gives "
+            "(a builder bug or a misused key); remove the entry and build it again")
 
 
 def program(artifact, groups: list[str], device: torch.device):
