@@ -326,13 +326,6 @@ def _lora(**overrides):
     return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
 
 
-# GPT-NeoX's own plan without ``embed_in``: spmd-aot refuses its 'embedding_rowwise' and says to
-# leave the embedding out (whole on every TP rank); the packed query_key_value stays 'colwise'
-# (its rows are grouped per head, so a TP rank's rows are whole heads).
-GPT_NEOX_PLAN = {"layers.*.attention.query_key_value": "colwise", "layers.*.attention.dense": "rowwise",
-                 "layers.*.mlp.dense_h_to_4h": "colwise", "layers.*.mlp.dense_4h_to_h": "rowwise"}
-
-
 # ---------------------------------------------------------------------------- a torchtitan-style Llama
 @dataclasses.dataclass
 class TitanArgs:
@@ -502,8 +495,9 @@ MODELS: dict[str, Model] = {
     "mamba": Model(_mamba, lm_batch, about="Mamba state-space LM, sequential scan (CPU slow path)"),
     "swin": Model(_swin, image_batch, about="Swin hierarchical vision: shifted windows, patch merging"),
     "convnext": Model(_convnext, image_batch, about="ConvNeXt: depthwise conv, channels-last LayerNorm, layer scale"),
-    "gpt_neox": Model(_gpt_neox, lm_batch, tp=True, plan=GPT_NEOX_PLAN,
-                      about="GPT-NeoX, packed query_key_value, partial rotary (plan: its own, embed_in left out)"),
+    "gpt_neox": Model(_gpt_neox, lm_batch, tp=True,
+                      about="GPT-NeoX, packed query_key_value (rows grouped per head), partial rotary "
+                            "(plan: embedding_rowwise)"),
     "phi3": Model(_p(_decoder, "Phi3Config", "Phi3ForCausalLM", pad_token_id=0), lm_batch, tp=True,
                   about="Phi-3, packed qkv_proj and gate_up_proj (plan: colwise_rep/rowwise_rep)"),
     "bloom": Model(_bloom, lm_batch, about="BLOOM, ALiBi position bias"),
@@ -646,14 +640,17 @@ def _tp_size(config: str, world: int) -> int:
 # ---------------------------------------------------------------------------- the eager oracles
 def _torch_style(style: str):
     """transformers' style name as torch's ``parallelize_module`` style: ``colwise_rep`` gathers
-    the output features (whole on every TP rank), ``rowwise_rep`` takes a whole input and splits it."""
+    the output features (whole on every TP rank), ``rowwise_rep`` takes a whole input and splits it,
+    ``embedding_rowwise`` splits the vocabulary of whole token ids (torch masks the ids outside a
+    rank's rows and sums the partial embeddings)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     gathered, split = (lambda: ColwiseParallel(output_layouts=Replicate()),
                        lambda: RowwiseParallel(input_layouts=Replicate()))
-    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "colwise_rep": gathered,
-            "colwise_gather_output": gathered, "rowwise_rep": split, "rowwise_split_input": split}[style]()
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "embedding_rowwise": split,
+            "colwise_rep": gathered, "colwise_gather_output": gathered, "rowwise_rep": split,
+            "rowwise_split_input": split}[style]()
 
 
 def _allreduce_grads_over(module: nn.Module, group) -> None:
