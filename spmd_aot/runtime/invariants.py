@@ -24,7 +24,9 @@ its ``numel`` elements from its first one lie inside its storage (what a kernel 
 dense layout touches), unless the meta value itself overlapped (an ``expand``), whose readers'
 contracts were checked on an overlapping layout already. The storage offset is not compared
 either (a slice of a batch starts anywhere); a CPU view made by a kernel lies inside its
-storage (view ops that take raw sizes, strides or storage are refused by the allowlist).
+storage (the one admitted view op that takes raw sizes and strides, ``as_strided``, has a
+contract that its extent fits its input's storage, and torch's CPU ``as_strided`` checks the
+real storage again).
 
 Values no op reads are not checked (a benign divergence such as eval-mode batch norm's unused
 saved statistics costs nothing and breaks nothing), and neither are arguments an op is known
