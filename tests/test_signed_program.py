@@ -266,3 +266,27 @@ def test_verify_refuses_a_signed_part_that_is_not_what_the_graph_gives(signed):
     new = _rewrite_manifest(store, digest, swap, KEY.encode())
     with pytest.raises(CorruptArtifactError, match="not the program its graph gives"):
         check_entry(store, key, new)
+
+
+def test_a_two_dimensional_mesh_binds_each_dimension_to_its_live_group(tmp_path, state, monkeypatch):
+    """HSDP on a (2, 2) mesh: the part names its groups by mesh dimension, and a load binds
+    each to that dimension's live group exactly as decoding the graph does."""
+    from spmd_aot.format import records
+    from spmd_aot.runtime.prepared import stored_form
+    from support.jobs import make_job
+
+    monkeypatch.setenv(signing.ENV_SIGNING_KEY, KEY)
+    spmd_aot.build(make_job("transformer", "adamw"), world_size=4, placement="shard", mesh_shape=(2, 2),
+                   cache_dir=tmp_path / "hsdp")
+    store = LocalStore(tmp_path / "hsdp")
+    (key,) = store.ref_keys()
+    art = read_artifact(store, store.get_ref(key))
+    doc = records.decode(art.program_blob[len(program_blob.MAGIC):])
+    assert doc["mesh_dims"] == 2 and doc["bind"]  # collectives hold group placeholders
+    live = ["live-group-of-dim-0", "live-group-of-dim-1"]
+    from_part = program_blob.program(art, live, torch.device("cpu")).table
+    full = art.program(live, torch.device("cpu")).table
+    assert records.encode(stored_form(from_part)) == records.encode(stored_form(full))
+    stored = records.encode(stored_form(from_part))
+    assert b"live-group-of-dim-0" in stored and b"live-group-of-dim-1" in stored
+    assert program_blob.GROUP_PREFIX.encode() not in stored  # no placeholder left unbound
