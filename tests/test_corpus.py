@@ -29,13 +29,6 @@ KNOWN = {
     ("qwen2_moe", "tp"): "its TP plan (passed as written) names layers.*.mlp.gate_proj/up_proj/down_proj, which "
                          "its MoE layers lack: a written plan naming missing modules is refused (tp_plan='hf' "
                          "skips them, as transformers does)",
-    "titan_llama": "complex RoPE: aten::view_as_complex, aten::view_as_real and aten::_conj (its backward) are "
-                   "not on the op allowlist, so the build refuses the step naming view_as_complex (with the "
-                   "three opted in through SPMD_AOT_ALLOW_OPS it builds, hits and matches eager)",
-    "swin": "the pooler, nn.AdaptiveAvgPool1d(1) on a transposed input, emits aten::as_strided_, which "
-            "loading refuses: the build stops with UnsafeArtifactError naming as_strided_",
-    "mamba": "the shard build: the slow scan's self.D[None, :, None] on the parameter fully_shard gathers "
-             "is replayed as aten::as_strided, which loading refuses (UnsafeArtifactError; replicate builds)",
 }
 
 
