@@ -207,9 +207,9 @@ def test_meta_check_catches_a_view_past_its_storage():
              DecodedNode("call_function", "v", torch.ops.aten.as_strided.default, (Ref(0), [2], [1000]), {}),
              DecodedNode("output", "output", "output", ([Ref(1)],), {})]
     with pytest.raises(UnsafeArtifactError, match="reaches byte 4004 of a 64-byte storage"):
-        check_graph(nodes, {}, layout)
+        check_graph(nodes, {}, layout, device_type="cpu")
     nodes[1] = DecodedNode("call_function", "v", torch.ops.aten.as_strided.default, (Ref(0), [2], [4]), {})
-    check_graph(nodes, {}, layout)  # inside the storage: fine
+    check_graph(nodes, {}, layout, device_type="cpu")  # inside the storage: fine
 
 
 
@@ -225,10 +225,10 @@ def test_meta_check_refuses_an_op_that_resizes_the_tensor_it_writes():
         return graph, layout
 
     graph, layout = nodes([4, 16])
-    check_graph(graph, {}, layout)  # the shape it computes: fine
+    check_graph(graph, {}, layout, device_type="cpu")  # the shape it computes: fine
     graph, layout = nodes([64, 64])
     with pytest.raises(UnsafeArtifactError, match=r"mm.out\) breaks its op's argument contract: argument 'out' has shape"):
-        check_graph(graph, {}, layout)
+        check_graph(graph, {}, layout, device_type="cpu")
 
 # ---------------------------------------------------------------- manifests: exact bytes, explain
 

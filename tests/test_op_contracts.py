@@ -46,12 +46,12 @@ def _graph(layout: list[tuple[list, str]], calls: list[tuple]) -> tuple[list, li
 def _refused(layout, calls, match):
     nodes, inputs = _graph(layout, calls)
     with pytest.raises(UnsafeArtifactError, match=match):
-        check_graph(nodes, {}, inputs)
+        check_graph(nodes, {}, inputs, device_type="cpu")
 
 
 def _accepted(layout, calls):
     nodes, inputs = _graph(layout, calls)
-    check_graph(nodes, {}, inputs)
+    check_graph(nodes, {}, inputs, device_type="cpu")
     return nodes
 
 

@@ -138,9 +138,6 @@ DIVERGENT = {
                                  ([4], [4]), ("float32", "float64")),
     "native_dropout_empty": (lambda g, x: g.call_function(operator.getitem, (g.call_function(
         aten.native_dropout.default, (x, 0.5, True)), 1)), ([0],), ("float32",)),
-    "native_group_norm_mixed_dtype": (lambda g, x, w, b: g.call_function(operator.getitem, (g.call_function(
-        aten.native_group_norm.default, (x, w, b, 2, 4, 3, 2, 1e-5)), 1)), ([2, 4, 3], [4], [4]),
-        ("bfloat16", "float32", "float32")),
 }
 
 
@@ -163,7 +160,7 @@ def _checked_program(build, shapes, dtypes, read=lambda g, v: g.call_function(at
     g.output(read(g, value))
     nodes = decode_graph(encode_graph(g, {}), groups=[], device=CPU)
     layout = [{"local_shape": list(s), "dtype": d} for s, d in zip(shapes, dtypes)]
-    metas = check_graph(nodes, {}, layout)
+    metas = check_graph(nodes, {}, layout, device_type="cpu")
     return Program(nodes, {}, expected=[describe(m) for m in metas]), [_real(s, d) for s, d in zip(shapes, dtypes)]
 
 
@@ -174,6 +171,31 @@ def test_a_value_whose_cpu_metadata_differs_from_meta_is_refused_before_it_is_re
         program(*inputs)
     assert isinstance(info.value, CorruptArtifactError)
     assert "remove the entry" in str(info.value)
+
+
+_NORM_OPS = {"layer_norm": aten.native_layer_norm.default, "group_norm": aten.native_group_norm.default}
+
+
+def _norm_args(op, x, w, b):
+    return (x, [3], w, b, 1e-5) if op == "layer_norm" else (x, w, b, 2, 4, 3, 2, 1e-5)
+
+
+@pytest.mark.parametrize("op", sorted(_NORM_OPS))
+@pytest.mark.parametrize("x_dtype,w_dtype", [("float32", "float32"), ("bfloat16", None), ("bfloat16", "bfloat16"),
+                                             ("bfloat16", "float32"), ("float16", "float16"), ("float16", "float32")])
+def test_norm_statistics_are_checked_as_the_cpu_kernel_makes_them(op, x_dtype, w_dtype):
+    """CPU layer and group norm keep their saved statistics in the input's dtype, or fp32 when a
+    reduced-precision input meets an fp32 weight, where torch's meta kernels say fp32 (layer norm)
+    or the input's dtype (group norm): the check follows the CPU kernel (``device_results.py``),
+    so bf16 and fp16 models run, and what reads the statistics is checked against the real dtype."""
+    w_shape = [3] if op == "layer_norm" else [4]
+    shapes = [[2, 4, 3]] + ([w_shape, w_shape] if w_dtype else [])
+    dtypes = (x_dtype,) + ((w_dtype, w_dtype) if w_dtype else ())
+    build = lambda g, *xs: g.call_function(operator.getitem, (g.call_function(  # noqa: E731
+        _NORM_OPS[op], _norm_args(op, *xs) if w_dtype else _norm_args(op, xs[0], None, None)), 1))
+    program, inputs = _checked_program(build, shapes, dtypes)
+    real = _NORM_OPS[op](*(_norm_args(op, *inputs) if w_dtype else _norm_args(op, inputs[0], None, None)))[1]
+    assert program(*inputs).dtype == real.dtype
 
 
 def test_a_divergent_value_nobody_reads_costs_nothing_and_breaks_nothing():
@@ -203,7 +225,7 @@ def test_frozen_batch_norm_in_a_training_step_runs():
 
     nodes = decode_graph(encode_graph(gm.graph, {}), groups=[], device=CPU)
     metas = check_graph(nodes, constants, [{"local_shape": [C], "dtype": "float32"},
-                                           {"local_shape": [2, C, 4], "dtype": "float32"}])
+                                           {"local_shape": [2, C, 4], "dtype": "float32"}], device_type="cpu")
     program = Program(nodes, constants, expected=[describe(m) for m in metas], fold=False)
     assert program.n_checked > 0
     torch.testing.assert_close(program(w.detach(), x), step(w, x))
@@ -329,7 +351,7 @@ g.call_function(aten._fused_adam_.default, ([param], [grad], [exp_avg], [sq], []
 g.output(exp_avg)
 shapes = [[2, C, 1], [C], [C], [C], [C], [2 * C], [2 * C], [2 * C], []]
 nodes = decode_graph(encode_graph(g, {}), groups=[], device=torch.device("cpu"))
-metas = check_graph(nodes, {}, [{"local_shape": s, "dtype": "float32"} for s in shapes])  # passes
+metas = check_graph(nodes, {}, [{"local_shape": s, "dtype": "float32"} for s in shapes], device_type="cpu")  # passes
 expected = [describe(m) for m in metas] if sys.argv[1] == "checked" else None
 try:
     Program(nodes, {}, expected=expected, fold=False)(*[torch.rand(s) for s in shapes])

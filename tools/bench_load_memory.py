@@ -60,7 +60,7 @@ def child(path: str) -> dict:
         nodes = decode_graph(blob, groups=[], device=torch.device("cpu"))
         t1 = time.perf_counter()
         after_decode = _rss()
-        check_graph(nodes, {}, [{"local_shape": [16], "dtype": "float32"}])
+        check_graph(nodes, {}, [{"local_shape": [16], "dtype": "float32"}], device_type="cpu")
         t2 = time.perf_counter()
     return {"nodes": n, "blob_bytes": len(blob), "decode_s": round(t1 - t0, 2), "check_s": round(t2 - t1, 2),
             "decode_rss_growth": after_decode - base, "total_rss_growth": _rss() - base}

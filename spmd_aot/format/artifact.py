@@ -111,7 +111,8 @@ class Artifact:
             if expected is None or len(expected) != len(nodes):
                 from .validate import check_graph  # only here: a remembered artifact never imports it
 
-                expected = [describe(v) for v in check_graph(nodes, self.constants, self.slots)]
+                expected = [describe(v) for v in check_graph(nodes, self.constants, self.slots,
+                                                                  device_type=self.plan.device_type)]
                 if remember:
                     verified.remember(self.digest, expected)
         return nodes, expected

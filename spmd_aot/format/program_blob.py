@@ -97,7 +97,8 @@ def encode(artifact) -> bytes | None:
     dims = len(plan.mesh_shape) if plan.world_size > 1 else 0
     device = torch.device(plan.device_type)
     nodes = decode_graph(artifact.graph, groups=_placeholders(dims), device=device, world=WORLD if dims else None)
-    expected = [describe(v) for v in check_graph(nodes, artifact.constants, artifact.slots)]
+    expected = [describe(v) for v in check_graph(nodes, artifact.constants, artifact.slots,
+                                                  device_type=plan.device_type)]
     table = Program(nodes, artifact.constants, expected=expected).table
     plain = stored_form(table)
     folds, steps = plain[4], plain[6]

@@ -29,6 +29,7 @@ import torch
 import torch.distributed._functional_collectives  # noqa: F401  (meta kernels of the collectives)
 
 from .contracts import Broken, check_call
+from .device_results import corrected
 from ..errors import CorruptArtifactError, LoadLimitError, UnsafeArtifactError
 from ..tracing.fused_meta import FUSED_STEPS, standin
 from .limits import ENV_LOAD_LIMITS, LoadLimits, load_limits
@@ -68,10 +69,11 @@ def tensor_limit(inputs: list[dict], limits: LoadLimits) -> int:
 
 
 def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], inputs: list[dict],
-                limits: LoadLimits | None = None) -> list[Any]:
+                limits: LoadLimits | None = None, *, device_type: str) -> list[Any]:
     """Run ``nodes`` on meta tensors shaped as ``inputs`` (the layout) and check every result;
-    returns every node's meta value (the program's run-time invariants compare real results
-    with them: ``runtime/invariants.py``)."""
+    returns every node's meta value, as the artifact's ``device_type`` kernels return it
+    (``device_results.py``; the program's run-time invariants compare real results with them:
+    ``runtime/invariants.py``)."""
     limits = limits or load_limits()
     limit = tensor_limit(inputs, limits)
     placeholders = sum(1 for n in nodes if n.op == "placeholder")
@@ -129,7 +131,7 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
                 env[i] = _rebuild(known, tensors)
                 continue
             work.spend(node, _run_cost(node, args, tensors if key is not None else None))
-            env[i] = check_node(node, args, kwargs, limit)
+            env[i] = corrected(device_type, node.target, args, kwargs, check_node(node, args, kwargs, limit))
             if key is not None:
                 memo[key] = _describe(env[i], storages)
     return env

@@ -52,7 +52,8 @@ _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLL
 # (and the allowlist file this process chose: allowlist.chosen_list)
 _CHECKER_FILES = ("format/validate.py", "format/contracts", "format/allowlist.py",
                   "format/limits.py", "tracing/fused_meta.py", "format/serialize.py", "format/bounded.py",
-                  "format/verified.py", "format/records.py", "runtime/invariants.py")
+                  "format/verified.py", "format/records.py", "runtime/invariants.py",
+                  "format/device_results.py")
 
 
 def record_dir() -> pathlib.Path:
