@@ -96,9 +96,10 @@ class Artifact:
         return self._check(groups, device, remember=remember)[0]
 
     def _check(self, groups: list[str] | None, device: torch.device | None,
-               remember: bool) -> tuple[list, list]:
+               remember: bool, world: str | None = None) -> tuple[list, list]:
         """``check``'s work: the decoded nodes, and what the meta check derived for every node
-        (``invariants.describe`` of its meta result), from the run or from its record."""
+        (``invariants.describe`` of its meta result), from the run or from its record.
+        ``world``: the name a world group is bound to (``decode_graph``)."""
         from . import verified
         from ..runtime.invariants import describe
 
@@ -106,7 +107,7 @@ class Artifact:
             groups = [str(d) for d in range(len(self.plan.mesh_shape))] if self.plan.world_size > 1 else []
         # a job's load runs with Python's cyclic collector paused (``runtime/collector.py``)
         with numpy_lookups_skipped():
-            nodes = decode_graph(self.graph, groups=groups, device=device or torch.device("cpu"))
+            nodes = decode_graph(self.graph, groups=groups, device=device or torch.device("cpu"), world=world)
             expected = verified.recall(self.digest) if remember else None
             if expected is None or len(expected) != len(nodes):
                 from .validate import check_graph  # only here: a remembered artifact never imports it

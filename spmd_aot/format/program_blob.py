@@ -84,21 +84,16 @@ def _holds_binding(value: Any) -> bool:
 
 def encode(artifact) -> bytes | None:
     """The ``program`` part of ``artifact`` (an entry in memory that passed ``check_entry``): its
-    graph decoded with placeholder groups and meta-checked (the same check as every load), the
-    program built, its table stored. None when the table holds a constant argument the records'
+    graph decoded with placeholder groups and meta-checked (``Artifact._check``: the check every
+    load runs), the program built, its table stored. None when the table holds a constant argument the records'
     format has no form for (the entry is then stored without the part: every load checks it)."""
-    from ..runtime.invariants import describe
     from ..runtime.prepared import stored_form
     from ..runtime.program import Program
-    from .serialize import decode_graph
-    from .validate import check_graph
 
     plan = artifact.plan
     dims = len(plan.mesh_shape) if plan.world_size > 1 else 0
     device = torch.device(plan.device_type)
-    nodes = decode_graph(artifact.graph, groups=_placeholders(dims), device=device, world=WORLD if dims else None)
-    expected = [describe(v) for v in check_graph(nodes, artifact.constants, artifact.slots,
-                                                  device_type=plan.device_type)]
+    nodes, expected = artifact._check(_placeholders(dims), device, remember=False, world=WORLD if dims else None)
     table = Program(nodes, artifact.constants, expected=expected).table
     plain = stored_form(table)
     folds, steps = plain[4], plain[6]
