@@ -153,7 +153,11 @@ _PHASES = (("spmd_aot.format.artifact", "read_artifact", "read and verify blobs"
            ("spmd_aot.format.program_blob", "program", "program from the signed part"),
            ("spmd_aot.runtime.prepared", "load", "prepared record read"),
            ("spmd_aot.runtime.prepared", "save", "prepared record write"),
-           ("spmd_aot.runtime.program.Program", "__init__", "program build (fold, plan)"))
+           ("spmd_aot.runtime.program.Program", "__init__", "program build (fold, plan)"),
+           ("spmd_aot.runtime.step", "initialize_optimizer_state", "optimizer state (zeros)"),
+           ("spmd_aot.runtime.step", "compute_key", "cache key"),
+           ("spmd_aot.runtime.step.CompiledStep", "_lookup", "lookup (ref, manifest, guards)"),
+           ("spmd_aot.keying.guards", "check", "guards check (after load)"))
 
 
 def _time_phases() -> dict[str, float]:
@@ -172,7 +176,7 @@ def _time_phases() -> dict[str, float]:
         return wrapper
 
     for where, name, phase in _PHASES:
-        if where.endswith((".Artifact", ".Program")):  # a method: patched on its class
+        if where.endswith((".Artifact", ".Program", ".CompiledStep")):  # a method: patched on its class
             mod, cls = where.rsplit(".", 1)
             owner = getattr(importlib.import_module(mod), cls)
         else:
