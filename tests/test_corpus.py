@@ -25,11 +25,7 @@ TESTS = pathlib.Path(__file__).resolve().parent
 
 # Known failures, each with its cause; strict: a fix makes the test fail until the mark goes.
 # A model name marks every test of that model; (name, configuration) marks one loaded case.
-KNOWN = {
-    ("qwen2_moe", "tp"): "its TP plan (passed as written) names layers.*.mlp.gate_proj/up_proj/down_proj, which "
-                         "its MoE layers lack: a written plan naming missing modules is refused (tp_plan='hf' "
-                         "skips them, as transformers does)",
-}
+KNOWN: dict = {}
 
 
 def test_every_known_failure_names_a_corpus_case():
@@ -81,6 +77,18 @@ def test_data_dependent_moe_routing_is_refused_at_build_naming_the_op(tmp_path):
     assert built.rc == 2, built.output
     assert "model.layers.0.mlp.experts (MixtralExperts)" in built.output, built.output
     assert "aten.nonzero" in built.output, built.output
+
+
+def test_a_written_plan_naming_modules_the_model_lacks_is_refused_naming_hf(tmp_path):
+    """Qwen2-MoE's own plan names the dense MLP's projections (layers.*.mlp.gate_proj, ...), which
+    its MoE layers lack. Written out as a dict, the build refuses it naming the patterns and
+    ``tp_plan='hf'`` (exit 2); the corpus's Qwen2-MoE TP case passes ``'hf'``, as the message says."""
+    plan = dict(corpus.factory("qwen2_moe")().config.base_model_tp_plan)
+    built = corpus.api_build("qwen2_moe", str(tmp_path), world_size=2, placement="replicate", tp_plan=plan)
+    assert built.rc == 2, built.output
+    first = built.output.splitlines()[0]
+    assert "layers.*.mlp.gate_proj" in first and "tp_plan='hf'" in first, built.output
+    assert corpus.compile_options("qwen2_moe", "tp")["tp_plan"] == "hf"
 
 
 # ---------------------------------------------------------------------------- keys

@@ -32,7 +32,7 @@ def _row(name: str, config: str, built, per_rank: list | None) -> str:
 
     spec = corpus.MODELS.get(name)
     model = "SPMD wrapper (GPT-2 eval)" if name == "spmd" else f"{name}: {spec.about}"
-    tp = "-" if not corpus.CONFIGS[config][2] else f"{'HF plan' if spec.plan is None else 'plan'}, tp=2"
+    tp = "-" if not corpus.CONFIGS[config][2] else f"{'plan' if isinstance(spec.plan, dict) else 'HF plan'}, tp=2"
     build_s = f"{built.seconds_for(corpus.CONFIGS[config][0]) if built.ok else built.seconds:.1f}"
     if not built.ok:
         return f"| {model} | {_placement(config)} | {tp} | build fails | {build_s} | - | - | - |"
@@ -82,7 +82,8 @@ def main(argv=None) -> int:
         per_rank = run.results.get((name, config))
         print(_row(name, config, built, per_rank))
         if not built.ok:
-            failures.append((name, config, built.output.strip()[-1500:]))
+            lines = built.output.strip().splitlines()  # the error first, then where it was raised
+            failures.append((name, config, "\n".join(lines[:1] + ["..."] + lines[-10:])[-2500:]))
         elif any(corpus.verdict(r) for r in per_rank):
             failures.append((name, config, _failure(per_rank)))
     print(f"\ncorpus wall time {run.seconds:.0f} s")

@@ -440,15 +440,15 @@ class TitanLlama(nn.Module):
 class Model:
     """One corpus entry. ``make(**config_overrides)`` builds the module (unseeded: ``factory``
     seeds it); ``tp`` says whether a TP case is run: with ``plan`` where given (a model without a
-    transformers plan, or whose plan needs the change spmd-aot's refusal asks for), else with the
-    model's own transformers plan."""
+    transformers plan; ``"hf"``, the model's own plan by name, which skips the patterns it lacks),
+    else with the model's own transformers plan written out."""
 
     make: Callable[..., nn.Module]
     batch: Callable[[int, int], Any]
     step: Callable = hf_step
     eval: bool = False  # a forward-only step (optimizer=None), the model in eval mode
     tp: bool = False
-    plan: dict | None = None
+    plan: dict | str | None = None
     about: str = ""
 
 
@@ -505,7 +505,8 @@ MODELS: dict[str, Model] = {
                     about="Gemma 2, attention and final logit soft-capping, alternating sliding window"),
     "qwen2_moe": Model(_p(_decoder, "Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
                           moe_intermediate_size=32, shared_expert_intermediate_size=64), lm_batch, tp=True,
-                       about="Qwen2-MoE with a shared expert, default experts implementation"),
+                       plan="hf", about="Qwen2-MoE with a shared expert, default experts implementation "
+                                        "(plan: tp_plan='hf', which skips its dense-MLP patterns)"),
     "titan_llama": Model(lambda **kw: TitanLlama(TitanArgs(**kw)), token_pair_batch, step=logits_step,
                          tp=True, plan=TITAN_PLAN,
                          about="ours, torchtitan style: complex RoPE, ModuleDict blocks, GQA, SwiGLU"),
@@ -569,7 +570,7 @@ def tp_plan(name: str) -> dict:
     """The corpus entry's ``plan``, else the model's own transformers TP plan
     (``config.base_model_tp_plan``), as the user passes it."""
     spec = MODELS[name]
-    return dict(spec.plan) if spec.plan is not None else dict(factory(name)().config.base_model_tp_plan)
+    return dict(spec.plan) if isinstance(spec.plan, dict) else dict(factory(name)().config.base_model_tp_plan)
 
 
 # ---------------------------------------------------------------------------- building
@@ -629,7 +630,8 @@ CONFIGS = {"replicate": ("replicate", None, False), "shard": ("shard", None, Fal
 
 def compile_options(name: str, config: str) -> dict:
     placement, mesh, tp = CONFIGS[config]
-    return {"placement": placement, "mesh_shape": mesh, **({"tp_plan": tp_plan(name)} if tp else {})}
+    plan = MODELS[name].plan if isinstance(MODELS[name].plan, str) else tp_plan(name) if tp else None
+    return {"placement": placement, "mesh_shape": mesh, **({"tp_plan": plan} if tp else {})}
 
 
 def _tp_size(config: str, world: int) -> int:
