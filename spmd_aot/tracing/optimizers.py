@@ -228,8 +228,17 @@ def _sgd_on_tensors(params, grads, momentum_buffer_list, *, weight_decay, moment
 def _adam_on_tensors(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *_flags, amsgrad, beta1,
                      beta2, lr, weight_decay, eps, maximize, decoupled_weight_decay=False, has_complex=False,
                      grad_scale=None, found_inf=None, **_more_flags):
-    """torch.optim.Adam's and AdamW's update with its numbers as tensors (what eager's per-tensor
-    loop computes with Python floats, with the bias corrections in float64 as there)."""
+    """torch.optim.Adam's and AdamW's update with its numbers as tensors, in the arithmetic of
+    eager's per-tensor loop (``_single_tensor_adam``, what eager runs on CPU by default): the
+    numbers are float64 as eager's Python floats are, each kernel eager calls with a scalar is
+    called here with the same value as a tensor (``lerp_`` with a weight tensor; ``addcmul_`` and
+    ``addcdiv_`` with ``value=1`` on the scaled first operand, which is what their kernels compute
+    first: the foreach forms of the very same kernels), so on CPU the result is
+    eager's bit for bit (rounding differences would be magnified by bf16 forwards into lr-sized
+    steps). DTensor parameters (``shard``, tensor parallel) are updated through their local
+    shards, as eager's DTensor ops compute them; where a parameter's state is placed otherwise,
+    or in a reduced precision (whose ``lerp_`` weight eager keeps in fp32), the update takes the
+    multi-tensor form, equal to rounding."""
     if grad_scale is not None or found_inf is not None:
         raise UnsupportedError("Adam with a grad scaler's grad_scale/found_inf cannot be traced; unscale outside "
                                "the compiled step")
@@ -240,27 +249,55 @@ def _adam_on_tensors(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, stat
             [torch.view_as_real(t) if t.is_complex() else t for t in ts]
             for ts in (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs))
     beta1, beta2, lr_t, eps = map(_number, (beta1, beta2, lr, eps))
+    local = _local_shards(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
+    exact = local is not None and exp_avgs[0].dtype in (torch.float32, torch.float64)
+    if exact:
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = local
     grads = torch._foreach_mul(grads, -1.0) if maximize else list(grads)
     torch._foreach_add_(state_steps, 1)
     if weight_decay != 0:
         if decoupled_weight_decay:
             torch._foreach_mul_(params, 1 - lr_t * _number(weight_decay))
-        else:
+        else:  # eager's grad.add(param, alpha=wd) is one fused multiply-add: equal to rounding
             grads = torch._foreach_add(grads, torch._foreach_mul(params, _number(weight_decay)))
-    torch._foreach_mul_(exp_avgs, beta1)
-    torch._foreach_add_(exp_avgs, torch._foreach_mul(grads, 1 - beta1))
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_add_(exp_avg_sqs, torch._foreach_mul(torch._foreach_mul(grads, grads), 1 - beta2))
+    if exact:
+        weight = (1 - beta1).to(exp_avgs[0].dtype)
+        torch._foreach_lerp_(exp_avgs, grads, [weight] * len(exp_avgs))
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        # eager's addcmul_(grad, grad, value=v) is self + (v * grad) * grad in one kernel: the same kernel on (v * grad)
+        torch._foreach_addcmul_(exp_avg_sqs, torch._foreach_mul(grads, 1 - beta2), grads, value=1)
+    else:
+        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_add_(exp_avgs, torch._foreach_mul(grads, 1 - beta1))
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_add_(exp_avg_sqs, torch._foreach_mul(torch._foreach_mul(grads, grads), 1 - beta2))
     if amsgrad:
         torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
     second = max_exp_avg_sqs if amsgrad else exp_avg_sqs
+    # eager: step = step_t.item(); lr / (1 - beta1 ** step); (1 - beta2 ** step) ** 0.5, in float64
     step_sizes = [lr_t / (1 - torch.pow(beta1, s)) for s in state_steps]
-    correction2 = [torch.sqrt(1 - torch.pow(beta2, s)) for s in state_steps]
+    correction2 = [torch.pow(1 - torch.pow(beta2, s), 0.5) for s in state_steps]
     denoms = torch._foreach_div(torch._foreach_sqrt(second), correction2)
     torch.ops.aten._foreach_add_.Tensor(denoms, eps)  # torch._foreach_add_ would pick .Scalar: a host read
-    updates = torch._foreach_div(exp_avgs, denoms)
-    torch._foreach_mul_(updates, step_sizes)
-    torch._foreach_sub_(params, updates)
+    if exact:
+        torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avgs, [-s for s in step_sizes]), denoms, value=1)
+    else:
+        updates = torch._foreach_div(exp_avgs, denoms)
+        torch._foreach_mul_(updates, step_sizes)
+        torch._foreach_sub_(params, updates)
+
+
+def _local_shards(*lists):
+    """``lists`` with every DTensor replaced by its local tensor (a view: in-place updates reach
+    the DTensor), if each parameter's tensors across the lists are all plain or all DTensors of one
+    placement (elementwise math on them is then the same on the shards); else None."""
+    from torch.distributed.tensor import DTensor
+
+    for tensors in zip(*(ts for ts in lists if ts)):
+        kinds = {(t.placements, t.device_mesh) if isinstance(t, DTensor) else None for t in tensors}
+        if len(kinds) != 1:
+            return None
+    return tuple([t.to_local() if isinstance(t, DTensor) else t for t in ts] for ts in lists)
 
 
 def _adafactor_on_tensors(params, grads, row_vars, col_vars, variances, state_steps, *_flags, d, lr, beta2_decay,
