@@ -231,9 +231,9 @@ def _adam_on_tensors(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, stat
     """torch.optim.Adam's and AdamW's update with its numbers as tensors, in the arithmetic of
     eager's per-tensor loop (``_single_tensor_adam``, what eager runs on CPU by default): the
     numbers are float64 as eager's Python floats are, each kernel eager calls with a scalar is
-    called here with the same value as a tensor (``lerp_`` with a weight tensor; ``addcmul_`` and
-    ``addcdiv_`` with ``value=1`` on the scaled first operand, which is what their kernels compute
-    first: the foreach forms of the very same kernels), so on CPU the result is
+    called here with the same value as a tensor (``lerp_`` as the fused multiply-add it computes;
+    ``addcmul_`` and ``addcdiv_`` with ``value=1`` on the scaled first operand, which is what their
+    kernels compute first: the foreach forms of the very same kernels), so on CPU the result is
     eager's bit for bit (rounding differences would be magnified by bf16 forwards into lr-sized
     steps). DTensor parameters (``shard``, tensor parallel) are updated through their local
     shards, as eager's DTensor ops compute them; where a parameter's state is placed otherwise,
@@ -261,8 +261,10 @@ def _adam_on_tensors(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, stat
         else:  # eager's grad.add(param, alpha=wd) is one fused multiply-add: equal to rounding
             grads = torch._foreach_add(grads, torch._foreach_mul(params, _number(weight_decay)))
     if exact:
+        # eager's lerp_(grad, w) for w < 0.5 (beta1 > 0.5): exp_avg + w * (grad - exp_avg) in one fused
+        # multiply-add, which addcmul_ computes alike (and Inductor lowers without calling back to Python)
         weight = (1 - beta1).to(exp_avgs[0].dtype)
-        torch._foreach_lerp_(exp_avgs, grads, [weight] * len(exp_avgs))
+        torch._foreach_addcmul_(exp_avgs, torch._foreach_sub(grads, exp_avgs), [weight] * len(exp_avgs), value=1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         # eager's addcmul_(grad, grad, value=v) is self + (v * grad) * grad in one kernel: the same kernel on (v * grad)
         torch._foreach_addcmul_(exp_avg_sqs, torch._foreach_mul(grads, 1 - beta2), grads, value=1)

@@ -126,7 +126,8 @@ _RULES: list[tuple[Callable, str]] = [
         _foreach_zero_.default"""),
     (P(foreach, lists=("exponent",)), "_foreach_pow.ScalarAndTensor"),
     (P(foreach, lists=("self", "other")), """_foreach_add.List _foreach_add_.List _foreach_div.List
-        _foreach_div_.List _foreach_maximum_.List _foreach_mul.List _foreach_mul_.List _foreach_sub_.List"""),
+        _foreach_div_.List _foreach_maximum_.List _foreach_mul.List _foreach_mul_.List _foreach_sub.List
+        _foreach_sub_.List"""),
     (P(foreach, lists=("self", "src")), "_foreach_copy_.default"),
     (P(foreach, scalar_tensor="other"), "_foreach_add_.Tensor _foreach_div_.Tensor _foreach_mul.Tensor _foreach_mul_.Tensor"),
     (P(foreach, scalars="scalars"), "_foreach_add_.ScalarList"),
