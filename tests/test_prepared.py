@@ -19,7 +19,7 @@ from spmd_aot.errors import CorruptArtifactError
 from spmd_aot.format import records, serialize
 from spmd_aot.format.limits import ENV_LOAD_LIMITS
 from spmd_aot.format.serialize import Ref
-from spmd_aot.runtime import prepared
+from spmd_aot.runtime import prepared, program_form
 from spmd_aot.runtime.program import Program, ProgramTable
 
 VOCAB, SEQ = 64, 16
@@ -92,7 +92,7 @@ def test_a_second_hit_rebuilds_the_program_from_the_record_with_the_same_results
 def test_the_rebuilt_program_folds_and_checks_as_the_decoded_one(cache):
     _run(cache, steps=1)
     (path,) = _records()
-    table = prepared.table_from_stored(_stored(path))
+    table = program_form.table_from_stored(_stored(path))
     assert isinstance(table, ProgramTable) and table.folds  # the causal mask is folded
     program = Program.from_table(table, {})
     assert program.n_folded == len(table.folds) > 0

@@ -131,7 +131,7 @@ def test_the_stored_program_is_the_table_a_full_load_builds(signed):
     from_part = program_blob.program(art, [], torch.device("cpu")).table
     full = art.program([], torch.device("cpu")).table
     from spmd_aot.format import records
-    from spmd_aot.runtime.prepared import stored_form
+    from spmd_aot.runtime.program_form import stored_form
 
     # compared in stored form: ops by name (value-checked ops are wrappers), refs by index
     assert records.encode(stored_form(from_part)) == records.encode(stored_form(full))
@@ -272,7 +272,7 @@ def test_a_two_dimensional_mesh_binds_each_dimension_to_its_live_group(tmp_path,
     """HSDP on a (2, 2) mesh: the part names its groups by mesh dimension, and a load binds
     each to that dimension's live group exactly as decoding the graph does."""
     from spmd_aot.format import records
-    from spmd_aot.runtime.prepared import stored_form
+    from spmd_aot.runtime.program_form import stored_form
     from support.jobs import make_job
 
     monkeypatch.setenv(signing.ENV_SIGNING_KEY, KEY)

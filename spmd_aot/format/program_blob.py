@@ -26,7 +26,7 @@ Format: ``MAGIC`` then the body, tagged plain data in the per-user records' form
 
     {"builder": <identity of the code that builds tables>, "torch": <torch release>,
      "mesh_dims": <n>, "device_type": "cpu"|"cuda"|..., "bind": [["s"|"f", k], ...],
-     "table": <prepared.stored_form of the ProgramTable>}
+     "table": <program_form.stored_form of the ProgramTable>}
 
 The table is device- and group-independent: the graph is decoded at build with placeholder
 group names (``GROUP_PREFIX`` + mesh dimension, ``WORLD``) and the device type without an index,
@@ -63,7 +63,7 @@ def _placeholders(mesh_dims: int) -> list[str]:
 
 
 def _identity() -> str:
-    from ..runtime.prepared import builder_code
+    from ..runtime.program_form import builder_code
 
     return builder_code()
 
@@ -87,7 +87,7 @@ def encode(artifact) -> bytes | None:
     graph decoded with placeholder groups and meta-checked (``Artifact._check``: the check every
     load runs), the program built, its table stored. None when the table holds a constant argument the records'
     format has no form for (the entry is then stored without the part: every load checks it)."""
-    from ..runtime.prepared import stored_form
+    from ..runtime.program_form import stored_form
     from ..runtime.program import Program
 
     plan = artifact.plan
@@ -149,7 +149,7 @@ class _Other(Exception):
 
 
 def _table(data: bytes, artifact, groups: list[str], device: torch.device):
-    from ..runtime.prepared import table_from_stored
+    from ..runtime.program_form import table_from_stored
 
     where = f"program part of artifact {artifact.digest[:12]}"
     if not data.startswith(MAGIC):

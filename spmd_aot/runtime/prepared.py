@@ -34,30 +34,24 @@ Anything unexpected reading a record is a miss of the record, never an error of 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
-import operator
 import pathlib
 import sys
 
 import torch
 
 from ..format import records, verified
-from ..format.contracts import op_name
-from ..format.serialize import Ref, resolve_target
-from .program import Program, ProgramTable, value_checked
+from .program import Program, ProgramTable
+from .program_form import builder_code, stored_form, table_from_stored
 
-__all__ = ["program_for", "load", "save", "record_dir", "stored_form", "table_from_stored", "builder_code", "MAX_RECORDS"]
+__all__ = ["program_for", "load", "save", "record_dir", "MAX_RECORDS"]
 
 log = logging.getLogger(__name__)
 
 MAX_RECORDS = 64
 _MAGIC = b"spmd-aot prepared 2\n"
 _MAX_BYTES = 256 << 20  # as much as a graph blob may be (LoadLimits.graph_bytes)
-_BUILDER_FILES = ("runtime/program.py", "runtime/constant_fold.py", "runtime/prepared.py",
-                  "runtime/invariants.py", "format/records.py")
-_GETITEM = "operator.getitem"
 
 
 def record_dir() -> pathlib.Path:
@@ -127,44 +121,3 @@ def _name(digest: str, groups: list[str], device: torch.device) -> str:
     ident = (f"{verified.entry_name(digest)}\0{builder_code()}\0{sys.version}\0"
              f"{list(groups)!r}\0{device}")
     return hashlib.sha256(ident.encode()).hexdigest()
-
-
-@functools.lru_cache(maxsize=1)
-def builder_code() -> str:
-    """The identity of the code that builds and stores programs (a table from other code is not read)."""
-    here = pathlib.Path(__file__).parent.parent
-    h = hashlib.sha256()
-    for name in _BUILDER_FILES:
-        h.update(b"\0" + name.encode() + b"\0" + (here / name).read_bytes())
-    return h.hexdigest()
-
-
-# ---------------------------------------------------------------------------- the stored form
-def _target_name(target) -> str:
-    if target is operator.getitem:
-        return _GETITEM
-    return op_name(getattr(target, "overload", target))  # a value-checked op: the op it wraps
-
-
-def stored_form(table: ProgramTable) -> tuple:
-    """``table`` with ops named (everything else is plain data, ``Ref``s, slices, torch enums,
-    devices: what ``encode`` stores)."""
-    folds = tuple(f if len(f) == 2 else (f[0], _target_name(f[1]), *f[2:]) for f in table.folds)
-    steps = tuple((_target_name(t), *rest) for t, *rest in table.steps)
-    return (table.n_nodes, table.n_inputs, table.n_ops, table.constants, folds, table.output, steps, table.inputs)
-
-
-def table_from_stored(plain) -> ProgramTable:
-    """The stored form back to a ``ProgramTable``: op names resolved through the allowlist."""
-    n_nodes, n_inputs, n_ops, constants, folds, output, steps, inputs = plain
-    targets: dict[str, object] = {}
-    checks: dict[int, object] = {}
-
-    def target(name):
-        if name not in targets:
-            targets[name] = value_checked(resolve_target(name), checks)
-        return targets[name]
-
-    folds = tuple(f if len(f) == 2 else (f[0], target(f[1]), *f[2:]) for f in folds)
-    steps = tuple((target(name), *rest) for name, *rest in steps)
-    return ProgramTable(n_nodes, n_inputs, n_ops, constants, folds, output, steps, inputs)
