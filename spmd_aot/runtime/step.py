@@ -282,7 +282,7 @@ class CompiledStep:
             log.warning("cached artifact for key %s is corrupt (%s); rebuilding", key.key[:12], exc)
             with contextlib.suppress(OSError, SpmdAotError):  # a read-only cache: rebuild in memory
                 store.delete_ref(key.key)
-        # reading every stored manifest to explain costs little beside the trace that follows
+        # explaining reads a bounded number of manifests (keying/explain.py) beside the trace that follows
         why = explain_miss(store, key) if self.require_hit or log.isEnabledFor(logging.WARNING) else ""
         command = build_command(plan, cache_dir=store.location)  # what --cache-dir must say
         build_it = (f"Build it ahead of time with `{command}`, where {TARGET_PLACEHOLDER} names your "
