@@ -253,6 +253,7 @@ def _adam_on_tensors(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, stat
     exact = local is not None and exp_avgs[0].dtype in (torch.float32, torch.float64)
     if exact:
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = local
+        state_steps = _local_shards(state_steps)[0]  # replicated counters (a 0-d parameter's, under shard)
     grads = torch._foreach_mul(grads, -1.0) if maximize else list(grads)
     torch._foreach_add_(state_steps, 1)
     if weight_decay != 0:
