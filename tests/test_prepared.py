@@ -213,28 +213,16 @@ def test_a_record_that_does_not_fit_its_artifact_is_dropped(cache, decodes):
     assert len(decodes) == 2 and all(torch.equal(a, b) for a, b in zip(first, again))
 
 
-def _rank_worker(rank, world, cache_dir):
-    """One rank: eager DDP and the loaded step on the same batches; how often this rank decoded."""
-    import spmd_aot.format.artifact as artifact
-    from support.jobs import compiled_run, eager_ddp, max_diffs
-
-    calls, real = [], artifact.decode_graph
-    artifact.decode_graph = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
-    ref_model, ref_optim, ref_losses = eager_ddp("transformer", "adamw", rank, world, 3)
-    model, optim, losses, info = compiled_run("transformer", "adamw", rank, world, 3, cache_dir, require_hit=True)
-    return {**max_diffs(ref_model, ref_optim, ref_losses, model, optim, losses), "hit": info.hit,
-            "decodes": len(calls)}
-
-
 def test_gloo_ranks_of_a_later_job_rebuild_from_records_and_match_ddp(tmp_path, monkeypatch):
     from support.jobs import make_job
+    from support.jobs import ddp_and_loaded_counting_decodes
     from support.multiproc import run_ranks
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     spmd_aot.build(make_job("transformer", "adamw"), world_size=2, cache_dir=tmp_path / "cache")
-    first = run_ranks(_rank_worker, 2, str(tmp_path / "cache"))
+    first = run_ranks(ddp_and_loaded_counting_decodes, 2, str(tmp_path / "cache"))
     assert sum(r["decodes"] for r in first) >= 1 and len(_records()) == 1  # both ranks: cpu, same groups
-    second = run_ranks(_rank_worker, 2, str(tmp_path / "cache"))
+    second = run_ranks(ddp_and_loaded_counting_decodes, 2, str(tmp_path / "cache"))
     for r in first + second:
         assert r["hit"] and r["param"] <= 1e-5 and r["state"] <= 1e-5 and r["loss"] <= 1e-5, r
     assert [r["decodes"] for r in second] == [0, 0]

@@ -220,27 +220,15 @@ def test_a_part_of_other_builder_code_is_ignored(signed, tmp_path, monkeypatch, 
     assert checks == {"decode": 1, "meta": 1}
 
 
-def _rank_worker(rank, world, cache_dir):
-    """One rank of a signed job on a fresh node: eager DDP and the loaded step; its decodes."""
-    import spmd_aot.format.artifact as artifact
-    from support.jobs import compiled_run, eager_ddp, max_diffs
-
-    calls, real = [], artifact.decode_graph
-    artifact.decode_graph = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
-    ref_model, ref_optim, ref_losses = eager_ddp("transformer", "adamw", rank, world, 3)
-    model, optim, losses, info = compiled_run("transformer", "adamw", rank, world, 3, cache_dir, require_hit=True)
-    return {**max_diffs(ref_model, ref_optim, ref_losses, model, optim, losses), "hit": info.hit,
-            "decodes": len(calls)}
-
-
 def test_gloo_ranks_bind_the_stored_program_to_their_live_groups_and_match_ddp(tmp_path, monkeypatch):
     from support.jobs import make_job
+    from support.jobs import ddp_and_loaded_counting_decodes
     from support.multiproc import run_ranks
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     monkeypatch.setenv(signing.ENV_SIGNING_KEY, KEY)
     spmd_aot.build(make_job("transformer", "adamw"), world_size=2, cache_dir=tmp_path / "cache")
-    results = run_ranks(_rank_worker, 2, str(tmp_path / "cache"))
+    results = run_ranks(ddp_and_loaded_counting_decodes, 2, str(tmp_path / "cache"))
     for r in results:
         assert r["hit"] and r["decodes"] == 0, r
         assert r["param"] <= 1e-5 and r["state"] <= 1e-5 and r["loss"] <= 1e-5, r

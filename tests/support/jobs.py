@@ -104,6 +104,19 @@ def state_of(model, optim):
             copy.deepcopy(optim.state_dict()["state"]))
 
 
+def ddp_and_loaded_counting_decodes(rank, world, cache_dir):
+    """One rank (for ``run_ranks``): eager DDP and the loaded transformer + AdamW step on the same
+    batches, their differences, whether the load hit, and how often this rank decoded the graph."""
+    import spmd_aot.format.artifact as artifact
+
+    calls, real = [], artifact.decode_graph
+    artifact.decode_graph = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    ref_model, ref_optim, ref_losses = eager_ddp("transformer", "adamw", rank, world, 3)
+    model, optim, losses, info = compiled_run("transformer", "adamw", rank, world, 3, cache_dir, require_hit=True)
+    return {**max_diffs(ref_model, ref_optim, ref_losses, model, optim, losses), "hit": info.hit,
+            "decodes": len(calls)}
+
+
 # A job file as a user writes one, for the CLI tests that build `path/to/file.py:job` targets.
 MLP_JOB_FILE = '''\
 import torch
