@@ -91,7 +91,8 @@ def describe(exc: BaseException, module: str = "") -> str | None:
 
 def _library_fix(filename: str) -> str:
     """What to do when the line is an installed library's."""
-    moe = (" (transformers' mixture-of-experts models: `experts_implementation=\"batched_mm\"` in their config)"
+    moe = (" (transformers' mixture-of-experts models: their default `experts_implementation`, `grouped_mm`, "
+           "or `\"batched_mm\"` in their config)"
            if f"{os.sep}transformers{os.sep}" in filename else "")
     return (f"the line is in an installed library: choose its static-shape option where it has one{moe}, or "
             "swap the module for a stand-in that computes the same with static shapes while tracing "
