@@ -470,8 +470,11 @@ def check(name: str, args, kwargs, limit: int) -> str | None:
     return checked(name, args, kwargs, limit)[0]
 
 
-def checked(name: str, args, kwargs, limit: int) -> tuple[str | None, Any]:
-    """(None, the meta result's ``describe``) if the load-time check accepts the call, else (why, None)."""
+def checked(name: str, args, kwargs, limit: int, device: str = "cpu") -> tuple[str | None, Any]:
+    """(None, the ``describe`` of what the load-time check derives for ``device``: the meta result,
+    corrected where that device's kernel is known to differ, ``format/device_results.py``) if the
+    check accepts the call, else (why, None)."""
+    from spmd_aot.format.device_results import corrected
     from spmd_aot.format.serialize import DecodedNode, resolve_target
     from spmd_aot.format.validate import check_node
 
@@ -479,7 +482,7 @@ def checked(name: str, args, kwargs, limit: int) -> tuple[str | None, Any]:
     margs, mkwargs = materialize(args, kwargs, "meta")
     node = DecodedNode("call_function", "fuzz", op, tuple(margs), dict(mkwargs))
     try:
-        value = check_node(node, tuple(margs), dict(mkwargs), limit)
+        value = corrected(device, op, tuple(margs), dict(mkwargs), check_node(node, tuple(margs), dict(mkwargs), limit))
     except Exception as exc:  # noqa: BLE001 - every refusal counts
         return f"{type(exc).__name__}: {str(exc)[:200]}", None
     return None, describe(value)
@@ -681,7 +684,7 @@ def fuzz(ops: list[str], *, timeout: float = 20.0, verbose: bool = False, limit:
     for name in ops:
         op = resolve_target(name)
         for base in samples(name, op):
-            why, expected = checked(name, base[0], base[1], limit)
+            why, expected = checked(name, base[0], base[1], limit, device)
             if why is not None:
                 bad_samples.append((name, why))
                 if verbose:
@@ -691,14 +694,14 @@ def fuzz(ops: list[str], *, timeout: float = 20.0, verbose: bool = False, limit:
             tried += 1
             for label, (args, kwargs) in mutations(base):
                 tried += 1
-                why, expected = checked(name, args, kwargs, limit)
+                why, expected = checked(name, args, kwargs, limit, device)
                 if why is None:
                     accepted.append((name, label, [args, kwargs], expected))
                 else:
                     refused += 1
         for label, (args, kwargs) in EDGES.get(name, ()):
             tried += 1
-            why, expected = checked(name, args, kwargs, limit)
+            why, expected = checked(name, args, kwargs, limit, device)
             if why is None:
                 accepted.append((name, f"edge:{label}", [args, kwargs], expected))
             else:
