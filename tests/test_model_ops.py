@@ -28,6 +28,7 @@ import spmd_aot
 from spmd_aot.format.artifact import read_manifest
 from spmd_aot.store import LocalStore
 from support.multiproc import run_ranks
+from support.train_steps import plain_step as class_step
 
 VOCAB, D, HEADS, LAYERS, CTX = 64, 32, 4, 2, 8
 STEPS, TOL = 5, 1e-5
@@ -133,15 +134,6 @@ class ScaleNet(nn.Module):
         for block in self.blocks:
             x = x + block(x)
         return self.head(x.mean(-1))
-
-
-def class_step(model, optim, batch):
-    x, y = batch
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 def class_batch(rank, step):
