@@ -4,7 +4,6 @@ record, an op off the allowlist, or a folder others can write means a full decod
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import os
 import pickle
@@ -14,32 +13,19 @@ import pytest
 import torch
 
 import spmd_aot
-from spmd_aot.examples.models import Transformer, train_step
 from spmd_aot.errors import CorruptArtifactError
 from spmd_aot.format import records, serialize
 from spmd_aot.format.limits import ENV_LOAD_LIMITS
 from spmd_aot.format.serialize import Ref
 from spmd_aot.runtime import prepared, program_form
 from spmd_aot.runtime.program import Program, ProgramTable
-
-VOCAB, SEQ = 64, 16
-
-
-def _objects():
-    torch.manual_seed(0)
-    model = Transformer(vocab=VOCAB, d_model=32, n_heads=4, n_layers=2, max_len=SEQ)
-    g = torch.Generator().manual_seed(7)
-    batch = (torch.randint(0, VOCAB, (2, SEQ), generator=g), torch.randint(0, VOCAB, (2, SEQ), generator=g))
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), batch
+from support.jobs import hit_and_eager, load_job
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    job = spmd_aot.Job(step=train_step, model=lambda: _objects()[0],
-                       optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
-                       batch=lambda: _objects()[2])
-    spmd_aot.build(job, world_size=1, cache_dir=tmp_path / "cache")
+    spmd_aot.build(load_job(), world_size=1, cache_dir=tmp_path / "cache")
     return tmp_path / "cache"
 
 
@@ -56,17 +42,6 @@ def decodes(monkeypatch):
     return calls
 
 
-def _run(cache, steps=3):
-    """Parameters and losses after ``steps`` steps of a fresh hit, and of eager on the same inputs."""
-    model, optim, batch = _objects()
-    eager_model = copy.deepcopy(model)
-    eager_optim = torch.optim.AdamW(eager_model.parameters(), lr=1e-2)
-    step = spmd_aot.compile(train_step, cache_dir=cache, require_hit=True)
-    losses = [float(step(model, optim, batch)) for _ in range(steps)]
-    eager = [train_step(eager_model, eager_optim, batch).item() for _ in range(steps)]
-    return [p.detach().clone() for p in model.parameters()], losses, list(eager_model.parameters()), eager
-
-
 def _stored(path):
     """The record's content, as ``prepared.load`` reads it."""
     return records.decode(path.read_bytes()[len(prepared._MAGIC) + 32:])
@@ -78,9 +53,9 @@ def _records():
 
 
 def test_a_second_hit_rebuilds_the_program_from_the_record_with_the_same_results(cache, decodes):
-    first, first_losses, eager, eager_losses = _run(cache)
+    first, first_losses, eager, eager_losses = hit_and_eager(cache)
     assert len(decodes) == 1 and len(_records()) == 1
-    second, second_losses, _, _ = _run(cache)
+    second, second_losses, _, _ = hit_and_eager(cache)
     assert len(decodes) == 1  # rebuilt from the record: no decode
     assert second_losses == first_losses  # bit-identical to the decoded program's
     for a, b, e in zip(first, second, eager):
@@ -90,7 +65,7 @@ def test_a_second_hit_rebuilds_the_program_from_the_record_with_the_same_results
 
 
 def test_the_rebuilt_program_folds_and_checks_as_the_decoded_one(cache):
-    _run(cache, steps=1)
+    hit_and_eager(cache, steps=1)
     (path,) = _records()
     table = program_form.table_from_stored(_stored(path))
     assert isinstance(table, ProgramTable) and table.folds  # the causal mask is folded
@@ -108,21 +83,21 @@ def _rewrite(path, body: bytes) -> None:
 
 
 def test_a_torn_or_corrupted_record_is_ignored_and_replaced(cache, decodes):
-    first, *_ = _run(cache, steps=1)
+    first, *_ = hit_and_eager(cache, steps=1)
     (path,) = _records()
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-    again, *_ = _run(cache, steps=1)
+    again, *_ = hit_and_eager(cache, steps=1)
     assert len(decodes) == 2  # the damaged record was not used
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     path.write_bytes(path.read_bytes()[:100])  # torn
-    _run(cache, steps=1)
+    hit_and_eager(cache, steps=1)
     assert len(decodes) == 3 and len(_records()) == 1  # a whole record again
 
 
 def test_a_forged_record_runs_nothing(cache, decodes, tmp_path):
-    _run(cache, steps=1)
+    hit_and_eager(cache, steps=1)
     (path,) = _records()
     marker = tmp_path / "ran"
 
@@ -131,23 +106,23 @@ def test_a_forged_record_runs_nothing(cache, decodes, tmp_path):
             return os.system, (f"touch {marker}",)
 
     _rewrite(path, pickle.dumps(Payload()))  # a valid checksum: only the reader stands guard
-    _run(cache, steps=1)
+    hit_and_eager(cache, steps=1)
     assert not marker.exists() and len(decodes) == 2
     # msgpack that names a callable: a tag the reader does not know, refused
     _rewrite(path, msgpack.packb({"f": ["os", "system", f"touch {marker}"]}))
-    _run(cache, steps=1)
+    hit_and_eager(cache, steps=1)
     assert not marker.exists() and len(decodes) == 3
 
 
 def test_an_op_off_the_allowlist_in_a_record_is_refused(cache, decodes):
-    _run(cache, steps=1)
+    hit_and_eager(cache, steps=1)
     (path,) = _records()
     plain = list(_stored(path))
     steps = list(plain[6])
     steps[0] = ("aten::_local_scalar_dense.default", *steps[0][1:])  # not on the allowlist
     plain[6] = tuple(steps)
     _rewrite(path, records.encode(tuple(plain)))
-    _run(cache, steps=1)
+    hit_and_eager(cache, steps=1)
     assert len(decodes) == 2  # refused, decoded instead
 
 
@@ -171,13 +146,13 @@ def test_a_record_holds_only_tagged_plain_data_refs_slices_and_torch_enums():
 
 
 def test_a_record_folder_others_can_write_is_neither_read_nor_written(cache, decodes):
-    _run(cache, steps=1)
+    hit_and_eager(cache, steps=1)
     os.chmod(prepared.record_dir(), 0o777)
-    _run(cache, steps=1)
+    hit_and_eager(cache, steps=1)
     assert len(decodes) == 2
     for path in _records():
         path.unlink()
-    _run(cache, steps=1)
+    hit_and_eager(cache, steps=1)
     assert _records() == []
 
 
@@ -204,12 +179,12 @@ def test_only_the_most_recent_records_are_kept(monkeypatch, tmp_path):
 
 
 def test_a_record_that_does_not_fit_its_artifact_is_dropped(cache, decodes):
-    first, *_ = _run(cache, steps=1)
+    first, *_ = hit_and_eager(cache, steps=1)
     (path,) = _records()
     plain = list(_stored(path))
     plain[3] = ((0, "not_a_stored_constant"),)  # names a constant the artifact does not hold
     _rewrite(path, records.encode(tuple(plain)))
-    again, *_ = _run(cache, steps=1)
+    again, *_ = hit_and_eager(cache, steps=1)
     assert len(decodes) == 2 and all(torch.equal(a, b) for a, b in zip(first, again))
 
 

@@ -5,7 +5,6 @@ refused, an unsigned entry's part is never read, and entries without the part lo
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -17,28 +16,16 @@ import torch
 
 import spmd_aot
 from spmd_aot.errors import CorruptArtifactError
-from spmd_aot.examples.models import Transformer, train_step
 from spmd_aot.format import artifact as artifact_module, program_blob, serialize, signing
 from spmd_aot.format.artifact import read_artifact, read_manifest
 from spmd_aot.store import LocalStore
+from support.jobs import hit_and_eager, load_job
 
-VOCAB, SEQ = 64, 16
-KEY = "h9-test-key"
-
-
-def _objects():
-    torch.manual_seed(0)
-    model = Transformer(vocab=VOCAB, d_model=32, n_heads=4, n_layers=2, max_len=SEQ)
-    g = torch.Generator().manual_seed(7)
-    batch = (torch.randint(0, VOCAB, (2, SEQ), generator=g), torch.randint(0, VOCAB, (2, SEQ), generator=g))
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), batch
+KEY = "signing-test-key"
 
 
 def _build(cache_dir):
-    job = spmd_aot.Job(step=train_step, model=lambda: _objects()[0],
-                       optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
-                       batch=lambda: _objects()[2])
-    spmd_aot.build(job, world_size=1, cache_dir=cache_dir)
+    spmd_aot.build(load_job(), world_size=1, cache_dir=cache_dir)
     store = LocalStore(cache_dir)
     (key,) = store.ref_keys()
     return store, key, store.get_ref(key)
@@ -78,17 +65,6 @@ def checks(monkeypatch):
     return calls
 
 
-def _run(cache_dir, steps=3):
-    """Parameters and losses after ``steps`` steps of a hit (require_hit), and eager's."""
-    model, optim, batch = _objects()
-    eager_model = copy.deepcopy(model)
-    eager_optim = torch.optim.AdamW(eager_model.parameters(), lr=1e-2)
-    step = spmd_aot.compile(train_step, cache_dir=cache_dir, require_hit=True)
-    losses = [float(step(model, optim, batch)) for _ in range(steps)]
-    eager = [train_step(eager_model, eager_optim, batch).item() for _ in range(steps)]
-    return [p.detach().clone() for p in model.parameters()], losses, list(eager_model.parameters()), eager
-
-
 def _same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -109,7 +85,7 @@ def test_a_signed_entry_loads_its_program_without_decode_or_meta_check_and_match
     store, key, digest = signed
     manifest = read_manifest(store, digest)
     assert program_blob.PART in manifest["blobs"]  # the builder stored the checked program
-    params, losses, eager_params, eager_losses = _run(tmp_path / "signed")
+    params, losses, eager_params, eager_losses = hit_and_eager(tmp_path / "signed")
     assert checks == {"decode": 0, "meta": 0}
     assert not (tmp_path / "state" / "spmd_aot").exists()  # no per-user record was read or needed
     for p, e in zip(params, eager_params):
@@ -117,7 +93,7 @@ def test_a_signed_entry_loads_its_program_without_decode_or_meta_check_and_match
     # the same entry checked in full (no key: the part is never read) gives the same bits
     monkeypatch.delenv(signing.ENV_SIGNING_KEY)
     assert read_artifact(store, digest).program_blob is None
-    full_params, full_losses, *_ = _run(tmp_path / "signed")
+    full_params, full_losses, *_ = hit_and_eager(tmp_path / "signed")
     assert checks["decode"] == 1 and checks["meta"] == 1
     assert _same(params, full_params) and losses == full_losses
     assert losses == pytest.approx(eager_losses, rel=1e-5)
@@ -144,10 +120,10 @@ def test_a_fresh_process_with_empty_state_loads_a_signed_entry_without_the_check
     code = f"""
 import json, sys, torch
 sys.path.insert(0, {os.path.dirname(__file__)!r})
-from test_signed_program import _objects
+from support.jobs import load_objects
 import spmd_aot
 from spmd_aot.examples.models import train_step
-model, optim, batch = _objects()
+model, optim, batch = load_objects()
 step = spmd_aot.compile(train_step, cache_dir={str(tmp_path / 'signed')!r}, require_hit=True)
 loss = float(step(model, optim, batch))
 print(json.dumps({{"validate": "spmd_aot.format.validate" in sys.modules,
@@ -182,7 +158,7 @@ def test_a_tampered_program_part_is_refused(signed, tmp_path, monkeypatch):
     with pytest.raises(signing.SignatureError, match="another key"):
         read_artifact(store, other)
     with pytest.raises(Exception, match="signature"):
-        _run(tmp_path / "signed", steps=1)
+        hit_and_eager(tmp_path / "signed", steps=1)
 
 
 def test_an_unsigned_entry_with_a_forged_program_part_is_checked_in_full(tmp_path, state, checks):
@@ -195,7 +171,7 @@ def test_an_unsigned_entry_with_a_forged_program_part_is_checked_in_full(tmp_pat
     new = _rewrite_manifest(store, digest, add, None)
     assert read_artifact(store, new).program_blob is None  # never read without a verified signature
     checks.update(decode=0, meta=0)  # the build's own check is not the load's
-    params, losses, eager_params, eager_losses = _run(tmp_path / "plain")
+    params, losses, eager_params, eager_losses = hit_and_eager(tmp_path / "plain")
     assert checks == {"decode": 1, "meta": 1}
     for p, e in zip(params, eager_params):
         torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-5)
@@ -208,7 +184,7 @@ def test_a_signed_entry_without_the_part_still_loads_checked_in_full(signed, tmp
     def drop(m):
         del m["blobs"][program_blob.PART]
     _rewrite_manifest(store, digest, drop, KEY.encode())
-    params, losses, eager_params, _ = _run(tmp_path / "signed")
+    params, losses, eager_params, _ = hit_and_eager(tmp_path / "signed")
     assert checks == {"decode": 1, "meta": 1}
     for p, e in zip(params, eager_params):
         torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-5)
@@ -216,7 +192,7 @@ def test_a_signed_entry_without_the_part_still_loads_checked_in_full(signed, tmp
 
 def test_a_part_of_other_builder_code_is_ignored(signed, tmp_path, monkeypatch, checks):
     monkeypatch.setattr(program_blob, "_identity", lambda: "another builder")
-    first, *_ = _run(tmp_path / "signed", steps=1)
+    first, *_ = hit_and_eager(tmp_path / "signed", steps=1)
     assert checks == {"decode": 1, "meta": 1}
 
 

@@ -117,6 +117,39 @@ def ddp_and_loaded_counting_decodes(rank, world, cache_dir):
             "decodes": len(calls)}
 
 
+# ---------------------------------------------------------------------------- one world-1 job, its hits
+# What the tests of per-user records and signed program parts load: a 2-layer transformer with
+# AdamW, seeded, so a build, a hit and eager start from the same weights and batch in any process.
+LOAD_SEQ = 16
+
+
+def load_objects():
+    """The model, its AdamW and the batch, the same on every call."""
+    torch.manual_seed(0)
+    model = Transformer(vocab=VOCAB, d_model=32, n_heads=4, n_layers=2, max_len=LOAD_SEQ)
+    g = torch.Generator().manual_seed(7)
+    batch = (torch.randint(0, VOCAB, (2, LOAD_SEQ), generator=g), torch.randint(0, VOCAB, (2, LOAD_SEQ), generator=g))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), batch
+
+
+def load_job() -> spmd_aot.Job:
+    return spmd_aot.Job(step=train_step, model=lambda: load_objects()[0],
+                        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                        batch=lambda: load_objects()[2])
+
+
+def hit_and_eager(cache_dir, steps: int = 3):
+    """Parameters and losses after ``steps`` steps of a hit (``require_hit``) of ``load_job``'s
+    step, and of eager on the same inputs."""
+    model, optim, batch = load_objects()
+    eager_model = copy.deepcopy(model)
+    eager_optim = torch.optim.AdamW(eager_model.parameters(), lr=1e-2)
+    step = spmd_aot.compile(train_step, cache_dir=cache_dir, require_hit=True)
+    losses = [float(step(model, optim, batch)) for _ in range(steps)]
+    eager = [train_step(eager_model, eager_optim, batch).item() for _ in range(steps)]
+    return [p.detach().clone() for p in model.parameters()], losses, list(eager_model.parameters()), eager
+
+
 # A job file as a user writes one, for the CLI tests that build `path/to/file.py:job` targets.
 MLP_JOB_FILE = '''\
 import torch
