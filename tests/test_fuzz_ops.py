@@ -79,14 +79,15 @@ def test_children_run_with_the_heap_checker_really_loaded():
     assert subprocess.run([sys.executable, "-c", probe], env=dict(base, MALLOC_CHECK_="3")).returncode == 1
 
 
-def test_the_heap_checker_catches_one_byte_past_a_tensors_storage_which_the_variable_alone_misses():
+def test_the_heap_checker_catches_one_byte_past_a_tensors_storage():
+    """Whether ``MALLOC_CHECK_`` alone also catches it depends on the machine's glibc (before 2.34
+    it does), so only the children's environment is asserted on."""
     import os
 
     base = dict(os.environ)
     base.pop("LD_PRELOAD", None)
     base.pop("MALLOC_CHECK_", None)
     assert fuzz_ops.checker_catches_overflow(fuzz_ops.checker_env(base))
-    assert not fuzz_ops.checker_catches_overflow(dict(base, MALLOC_CHECK_="3"))
 
 
 def test_a_child_without_the_heap_checker_fails_the_run(monkeypatch):
