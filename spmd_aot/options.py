@@ -1,0 +1,357 @@
+"""The options every entry point takes: ``ParallelOptions`` (how a step is spread, keyed) and
+``RunOptions`` (where its entry lives, what a load trusts, which hooks a trace runs).
+
+``spmd_aot.build``, ``spmd_aot.compile``, ``CompiledStep``, ``SPMD`` and the ``spmd-aot`` CLI all
+take the same two objects, so a job passes to ``compile`` exactly what its build was given. Each
+field is written once, here: its default, its documentation (``doc``, whose first sentence is the
+CLI's help) and how it appears on the command line (``Flag``: the flag, its argument group, how
+its text is parsed and how a value is printed back). ``cli/option_flags.py`` generates the CLI's
+arguments and ``--help`` groups from these fields, ``hints.py`` prints build commands from them and
+``docs/options.md`` is checked against them by a test. Adding an option is one field here (for a
+``ParallelOptions`` field, with the ``Plan`` field of the same name that it becomes).
+
+The layout follows FSDP2's public option classes (``MixedPrecisionPolicy``, ``OffloadPolicy``):
+frozen values, validated when made, one documented field per choice. ``ParallelOptions`` turns
+into the stored, hashed ``Plan`` in one place (``ParallelOptions.plan``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping
+
+from .parallel.dims import PLACEMENT_NAMES
+from .parallel.mixed_precision import DTYPES, MixedPrecisionPolicy
+from .parallel.plan import Plan
+
+__all__ = ["ParallelOptions", "RunOptions", "Flag", "option_doc", "split_options"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """How one option appears on the ``spmd-aot`` command line.
+
+    ``kind``: ``"value"`` (one ``FLAG TEXT``), ``"repeat"`` (``FLAG TEXT`` given any number of
+    times; the field holds ``collect(items)``) or ``"switch"`` (a bare ``FLAG`` that sets the
+    field to ``switched``). ``parse`` turns one TEXT into an item (raising ``ValueError`` with a
+    message for the user); ``text`` prints an item back, so a value becomes a command line that
+    parses to it again. ``commands``: the subcommands that take the flag (``"*"``: every one).
+    ``placements``: the data-parallel placements that read the option (None: every one); the CLI
+    applies it to those alone when a build names several. ``with_axes``: it is also every
+    placement's once another axis takes a mesh dimension. ``takes_mesh_dim``: a non-default value
+    of this option takes a mesh dimension (an axis beside data parallelism, e.g. tensor parallel).
+    """
+
+    flag: str
+    group: str
+    kind: str = "value"
+    metavar: str | None = None
+    short: str | None = None
+    parse: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    collect: Callable[[list], Any] = tuple
+    text: Callable[[Any], str] = str
+    switched: Any = True
+    commands: tuple[str, ...] = ("build", "explain")
+    placements: tuple[str, ...] | None = None
+    with_axes: bool = False
+    takes_mesh_dim: bool = False
+
+    def words(self, value) -> list[str]:
+        """``value`` as command-line words (empty when the flag cannot say it: a switch off)."""
+        if self.kind == "switch":
+            return [self.flag] if value == self.switched else []
+        if self.kind == "repeat":
+            items = [value] if isinstance(value, str) else list(value)
+            return [w for item in items for w in (self.flag, self.text(item))]
+        return [self.flag, self.text(value)]
+
+
+def option(default, doc: str, flag: Flag | None = None, *, api_only: str | None = None):
+    """One documented field. ``flag``: its command-line form; or ``api_only``: why it has none."""
+    if (flag is None) == (api_only is None):
+        raise TypeError("an option has a Flag or says why it is api_only, not both")
+    metadata = {"doc": " ".join(doc.split()), "flag": flag, "api_only": api_only}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def option_doc(cls, name: str) -> str:
+    """The documentation of field ``name`` of an options class."""
+    return next(f.metadata["doc"] for f in dataclasses.fields(cls) if f.name == name)
+
+
+# ------------------------------------------------------------------ text forms (parse / print)
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"expected a positive number, got {value}")
+    return value
+
+
+def _mesh_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"expected a mesh shape like 2x4, got {text!r}") from None
+    if not shape or min(shape) < 1:
+        raise ValueError(f"expected a mesh shape like 2x4, got {text!r}")
+    return shape
+
+
+def _pattern_pair(text: str, what: str, choices) -> tuple[str, str]:
+    """``PATTERN=VALUE`` (the last ``=`` splits) with VALUE one of ``choices``."""
+    pattern, sep, value = text.rpartition("=")
+    if not sep or not pattern or value not in choices:
+        raise ValueError(f"expected PATTERN={what} with {what} one of {', '.join(choices)}, got {text!r}")
+    return pattern, value
+
+
+def _param_placement(text: str) -> tuple[str, str]:
+    return _pattern_pair(text, "PLACEMENT", PLACEMENT_NAMES)
+
+
+def _tp_entry(text: str) -> tuple[str, str] | str:
+    """``PATTERN=STYLE`` (ours or transformers' style names), or ``hf``/``auto``: the model's own plan."""
+    from .parallel.tp_plan import HF_REFUSED_STYLES, HF_STYLE_NAMES, MODEL_PLAN_NAMES, STYLE_NAMES
+
+    if text in MODEL_PLAN_NAMES:
+        return text
+    return _pattern_pair(text, "STYLE", [*STYLE_NAMES, *HF_STYLE_NAMES, *HF_REFUSED_STYLES])
+
+
+def _tp_plan(entries: list) -> tuple | str:
+    """Repeated ``--tp-plan`` entries as ``tp_plan`` takes them: pairs, or the model's own plan alone."""
+    named = [e for e in entries if isinstance(e, str)]
+    if named and len(entries) > 1:
+        raise ValueError(f"--tp-plan {named[0]} takes the model's own plan; it cannot be combined with "
+                         "other --tp-plan entries")
+    return named[0] if named else tuple(entries)
+
+
+def _pair_text(pair) -> str:
+    return f"{pair[0]}={pair[1]}"
+
+
+def _dtype_text(dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d is dtype)
+
+
+def _x_text(shape) -> str:
+    return "x".join(map(str, shape))
+
+
+# --------------------------------------------------------------------------- the options
+_DP, _TP, _COMM, _MP = "data parallel", "tensor parallel", "communication", "mixed precision"
+_POLICY_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelOptions:
+    """How a step is spread over ranks: placement, mesh, tensor-parallel plan, communication and
+    mixed precision. Keyed: with the world size and device type it is the stored ``Plan``
+    (``plan``), so a job compiles with the options its build was given. Validated when made."""
+
+    placement: str = option("replicate", """The data-parallel placement of parameters: 'replicate' (every rank
+        holds them whole and gradients are averaged, as DDP) or 'shard' (each rank holds a shard, gathered
+        for compute, as FSDP2's fully_shard).""",
+        Flag("--placement", _DP, short="-p", choices=PLACEMENT_NAMES, metavar="PLACEMENT"))
+    mesh_shape: tuple[int, ...] | None = option(None, """The device mesh's shape (default: one dimension of
+        every rank). Under 'shard' a 2-D mesh RxS is R replicas of S shards (HSDP); with a tp_plan the last
+        dimension is tensor parallel: DPxTP (DDP x TP under 'replicate', FSDP x TP under 'shard') or RxSxTP
+        (HSDP x TP).""",
+        Flag("--mesh-shape", _DP, metavar="RxS", parse=_mesh_shape, text=_x_text, placements=("shard",),
+             with_axes=True))
+    param_placements: tuple[tuple[str, str], ...] = option((), """Parameters whose FQN matches a pattern
+        (fnmatch; first match wins) take that placement, e.g. '*.bias=replicate' keeps biases whole under
+        'shard'.""",
+        Flag("--param-placement", _DP, "repeat", "PATTERN=PLACEMENT", parse=_param_placement, text=_pair_text,
+             placements=("shard",)))
+    bucket_cap_mb: float = option(25.0, """Gradient bucket size in MiB under 'replicate': gradients are
+        averaged in flat buckets of at most this size (25, as DDP).""",
+        Flag("--bucket-cap-mb", _COMM, metavar="MIB", parse=_positive_float, text=repr))
+    first_bucket_cap_mb: float = option(1.0, """Size in MiB of the first gradient bucket under 'replicate',
+        so the first all_reduce starts early in backward (1, as DDP).""",
+        Flag("--first-bucket-cap-mb", _COMM, metavar="MIB", parse=_positive_float, text=repr))
+    shard_groups: tuple[str, ...] = option((), """FQN patterns (fnmatch) under 'shard', one communication
+        group each: a group's parameters are gathered and their gradients reduce-scattered together
+        (default: one group per block of every ModuleList/Sequential/ModuleDict, as fully_shard per
+        block).""",
+        Flag("--shard-group", _DP, "repeat", "PATTERN", placements=("shard",)))
+    reshard_after_forward: bool = option(True, """Under 'shard', free gathered parameters after forward and
+        gather them again for backward (FSDP2's default); off keeps them from forward to backward: more
+        memory, fewer all_gathers.""",
+        Flag("--keep-params-after-forward", _DP, "switch", switched=False, placements=("shard",)))
+    tp_plan: tuple[tuple[str, str], ...] | str = option((), """Tensor parallel on the last mesh dimension:
+        modules whose FQN matches a pattern (fnmatch; first match wins) run a style (colwise, rowwise or a
+        sequence-parallel style, docs/parallelism.md), e.g. 'blocks.*.attn.q=colwise'; or 'hf': a
+        transformers model's own plan (config.base_model_tp_plan). Without a mesh_shape, TP alone over
+        the world (placement 'replicate').""",
+        Flag("--tp-plan", _TP, "repeat", "PATTERN=STYLE", parse=_tp_entry, collect=_tp_plan, text=lambda e:
+             e if isinstance(e, str) else _pair_text(e), takes_mesh_dim=True))
+    param_dtype: Any = option(None, """Mixed precision: compute in this dtype (bf16, fp16 or fp32) with the
+        parameters the optimizer updates kept in their own dtype (FSDP2's param_dtype).""",
+        Flag("--param-dtype", _MP, metavar="DTYPE", choices=tuple(DTYPES), text=_dtype_text))
+    reduce_dtype: Any = option(None, """Mixed precision: average gradients in this dtype (default: the
+        param_dtype), then cast them to the parameter's dtype (FSDP2's reduce_dtype).""",
+        Flag("--reduce-dtype", _MP, metavar="DTYPE", choices=tuple(DTYPES), text=_dtype_text))
+    output_dtype: Any = option(None, """Mixed precision: cast the model's floating-point outputs to this
+        dtype (FSDP2's output_dtype).""",
+        Flag("--output-dtype", _MP, metavar="DTYPE", choices=tuple(DTYPES), text=_dtype_text))
+    cast_forward_inputs: bool = option(True, """Mixed precision: cast the model's floating-point inputs to
+        the param_dtype (FSDP2's cast_forward_inputs); off leaves them in their dtype.""",
+        Flag("--no-cast-forward-inputs", _MP, "switch", switched=False))
+
+    def __post_init__(self):
+        # dtypes by name or torch dtype, checked as FSDP2's policy (fp16 reductions refused)
+        policy = MixedPrecisionPolicy(*(getattr(self, f) for f in _POLICY_FIELDS))
+        for name in _POLICY_FIELDS:
+            object.__setattr__(self, name, getattr(policy, name))
+        mesh = tuple(self.mesh_shape) if self.mesh_shape else None
+        # the checks that need no world size run now; a plan over the mesh's own ranks normalizes
+        checked = self.plan(math.prod(mesh) if mesh else 1, mesh_shape=mesh)
+        object.__setattr__(self, "mesh_shape", mesh)
+        for name in ("param_placements", "bucket_cap_mb", "first_bucket_cap_mb", "shard_groups"):
+            object.__setattr__(self, name, getattr(checked, name))
+        if not isinstance(self.tp_plan, str):  # a string names the model's own plan, bound per model
+            object.__setattr__(self, "tp_plan", checked.tp_plan)
+
+    @property
+    def mixed_precision(self) -> MixedPrecisionPolicy | None:
+        """The four mixed-precision fields as a policy; None when it casts nothing."""
+        return MixedPrecisionPolicy.of(MixedPrecisionPolicy(*(getattr(self, f) for f in _POLICY_FIELDS)))
+
+    def plan(self, world_size: int, device_type: str = "cpu", **replace) -> Plan:
+        """The configuration these options give at ``world_size`` ranks of ``device_type``: the one
+        place options become the stored, hashed ``Plan`` (a field here is the Plan field of its name)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _POLICY_FIELDS}
+        values.update(replace)
+        return Plan(world_size, device_type=device_type, mixed_precision=self.mixed_precision, **values)
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> "ParallelOptions":
+        """The options that give ``plan`` (at its world size and device type)."""
+        policy = plan.mixed_precision or MixedPrecisionPolicy()
+        mesh = plan.mesh_shape if len(plan.mesh_shape) > 1 else None
+        values = {f.name: getattr(plan, f.name) for f in dataclasses.fields(cls)
+                  if f.name not in _POLICY_FIELDS and f.name != "mesh_shape"}
+        return cls(mesh_shape=mesh, **values, **{f: getattr(policy, f) for f in _POLICY_FIELDS})
+
+    @classmethod
+    def of(cls, options: "ParallelOptions | None" = None, *, comm=None, mixed_precision=None,
+           **fields) -> "ParallelOptions":
+        """``options``, or options made from keywords: this class's fields, and the spellings
+        ``comm=Comm(...)`` (its communication fields) and ``mixed_precision=`` (a policy, ours or
+        FSDP2's, or a mapping) for the four mixed-precision fields."""
+        if options is not None:
+            if not isinstance(options, ParallelOptions):
+                raise TypeError(f"expected a spmd_aot.ParallelOptions, got {type(options).__name__}")
+            given = sorted([*fields, *(["comm"] if comm is not None else []),
+                            *(["mixed_precision"] if mixed_precision is not None else [])])
+            if given:
+                raise TypeError(f"pass {', '.join(given)} in the ParallelOptions, not beside it")
+            return options
+        if comm is not None:
+            clash = sorted(set(fields) & {f.name for f in dataclasses.fields(comm)})
+            if clash:
+                raise TypeError("pass the communication options as comm=Comm(...) or as keywords, not both")
+            fields.update(dataclasses.asdict(comm))
+        if mixed_precision is not None:
+            clash = sorted(set(fields) & set(_POLICY_FIELDS))
+            if clash:
+                raise TypeError(f"pass mixed_precision= or {', '.join(clash)}, not both")
+            policy = MixedPrecisionPolicy.of(mixed_precision) or MixedPrecisionPolicy()
+            fields.update({f: getattr(policy, f) for f in _POLICY_FIELDS})
+        return cls(**fields)
+
+    def for_placement(self, placement: str) -> "ParallelOptions":
+        """These options for ``placement``, without the options only other placements read
+        (``Flag.placements``): what the CLI builds when one command names several placements."""
+        axes = any(f.metadata["flag"].takes_mesh_dim and getattr(self, f.name) != f.default
+                   for f in dataclasses.fields(self))
+        reset = {f.name: f.default for f in dataclasses.fields(self)
+                 if not applies(f.metadata["flag"], placement, axes)}
+        return dataclasses.replace(self, placement=placement, **reset)
+
+    def words(self) -> list[str]:
+        """The command-line words that give these options (defaults left out)."""
+        return [w for f in dataclasses.fields(self) if getattr(self, f.name) != f.default
+                for w in f.metadata["flag"].words(getattr(self, f.name))]
+
+
+def applies(flag: Flag, placement: str, other_axes: bool) -> bool:
+    """Whether ``placement`` reads the option of ``flag`` (``other_axes``: another axis takes a
+    mesh dimension)."""
+    return flag.placements is None or placement in flag.placements or (flag.with_axes and other_axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """Where a step's entry is stored and found, what a load may trust, and what a trace runs
+    beside the step. Pass a job's ``compile`` the same as its build: ``kernels``, the hooks and
+    ``extra_sources`` are part of the key; the others are how to reach and trust the cache."""
+
+    cache_dir: Any = option(None, """The cache directory, or a store URL (s3://bucket/prefix, written through
+        a local cache); default: $SPMD_AOT_CACHE_DIR, else $XDG_CACHE_HOME/spmd_aot, else
+        ~/.cache/spmd_aot.""",
+        Flag("--cache-dir", "cache and trust", metavar="DIR", commands=("*",)))
+    trust_cache: bool | None = option(None, """Use a cache directory other users can write, without a signing
+        key (as $SPMD_AOT_TRUST_CACHE=1, the default when unset; docs/security.md).""",
+        Flag("--trust-cache", "cache and trust", "switch", commands=("*",)))
+    allow_ops: tuple[str, ...] = option((), """Operator overloads ('namespace::op.overload') a stored graph
+        may call beyond the op allowlist (as $SPMD_AOT_ALLOW_OPS); every job loading such an entry must
+        opt in to the same ones.""",
+        Flag("--allow-op", "cache and trust", "repeat", "OP", commands=("*",)))
+    kernels: bool = option(False, """Also compile the graph with Inductor into the entry; its kernels run
+        only from a signed entry or a trusted cache (native code), else the interpreted graph runs.""",
+        Flag("--kernels", "what to build", "switch"))
+    store: Any = option(None, "An open store object (store/protocol.py) used instead of cache_dir.",
+                        api_only="an object; --cache-dir takes store URLs")
+    require_hit: bool = option(False, """At a job's first call, raise CacheMissError instead of tracing when
+        no stored entry serves the job.""", api_only="a build traces on a miss by definition")
+    module_override: tuple = option((), """Override objects that swap untraceable submodules while tracing
+        and patch the graph after (tracing/override.py); keyed.""", api_only="Python objects")
+    gm_transformation: Callable | None = option(None, """A function applied to the traced graph module before it
+        is stored (tracing/override.py); keyed by its code.""", api_only="a Python function")
+    extra_sources: tuple = option((), """Further modules, functions or files whose source the key covers,
+        for code the step reaches that the key cannot see.""", api_only="Python objects")
+
+    def __post_init__(self):
+        for name in ("allow_ops", "module_override", "extra_sources"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        for name in ("kernels", "require_hit"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"RunOptions.{name} must be True or False, got {getattr(self, name)!r}")
+
+
+_LEGACY = ("comm", "mixed_precision")
+
+
+def split_options(parallel: ParallelOptions | None, run: RunOptions | None, keywords: Mapping,
+                  where: str) -> tuple[ParallelOptions, RunOptions]:
+    """The two options objects of an entry point called as ``where(..., parallel, run, **keywords)``:
+    keywords naming a field are the convenience spelling of the object they belong to (and may
+    not be given beside that object)."""
+    parallel_names = {f.name for f in dataclasses.fields(ParallelOptions)} | set(_LEGACY)
+    run_names = {f.name for f in dataclasses.fields(RunOptions)}
+    unknown = sorted(set(keywords) - parallel_names - run_names)
+    if unknown:
+        raise TypeError(f"{where}() got unknown option(s) {', '.join(unknown)}; options are the fields of "
+                        "spmd_aot.ParallelOptions and spmd_aot.RunOptions (docs/options.md)")
+    run_keywords = {k: v for k, v in keywords.items() if k in run_names}
+    if run is not None:
+        if not isinstance(run, RunOptions):
+            raise TypeError(f"{where}() run must be a spmd_aot.RunOptions, got {type(run).__name__}")
+        if run_keywords:
+            raise TypeError(f"{where}(): pass {', '.join(sorted(run_keywords))} in the RunOptions, not beside it")
+    else:
+        run = RunOptions(**run_keywords)
+    try:
+        parallel = ParallelOptions.of(parallel, **{k: v for k, v in keywords.items() if k in parallel_names})
+    except TypeError as exc:
+        raise TypeError(f"{where}(): {exc}") from None
+    return parallel, run
