@@ -3,7 +3,7 @@
 Every hint that tells a user to build something (a job's cache miss, ``spmd-aot explain``) is
 made here, so it is a complete command that can be pasted as printed: the target when it is
 known, the world size, placement, device, mesh, every non-default communication option and the
-cache location. ``tests/test_hints.py`` parses it back with the CLI's own parser.
+cache location. ``tests/cli/test_cli_conventions.py`` parses it back with the CLI's own parser.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ workspace memory are not counted; they depend on the device and allocator, not t
   op returns and drops it when the storage is freed (weakref finalizer); storages it is told to
   ``watch`` (the step's state) are counted too, at their current size after every op (FSDP2
   frees and re-allocates its unsharded parameters by resizing storages, outside any op). It
-  measures the loaded step and eager FSDP2 the same way (``tools/bench_memory.py``).
+  measures the loaded step and eager FSDP2 the same way (``tools/bench/bench_memory.py``).
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def _print_manifest(store, key: str, digest: str, m: dict) -> None:
     say(f"trace time:   {stats.get('trace_seconds', '?')} s")
     if "peak_bytes" in stats:
         say(f"peak memory:  {human_bytes(stats['peak_bytes'])} of live tensors per rank, estimated from the "
-              "graph (inputs, state and intermediates until their last use; tools/bench_memory.py "
+              "graph (inputs, state and intermediates until their last use; tools/bench/bench_memory.py "
               "measures eager FSDP2 the same way)")
     if stats.get("micro_batches", 1) > 1:
         say(f"micro-batches: {stats['micro_batches']} backward() per optimizer step; gradients accumulate "

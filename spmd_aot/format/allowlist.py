@@ -21,7 +21,7 @@ The list is tied to the torch releases it was verified on (``# torch-release: 2.
 the file): overload names can change between releases, so a process running another release
 logs a warning once and a test checks that every listed overload exists in the running torch.
 One list serves both releases because 2.14 renamed no listed overload and its graphs call no
-new one (the suite and ``tools/fuzz_ops.py`` on 2.14.1); a release that needs a different set
+new one (the suite and ``tools/fuzz/fuzz_ops.py`` on 2.14.1); a release that needs a different set
 gets its own file, ``allowed_ops-<major.minor>.txt`` next to the shared one. ``choose_list`` is
 the one place that decides which file a process uses (and says why): the release's own file when
 it exists, else the shared file (silently when its header names the release, with the warning

@@ -23,7 +23,7 @@ of every manifest a ref names when it sweeps, including a manifest stored after 
 blobs (a build re-uses intact old blobs without rewriting them). Unreferenced blobs that no
 manifest named are also kept while younger than ``grace`` (for writers that take no lock), and
 a blob whose mtime changed since gc listed it (``LocalStore.put`` refreshes the mtime of a
-blob it re-uses) is kept. ``tools/stress_cache.py gc`` runs gc, builders and loaders together.
+blob it re-uses) is kept. ``tools/stress/stress_cache.py gc`` runs gc, builders and loaders together.
 
 Nothing here imports torch.
 All of it works on the host's cache directory: the store's ``LocalStore`` (``protocol.local_files``;

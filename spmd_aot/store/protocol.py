@@ -19,7 +19,7 @@ the accessor of that capability below) instead of probing for attributes:
 
 A new backend is one module that implements ``Store`` plus one line in ``registry.SCHEMES``
 (or a ``registry.register_scheme`` call from your own code); ``memory.py`` is the smallest
-complete example, and ``tests/store_contract.py`` is the conformance check every backend runs.
+complete example, and ``tests/support/store_contract.py`` is the conformance check every backend runs.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ the global RNG with eager's ops in eager's order (README "Dropout / RNG"), so wi
 per data-parallel rank the masks are the same and parity is exact up to rounding, not
 statistical.
 
-Shared by ``tests/test_corpus.py`` and ``tools/run_corpus.py``.
+Shared by ``tests/models/test_corpus.py`` and ``tools/bench/run_corpus.py``.
 """
 
 from __future__ import annotations

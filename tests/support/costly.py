@@ -3,7 +3,7 @@
 Each helper takes a built artifact (``store``, manifest ``digest``) and writes a new entry of the
 same key whose graph is the built one plus crafted nodes, using only the documented format (a
 msgpack graph, a manifest naming every blob by sha256), as a writer of the cache without a
-signing key could. Used by ``tests/test_bounded_work.py`` and ``tools/worst_case_load.py``.
+signing key could. Used by ``tests/format/test_bounded_work.py`` and ``tools/stress/worst_case_load.py``.
 """
 
 from __future__ import annotations

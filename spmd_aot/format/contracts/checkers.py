@@ -10,7 +10,7 @@ from .rules import Args, _broadcast, _contiguous, _dtype_eq, _ints, _last_dim_de
 
 def unchecked_by_design(a: Args) -> None:
     """The kernel validates every size, dim and index argument itself (TORCH_CHECK before any
-    memory access, proven by tools/fuzz_ops.py); only the general rules apply. Views: their
+    memory access, proven by tools/fuzz/fuzz_ops.py); only the general rules apply. Views: their
     result is also checked against its storage by validate.py."""
 
 
@@ -345,7 +345,7 @@ def attention_cpu(a: Args, *, backward: bool) -> None:
     The backward reads ``out`` rows as vectors, so ``out`` keeps the dense-row rule, but it copies
     ``grad_out`` to a contiguous tensor before its gemms (a broadcast ``grad_out`` would make them
     slow), so ``grad_out`` may have any strides: tensor-parallel graphs pass one laid out by a
-    gather (``tests/test_build_verifies.py`` checks the results equal the contiguous call's)."""
+    gather (``tests/building/test_build_verifies.py`` checks the results equal the contiguous call's)."""
     q, k, v = a.tensor("query"), a.tensor("key"), a.tensor("value")
     for name, t in (("query", q), ("key", k), ("value", v)):
         _need(t.dim() == 4, name, f"must be 4-d [B, H, L, E], has shape {_shape(t)}")

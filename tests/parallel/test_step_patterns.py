@@ -1,0 +1,342 @@
+"""Optimizer patterns users bring, compiled and run on 2 real gloo ranks against eager DDP
+(``replicate``) and FSDP2 ``fully_shard`` (``shard``), same seeds and batches:
+
+* frozen parameters (``requires_grad=False``) inside the optimizer's param groups get no state,
+  as in eager, so ``optim.state_dict()`` has eager's keys and checkpoints interchange;
+* schedulers that move hyperparameters other than the learning rate (OneCycleLR cycles AdamW's
+  betas and SGD's momentum) run from one stored step: a fresh start hits, traces nothing, and
+  every step uses the moved value;
+* ``torch.optim.Adafactor``: built, hit and run like AdamW (its update runs on tensors while
+  tracing), or refused in one line where it cannot be.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd_aot
+from support import train_steps
+from support.multiproc import run_ranks
+
+STEPS = 5
+TOLERANCE = 1e-5
+
+
+# ---------------------------------------------------------------------------- jobs
+class FrozenTower(torch.nn.Module):
+    """A frozen embedding and encoder layer (as a pretrained tower or all-but-adapters), a
+    trainable adapter and head; the optimizer is given every parameter, frozen ones included."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.encoder = torch.nn.Linear(16, 16)
+        self.adapter = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 5)
+        self.embed.requires_grad_(False)
+        self.encoder.requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.tanh(self.encoder(self.embed(x).mean(dim=1)))
+        return self.head(h + self.adapter(h))
+
+
+class UnusedBranch(torch.nn.Module):
+    """A trainable branch the loss does not reach (requires_grad, never a gradient): eager's
+    optimizer skips it (p.grad is None) and makes no state for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(12, 24)
+        self.aux = torch.nn.Linear(24, 3)  # an auxiliary head this step does not use
+        self.head = torch.nn.Linear(24, 5)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+def token_batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randint(0, 32, (8, 4), generator=g), torch.randint(0, 5, (8,), generator=g)
+
+
+def adamw_all_params(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def sgd_all_params(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def one_cycle(optim):
+    """OneCycleLR's default cycle_momentum=True: it moves lr and beta1 (AdamW) or momentum (SGD)."""
+    return torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=0.05, total_steps=STEPS + 1)
+
+
+def adamw_moved(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def sgd_moved(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+
+
+def adafactor(model):
+    return torch.optim.Adafactor(model.parameters(), lr=1e-2)
+
+
+def adafactor_wd(model):
+    return torch.optim.Adafactor(model.parameters(), lr=1e-2, weight_decay=0.1, beta2_decay=-0.7, d=1.5)
+
+
+# name -> (model, optimizer, scheduler or None, batch)
+CASES = {
+    "frozen_adamw": (FrozenTower, adamw_all_params, None, token_batch),
+    "frozen_sgd": (FrozenTower, sgd_all_params, None, token_batch),
+    "one_cycle_adamw": (train_steps.mlp, adamw_moved, one_cycle, train_steps.class_batch),
+    "one_cycle_sgd": (train_steps.mlp, sgd_moved, one_cycle, train_steps.class_batch),
+    "unused_adamw": (UnusedBranch, adamw_all_params, None, train_steps.class_batch),
+    "unused_sgd": (UnusedBranch, sgd_all_params, None, train_steps.class_batch),
+    "adafactor": (train_steps.mlp, adafactor, None, train_steps.class_batch),
+    "adafactor_frozen_wd": (FrozenTower, adafactor_wd, None, token_batch),
+}
+
+
+def _run(case, placement, rank, world, fn=None):
+    """STEPS steps, eager (``fn=None``: DDP or fully_shard) or with ``fn``; model, optimizer, losses."""
+    make_model, make_optim, make_scheduler, batch = CASES[case]
+    torch.manual_seed(0)
+    model = make_model()
+    stepped = _eager_model(model, placement, world) if fn is None else model
+    optim = make_optim(model)
+    scheduler = make_scheduler(optim) if make_scheduler else None
+    step = fn or train_steps.plain_step
+    losses, moved = [], []
+    for s in range(STEPS):
+        group = optim.param_groups[0]
+        moved.append((group["lr"], group["betas"][0] if "betas" in group else group.get("momentum")))
+        losses.append(step(stepped, optim, batch(rank, s)).detach())
+        if scheduler is not None:
+            scheduler.step()
+    return model, optim, losses, moved
+
+
+def _eager_model(model, placement, world):
+    if placement == "replicate" and isinstance(model, UnusedBranch):  # DDP must be told of unused ones
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, find_unused_parameters=True)
+    return train_steps._eager_model(model, placement, world)
+
+
+def _state_keys(optim) -> dict:
+    return {i: sorted(entry) for i, entry in optim.state_dict()["state"].items()}
+
+
+def _diffs(ref, got) -> dict:
+    (m1, o1, l1, _), (m2, o2, l2, _) = ref, got
+    full = train_steps.full
+    s1, s2 = o1.state_dict()["state"], o2.state_dict()["state"]
+    return {"param": max((full(a).float() - full(b).float()).abs().max().item()
+                         for a, b in zip(m1.state_dict().values(), m2.state_dict().values())),
+            "state": max([(full(s1[i][k]).float() - full(s2[i][k]).float()).abs().max().item()
+                          for i in s1 if i in s2 for k in s1[i] if k in s2[i]] or [0.0]),
+            "loss": max(float((a - b).abs()) for a, b in zip(l1, l2))}
+
+
+def _worker(rank, world, cases, cache_dir):
+    out = {}
+    for case in cases:
+        for placement in placements_of(case):
+            cache = f"{cache_dir}/{case}-{placement}"
+            ref = _run(case, placement, rank, world)
+            first = spmd_aot.compile(train_steps.plain_step, placement=placement, cache_dir=cache)
+            got = _run(case, placement, rank, world, first)
+            again = spmd_aot.compile(train_steps.plain_step, placement=placement, cache_dir=cache)
+            rerun = _run(case, placement, rank, world, again)  # a fresh start: every step from the cache
+            out[case, placement] = {
+                "diffs": _diffs(ref, got), "diffs_again": _diffs(ref, rerun),
+                "first_traces": first.cache_info.traces, "hit": again.cache_info.hit,
+                "traces": again.cache_info.traces,
+                "keys": (_state_keys(ref[1]), _state_keys(got[1]), _state_keys(rerun[1])),
+                "groups": [{k: v for k, v in g.items() if k != "params"} for g in ref[1].param_groups],
+                "groups_compiled": [{k: v for k, v in g.items() if k != "params"} for g in got[1].param_groups],
+                "moved": ref[3],
+            }
+    return out
+
+
+PLACEMENTS = ("replicate", "shard")
+
+
+def placements_of(case):
+    """Adafactor: replicate only (sharded parameters are refused, as fully_shard fails on it)."""
+    return ("replicate",) if case.startswith("adafactor") else PLACEMENTS
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_worker, 2, list(CASES), str(tmp_path_factory.mktemp("step-patterns")), timeout=600)
+
+
+def _report(results, case, placement):
+    for rank, per_rank in enumerate(results):
+        r = per_rank[case, placement]
+        print(f"{case} {placement} rank {rank}: {r['diffs']} again {r['diffs_again']}")
+
+
+@pytest.mark.parametrize("case,placement", [(c, p) for c in CASES for p in placements_of(c)])
+def test_pattern_hits_traces_nothing_and_matches_eager(results, case, placement):
+    _report(results, case, placement)
+    for rank, per_rank in enumerate(results):
+        r = per_rank[case, placement]
+        assert max(r["diffs"].values()) <= TOLERANCE, f"rank {rank}: {r['diffs']}"
+        assert max(r["diffs_again"].values()) <= TOLERANCE, f"rank {rank}: {r['diffs_again']}"
+        assert r["hit"] and r["traces"] == 0, f"rank {rank}: {r}"
+        # the first start traced once (rank 0) and never again while the scheduler moved numbers
+        assert r["first_traces"] == (1 if rank == 0 else 0), f"rank {rank}: {r['first_traces']} traces"
+        eager, compiled, again = r["keys"]
+        assert compiled == eager and again == eager, f"rank {rank}: state keys {compiled} vs eager {eager}"
+        assert r["groups_compiled"] == r["groups"]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_frozen_parameters_have_no_optimizer_state(results, placement):
+    """FrozenTower: embed (1 tensor) and encoder (2) frozen of 7 parameters: 4 have state."""
+    for case in ("frozen_adamw", "frozen_sgd", "adafactor_frozen_wd"):
+        if placement not in placements_of(case):
+            continue
+        for per_rank in results:
+            eager, compiled, _ = per_rank[case, placement]["keys"]
+            assert sorted(compiled) == [3, 4, 5, 6] and compiled == eager
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_parameters_no_gradient_reaches_have_no_optimizer_state(results, placement):
+    """UnusedBranch: aux (parameters 2 and 3) never gets a gradient: no state, as in eager, on
+    the first start (traced) and on a fresh start (hit)."""
+    for case in ("unused_adamw", "unused_sgd"):
+        for per_rank in results:
+            eager, compiled, again = per_rank[case, placement]["keys"]
+            assert sorted(compiled) == [0, 1, 4, 5] and compiled == eager == again
+
+
+@pytest.mark.parametrize("case", ["one_cycle_adamw", "one_cycle_sgd"])
+def test_the_scheduler_moved_the_numbers(results, case):
+    """The parity above means something: OneCycleLR gave every step its own learning rate and
+    its own beta1 (AdamW) or momentum (SGD), which the compiled steps used."""
+    moved = results[0][case, "replicate"]["moved"]
+    assert len({lr for lr, _ in moved}) == STEPS and len({m for _, m in moved}) == STEPS, moved
+    assert max(m for _, m in moved) - min(m for _, m in moved) > 0.05, moved
+
+
+def test_adafactor_on_sharded_parameters_is_refused_at_build(tmp_path):
+    job = spmd_aot.Job(step=train_steps.plain_step, model=train_steps.mlp, optimizer=adafactor,
+                       batch=lambda: train_steps.class_batch(0, 0))
+    with pytest.raises(spmd_aot.UnsupportedError, match=r"Adafactor cannot update parameters sharded .* "
+                                                        r"use placement='replicate' with Adafactor"):
+        spmd_aot.build(job, world_size=2, placement="shard", cache_dir=tmp_path)
+
+
+def test_lbfgs_is_refused_by_name(tmp_path):
+    model = train_steps.mlp()
+    step = spmd_aot.compile(train_steps.plain_step, cache_dir=tmp_path)
+    with pytest.raises(spmd_aot.UnsupportedError, match=r"torch.optim.LBFGS cannot be compiled: its step "
+                                                        r"re-evaluates a closure.*use torch.optim.AdamW"):
+        step(model, torch.optim.LBFGS(model.parameters()), train_steps.class_batch(0, 0))
+
+
+_KEY_PROGRAM = """
+import sys
+import torch
+from spmd_aot.keying.key import compute_key
+from spmd_aot.parallel.plan import Plan
+from spmd_aot.state import TrainState, initialize_optimizer_state
+from support import train_steps
+
+torch.manual_seed(0)
+model = train_steps.mlp()
+optims = [torch.optim.AdamW(model.fc1.parameters(), lr=1e-2, weight_decay=0.1),
+          torch.optim.SGD(model.head.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)]
+schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=10) for o in optims]
+for _ in range(int(sys.argv[1])):  # the scheduler moves lr, beta1 and momentum
+    for s in schedulers:
+        s.step()
+optim = __import__("spmd_aot.tracing.optimizers", fromlist=["as_optimizer"]).as_optimizer(optims)
+initialize_optimizer_state(optim)
+state = TrainState(model, optim, train_steps.class_batch(0, 0), Plan(2))
+print("KEY", compute_key(train_steps.plain_step, state, Plan(2)).key, [g["betas"][0] if "betas" in g else
+      g["momentum"] for g in optim.param_groups])
+"""
+
+
+def test_keys_are_equal_across_processes_and_scheduler_steps():
+    """Hyperparameter inputs leave the key alone: the same key in processes with different
+    PYTHONHASHSEED, before and after OneCycleLR moved lr, beta1 and momentum."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    import warnings
+
+    tests = pathlib.Path(__file__).parents[1]  # the tests root: support/ is under it
+    env = {**os.environ, "PYTHONPATH": f"{tests}{os.pathsep}{tests.parent}"}
+    procs = [subprocess.Popen([sys.executable, "-W", "ignore", "-c", _KEY_PROGRAM, str(steps)], cwd=tests,
+                              env={**env, "PYTHONHASHSEED": seed}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for seed, steps in (("1", 0), ("2", 3))]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        outs.append(next(line for line in out.splitlines() if line.startswith("KEY ")).split(" ", 2))
+    warnings.filterwarnings("ignore")
+    (_, key_a, moved_a), (_, key_b, moved_b) = outs
+    assert moved_a != moved_b  # the numbers did move
+    assert key_a == key_b
+
+
+def test_a_moved_constant_is_named_when_the_step_is_looked_up_again(tmp_path, caplog):
+    """fused=True keeps torch's fused kernel, which takes betas as Python numbers: OneCycleLR
+    moving beta1 then rebuilds, and the log says which number and why."""
+    import logging
+
+    torch.manual_seed(0)
+    model = train_steps.mlp()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scheduler = one_cycle(optim)
+    fn = spmd_aot.compile(train_steps.plain_step, cache_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="spmd_aot.runtime.step"):
+        for s in range(2):
+            fn(model, optim, train_steps.class_batch(0, s))
+            scheduler.step()
+        fn(model, optim, train_steps.class_batch(0, 2))
+    moved = [r.getMessage() for r in caplog.records if "changed from" in r.getMessage()]
+    assert len(moved) == 2 and all("param_groups[0]['betas']" in m and "fused and foreach unset" in m
+                                   for m in moved), moved
+    assert fn.cache_info.traces == 3
+
+
+@pytest.mark.parametrize("make_optim,fed", [
+    (adamw_moved, {"lr", "betas[0]", "betas[1]", "eps", "weight_decay"}),
+    (sgd_moved, {"lr", "momentum", "weight_decay"}),
+    (adafactor_wd, {"lr", "beta2_decay", "d", "weight_decay"}),
+])
+def test_the_stored_graph_reads_every_hyperparameter_input(tmp_path, make_optim, fed):
+    """No number a scheduler may move is baked into the graph: each hyperparameter input of the
+    stored step has readers (its value is used, not a constant taken at trace time)."""
+    from spmd_aot.format.artifact import read_artifact
+    from spmd_aot.store import open_store
+
+    model = FrozenTower if make_optim is adafactor_wd else train_steps.mlp
+    batch = token_batch if make_optim is adafactor_wd else train_steps.class_batch
+    job = spmd_aot.Job(step=train_steps.plain_step, model=model, optimizer=make_optim, batch=lambda: batch(0, 0))
+    built = spmd_aot.build(job, world_size=2, cache_dir=tmp_path)
+    artifact = read_artifact(open_store(tmp_path), built.digest)
+    nodes = artifact.check()
+    placeholders = [i for i, n in enumerate(nodes) if n.op == "placeholder"]
+    read = set().union(*(n.refs for n in nodes))
+    hyper = {s["fqn"]: i for s, i in zip(artifact.layout["inputs"], placeholders) if s["kind"] == "hyper"}
+    assert {fqn.removeprefix("param_groups[0].") for fqn in hyper} == fed
+    assert all(i in read for i in hyper.values()), [f for f, i in hyper.items() if i not in read]

@@ -1,0 +1,503 @@
+"""Step time of the loaded step vs eager DDP / FSDP2 (and torch.compile), on real gloo ranks.
+
+    python tools/bench/bench_step.py                    # 4 layers, d_model 128, context 64, AdamW; world 1, 2, 4
+    python tools/bench/bench_step.py --sweep            # layers {2, 12} x d_model {64, 256}, few steps
+    python tools/bench/bench_step.py --quick            # a smoke run of a few seconds per world
+    python tools/bench/bench_step.py --with-torch-compile --worlds 2 --placements replicate
+    python tools/bench/bench_step.py --sweep --fused-adamw   # every variant's AdamW fused=True
+    python tools/bench/bench_step.py --kernels --with-torch-compile --layers 12 --batch 2   # compiled kernels
+
+For each (world, placement) the artifact is built offline first (``spmd_aot.build``), then
+one process group per world size runs every configuration of that world. Each rank holds
+identical copies of the example transformer + AdamW, one per variant:
+
+  loaded    ``spmd_aot.compile(train_step, require_hit=True)`` (the artifact, no tracing)
+  eager     plain eager at world 1; eager DDP for replicate; eager FSDP2 ``fully_shard`` per
+            block then the root for shard; HSDP: the same on a (2, 2) mesh
+  compiled  (``--with-torch-compile``) ``torch.compile`` of that eager model; its first step
+            is reported separately as compile seconds
+  kernels   (``--kernels``) the entry built with ``kernels=True``, loaded from a trusted cache:
+            the step runs Inductor's kernels compiled at build time (``spmd_aot/building/kernels.py``);
+            its first call (key, load, bind) is reported as kernels first s
+  whole     (``--kernels --with-torch-compile``, world 1) ``torch.compile`` of the whole train step
+            (forward, backward, AdamW: the kernels ``aot_compile`` of the step precompiles)
+
+The optimizer is ``AdamW(lr=1e-3)`` with torch's defaults, as users write it; the loaded step
+then runs the fused AdamW kernel (see docs/models.md "Optimizer implementation") where eager runs
+torch's per-tensor loop on CPU. ``--fused-adamw`` gives every variant ``fused=True``, so the
+ratio shows what is left without that choice.
+
+Every variant is warmed up, then timed in interleaved blocks (the order rotates each block),
+each block framed by barriers so it ends when the slowest rank does. ms/step is rank 0's
+median over blocks; a ratio is the median over blocks of variant/eager within the same block.
+Δloss is |loaded - eager| of rank 0's last loss: the variants did the same work.
+Prints a Markdown table, writes a grouped bar chart (SVG) and optionally the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import gc
+import json
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import shlex
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+# Noise on every process: torch without numpy, and FSDP2's note on the view our model returns.
+QUIET = "ignore:Failed to initialize NumPy,ignore:FSDP2-wrapped module"
+for _rule in QUIET.split(","):
+    warnings.filterwarnings("ignore", message=_rule.split(":", 1)[1])
+
+import torch  # noqa: E402
+
+import spmd_aot  # noqa: E402
+from spmd_aot.examples.models import Transformer, train_step
+
+from bar_chart import write_svg  # noqa: E402  (a sibling file of this script)
+
+VOCAB, HEADS = 256, 4
+TARGET = {1: 0.95}  # loaded/eager the project aims for; 0.90 at world > 1
+EAGER_NAME = {"single": "eager", "replicate": "DDP", "shard": "FSDP2", "hsdp": "FSDP2 2x2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    world: int
+    placement: str  # "single" (world 1), "replicate", "shard", or "hsdp" (shard on a 2x2 mesh)
+    layers: int
+    d_model: int
+
+    @property
+    def spmd_placement(self) -> str:
+        return "shard" if self.placement in ("shard", "hsdp") else "replicate"
+
+    @property
+    def mesh_shape(self):
+        return (2, 2) if self.placement == "hsdp" else None
+
+    @property
+    def label(self) -> str:
+        return f"w{self.world} {self.placement}\nL{self.layers} d{self.d_model}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    seq: int
+    batch: int  # per rank, as DDP sees it
+    steps: int  # per timed block
+    blocks: int
+    warmup: int
+    with_compile: bool
+    comm: dict
+    fused_adamw: bool = False  # every variant's AdamW gets fused=True (not torch's default)
+    kernels: bool = False  # also the entry with compiled kernels (``kernels=True``)
+
+
+def _adamw(params, s: Settings):
+    return torch.optim.AdamW(params, lr=1e-3, **({"fused": True} if s.fused_adamw else {}))
+
+
+def _model_and_optim(cfg: Config, s: Settings):
+    torch.manual_seed(0)  # identical copies on every rank and for every variant
+    model = Transformer(vocab=VOCAB, d_model=cfg.d_model, n_heads=HEADS, n_layers=cfg.layers, max_len=s.seq)
+    return model, _adamw(model.parameters(), s)
+
+
+def _batch(s: Settings, rank: int):
+    g = torch.Generator().manual_seed(1000 + rank)
+    return (torch.randint(0, VOCAB, (s.batch, s.seq), generator=g),
+            torch.randint(0, VOCAB, (s.batch, s.seq), generator=g))
+
+
+def build(cfg: Config, s: Settings, cache_dir: str) -> float:
+    """Build the artifact offline, as CI would; returns seconds (0 when it was cached)."""
+    job = spmd_aot.Job(step=train_step, model=lambda: _model_and_optim(cfg, s)[0],
+                       optimizer=lambda m: _adamw(m.parameters(), s),
+                       batch=lambda: _batch(s, 0))
+    result = spmd_aot.build(job, world_size=cfg.world, placement=cfg.spmd_placement,
+                            mesh_shape=cfg.mesh_shape, cache_dir=cache_dir, **s.comm)
+    seconds = result.seconds if result.traced else 0.0
+    if s.kernels:
+        with_kernels = spmd_aot.build(job, world_size=cfg.world, placement=cfg.spmd_placement,
+                                      mesh_shape=cfg.mesh_shape, cache_dir=cache_dir, kernels=True, **s.comm)
+        if with_kernels.stats.get("kernels") != "compiled":
+            print(f"  no kernels for {cfg}: {with_kernels.stats.get('kernels')}", file=sys.stderr, flush=True)
+        seconds += with_kernels.seconds if with_kernels.traced else 0.0
+    return seconds
+
+
+# ---------------------------------------------------------------------------- on every rank
+def _eager_model(cfg: Config, world: int, s: Settings):
+    """The eager oracle for this placement: (module to call, its optimizer)."""
+    model, optim = _model_and_optim(cfg, s)
+    if world == 1:
+        return model, optim
+    if cfg.spmd_placement == "replicate":
+        from torch.nn.parallel import DistributedDataParallel
+        return DistributedDataParallel(model), optim
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    shape = cfg.mesh_shape or (world,)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # fully_shard swaps parameters for DTensors: the optimizer must see the new ones.
+    return model, _adamw(model.parameters(), s)
+
+
+def _sync(world: int) -> None:
+    if world > 1:
+        torch.distributed.barrier()
+
+
+def timed_blocks(variants: dict, blocks: int, steps: int, sync, last: dict | None = None) -> dict:
+    """Milliseconds per call of each variant (name -> zero-argument callable), one figure per
+    block: ``blocks`` rounds in which every variant makes ``steps`` calls, the order rotating
+    each round, each run framed by ``sync()`` (barriers, a device synchronize) so it ends when
+    the slowest rank does. ``last`` receives each variant's last return value."""
+    names = list(variants)
+    times = {name: [] for name in names}
+    for b in range(blocks):
+        for name in names[b % len(names):] + names[:b % len(names)]:
+            fn = variants[name]
+            sync()
+            start = time.perf_counter()
+            for _ in range(steps):
+                value = fn()
+            sync()
+            times[name].append((time.perf_counter() - start) / steps * 1000)
+            if last is not None:
+                last[name] = value
+    return times
+
+
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """The median over blocks of one variant's time over another's in the same block."""
+    return statistics.median(a / b for a, b in zip(numerators, denominators))
+
+
+def _measure(cfg: Config, s: Settings, cache_dir: str, rank: int, world: int) -> dict:
+    batch = _batch(s, rank)
+    variants = {}
+    model, optim = _model_and_optim(cfg, s)
+    step = spmd_aot.compile(train_step, placement=cfg.spmd_placement, mesh_shape=cfg.mesh_shape,
+                            cache_dir=cache_dir, require_hit=True, **s.comm)
+    variants["loaded"] = lambda: step(model, optim, batch)
+    eager, eager_optim = _eager_model(cfg, world, s)
+    variants["eager"] = lambda: train_step(eager, eager_optim, batch)
+    if s.with_compile:
+        compiled_module, compiled_optim = _eager_model(cfg, world, s)
+        compiled_module = torch.compile(compiled_module)
+        variants["compiled"] = lambda: train_step(compiled_module, compiled_optim, batch)
+    if s.kernels:
+        variants.update(_kernel_variants(cfg, s, cache_dir, world, batch))
+
+    first_s = {}
+    for name, fn in variants.items():  # warm up; the first call binds, loads or compiles
+        _sync(world)
+        start = time.perf_counter()
+        fn()
+        _sync(world)
+        first_s[name] = time.perf_counter() - start
+        for _ in range(s.warmup - 1):
+            fn()
+    last = {}
+    times = timed_blocks(variants, s.blocks, s.steps, lambda: _sync(world), last)
+    names = list(variants)
+    losses = {name: float(loss.detach().float()) for name, loss in last.items()}
+    program = getattr(getattr(step, "_bound", None), "program", None)  # op count, if exposed
+    row = dict(world=world, placement=cfg.placement, layers=cfg.layers, d_model=cfg.d_model,
+               eager_kind=EAGER_NAME[cfg.placement], ops=getattr(program, "n_ops", None),
+               load_s=step.cache_info.seconds, cache_hit=step.cache_info.hit,
+               delta_loss=abs(losses["loaded"] - losses["eager"]))
+    for name in names:
+        row[f"{name}_ms"] = statistics.median(times[name])
+        row[f"{name}_blocks_ms"] = times[name]
+        if name != "eager":
+            row[f"{name}_ratio"] = median_ratio(times[name], times["eager"])
+    if s.with_compile:
+        row["compile_s"] = first_s["compiled"]
+        torch._dynamo.reset()  # the next configuration compiles from scratch
+    for name in ("kernels", "whole"):
+        if name in first_s:
+            row[f"{name}_first_s"] = first_s[name]
+            row[f"{name}_delta_loss"] = abs(losses[name] - losses["eager"])
+    return row
+
+
+def _kernel_variants(cfg: Config, s: Settings, cache_dir: str, world: int, batch) -> dict:
+    """The entry with compiled kernels, loaded from a trusted cache; at world 1 with
+    ``--with-torch-compile`` also torch.compile of the whole step (what aot_compile precompiles)."""
+    variants = {}
+    model, optim = _model_and_optim(cfg, s)
+    step = spmd_aot.compile(train_step, placement=cfg.spmd_placement, mesh_shape=cfg.mesh_shape,
+                            cache_dir=cache_dir, require_hit=True, kernels=True, trust_cache=True, **s.comm)
+    variants["kernels"] = lambda: step(model, optim, batch)
+    if s.with_compile and world == 1:
+        whole_model, whole_optim = _model_and_optim(cfg, s)
+        whole = torch.compile(train_step)
+        variants["whole"] = lambda: whole(whole_model, whole_optim, batch)
+    return variants
+
+
+def _rank_main(rank, world, port, configs, s, cache_dir, results):
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    try:
+        if world > 1:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world)
+        rows = []
+        for cfg in configs:
+            rows.append(_measure(cfg, s, cache_dir, rank, world))
+            if rank == 0:
+                r = rows[-1]
+                print(f"  measured world {world} {cfg.placement} L{cfg.layers} d{cfg.d_model}: loaded "
+                      f"{r['loaded_ms']:.1f} ms, {r['eager_kind']} {r['eager_ms']:.1f} ms, "
+                      f"ratio {r['loaded_ratio']:.2f}", file=sys.stderr, flush=True)
+            gc.collect()
+        results.put((rank, "ok", rows if rank == 0 else None))
+    except BaseException as exc:  # report, never hang the parent
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_context():
+    """How ranks start: spawned, fresh interpreters, so the environment ``run_world`` sets is
+    theirs from their first import (the tests' smoke run forks them from a torch-preloaded
+    server instead, to start quickly)."""
+    return mp.get_context("spawn")
+
+
+def run_world(world: int, configs: list, s: Settings, cache_dir: str, timeout: float, rank_main=None) -> list:
+    """Start ``world`` ranks (one process without a group at world 1); rank 0's result.
+    ``rank_main`` (default: this tool's) is called on every rank as ``rank_main(rank, world,
+    port, configs, s, cache_dir, results)`` and puts ``(rank, "ok" | "error", value)``."""
+    ctx = rank_context()
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=rank_main or _rank_main, args=(r, world, port, configs, s, cache_dir, results))
+             for r in range(world)]
+    # A fresh inductor cache per world: "compile s" is a cold first step, not a disk-cache hit.
+    child_env = dict(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONWARNINGS=QUIET,
+                     TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, f"inductor-world{world}"))
+    saved = {k: os.environ.get(k) for k in child_env}
+    os.environ.update(child_env)
+    try:
+        for p in procs:
+            p.start()
+        got = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < world:
+            try:
+                rank, status, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue_mod.Empty:
+                raise RuntimeError(f"world {world}: ranks did not finish in {timeout:.0f}s "
+                                   f"(finished: {sorted(got)})") from None
+            got[rank] = (status, value)
+            if status != "ok":
+                break  # the others may wait on the failed rank forever
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(got) == world else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    errors = [f"rank {r}: {v}" for r, (status, v) in sorted(got.items()) if status != "ok"]
+    if errors:
+        raise RuntimeError(f"world {world} failed:\n" + "\n".join(errors))
+    return got[0][1]
+
+
+# ---------------------------------------------------------------------------- report
+def _target(world: int) -> float:
+    return TARGET.get(world, 0.90)
+
+
+def table(rows: list[dict], with_compile: bool) -> str:
+    header = ["world", "placement", "layers", "d_model", "ops", "loaded ms", "eager", "eager ms",
+              "loaded/eager", "target", "Δloss"]
+    if with_compile:
+        header += ["compiled ms", "compiled/eager", "compile s"]
+    kernels = any("kernels_ms" in r for r in rows)
+    if kernels:
+        header += ["kernels ms", "kernels/eager", "kernels/compiled", "kernels first s", "Δloss k", "whole-step ms",
+                   "kernels/whole"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for r in rows:
+        ok = "yes" if r["loaded_ratio"] <= _target(r["world"]) else "no"
+        cells = [r["world"], r["placement"], r["layers"], r["d_model"], r["ops"] if r["ops"] is not None else "-",
+                 f"{r['loaded_ms']:.2f}", r["eager_kind"], f"{r['eager_ms']:.2f}", f"{r['loaded_ratio']:.3f}",
+                 f"<={_target(r['world']):.2f} {ok}", f"{r['delta_loss']:.0e}"]
+        if with_compile:
+            cells += [f"{r['compiled_ms']:.2f}", f"{r['compiled_ratio']:.3f}", f"{r['compile_s']:.1f}"]
+        if kernels:
+            cells += _kernel_cells(r)
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def _kernel_cells(r: dict) -> list[str]:
+    """Kernels vs eager, vs torch.compile (same blocks: the ratio of the two median ratios' blocks)
+    and, at world 1, vs torch.compile of the whole step."""
+    if "kernels_ms" not in r:
+        return ["-"] * 7
+    def vs(name):
+        if f"{name}_blocks_ms" not in r:
+            return "-"
+        return f"{median_ratio(r['kernels_blocks_ms'], r[f'{name}_blocks_ms']):.3f}"
+    whole = f"{r['whole_ms']:.2f}" if "whole_ms" in r else "-"
+    return [f"{r['kernels_ms']:.2f}", f"{r['kernels_ratio']:.3f}", vs("compiled"), f"{r['kernels_first_s']:.2f}",
+            f"{r['kernels_delta_loss']:.0e}", whole, vs("whole")]
+
+
+def plot(path: str, rows: list[dict], with_compile: bool, title: str) -> None:
+    labels = [Config(r["world"], r["placement"], r["layers"], r["d_model"]).label for r in rows]
+    series = {"loaded": [r["loaded_ms"] for r in rows], "eager (DDP / FSDP2)": [r["eager_ms"] for r in rows]}
+    if with_compile:
+        series["torch.compile"] = [r["compiled_ms"] for r in rows]
+    if any("kernels_ms" in r for r in rows):
+        series["kernels"] = [r.get("kernels_ms", 0.0) for r in rows]
+    write_svg(path, labels, series, title, notes=[f"{r['loaded_ratio']:.2f}x" for r in rows])
+
+
+# ---------------------------------------------------------------------------- command line
+def _parse_comm(items: list[str]) -> dict:
+    comm = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            comm[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            comm[key] = value
+    return comm
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def configs_for(worlds, placements, layer_list, d_model_list) -> list[Config]:
+    configs = []
+    for world in worlds:
+        for layers in layer_list:
+            for d_model in d_model_list:
+                if world == 1:
+                    configs.append(Config(1, "single", layers, d_model))
+                    continue
+                for placement in placements:
+                    if placement == "hsdp" and world != 4:
+                        continue  # HSDP is measured on a 2x2 mesh
+                    configs.append(Config(world, placement, layers, d_model))
+    return configs
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=_ints, help="comma-separated (default 4; --sweep: 2,12)")
+    parser.add_argument("--d-model", type=_ints, help="comma-separated (default 128; --sweep: 64,256)")
+    parser.add_argument("--seq", type=int, help="context length (default 64)")
+    parser.add_argument("--batch", type=int, help="sequences per rank (default 8)")
+    parser.add_argument("--steps", type=int, help="steps per timed block (default 10; --sweep 4)")
+    parser.add_argument("--blocks", type=int, help="timed blocks per variant (default 5; --sweep 3)")
+    parser.add_argument("--warmup", type=int, help="warm-up steps per variant (default 3)")
+    parser.add_argument("--worlds", type=_ints, default=[1, 2, 4])
+    parser.add_argument("--placements", default=None,
+                        help="comma-separated of replicate, shard, hsdp (default all three; --sweep: "
+                             "replicate,shard); world 1 runs once, plain; hsdp only at world 4 (2x2)")
+    parser.add_argument("--with-torch-compile", action="store_true", help="also time torch.compile(eager model)")
+    parser.add_argument("--sweep", action="store_true", help="layers {2,12} x d_model {64,256}: the target range")
+    parser.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke run")
+    parser.add_argument("--comm", action="append", default=[], metavar="KEY=VALUE",
+                        help="communication option passed to build and compile, e.g. bucket_cap_mb=4")
+    parser.add_argument("--plot", default=os.path.join(tempfile.gettempdir(), "bench_step.svg"),
+                        help="SVG file for the bar chart (default: %(default)s)")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--fused-adamw", action="store_true",
+                        help="every variant's AdamW with fused=True, so the ratio does not count the loaded "
+                             "step's own choice of the fused kernel (torch's default on CPU is the per-tensor loop)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also build with kernels=True and time the compiled-kernels step (trusted cache)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per world before giving up")
+    args = parser.parse_args(argv)
+
+    mode = "quick" if args.quick else "sweep" if args.sweep else "default"
+    defaults = {
+        "default": dict(layers=[4], d_model=[128], seq=64, batch=8, steps=10, blocks=5, warmup=3,
+                        placements="replicate,shard,hsdp"),
+        "sweep": dict(layers=[2, 12], d_model=[64, 256], seq=64, batch=8, steps=4, blocks=3, warmup=2,
+                      placements="replicate,shard"),
+        "quick": dict(layers=[2], d_model=[32], seq=16, batch=2, steps=2, blocks=2, warmup=1,
+                      placements="replicate,shard,hsdp"),
+    }[mode]
+    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else defaults[name]
+    placements = [p for p in pick("placements").split(",") if p]
+    unknown = set(placements) - {"replicate", "shard", "hsdp"}
+    if unknown:
+        parser.error(f"unknown placement(s) {sorted(unknown)}; expected replicate, shard, hsdp")
+    s = Settings(seq=pick("seq"), batch=pick("batch"), steps=pick("steps"), blocks=pick("blocks"),
+                 warmup=max(1, pick("warmup")), with_compile=args.with_torch_compile,
+                 comm=_parse_comm(args.comm), fused_adamw=args.fused_adamw, kernels=args.kernels)
+    configs = configs_for(args.worlds, placements, pick("layers"), pick("d_model"))
+
+    command = "python tools/bench/bench_step.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    print(f"# {command.strip()}")
+    print(f"# torch {torch.__version__}, CPU, gloo, {os.cpu_count()} cores, 1 thread per rank; "
+          f"AdamW{' fused=True' if s.fused_adamw else ' (defaults)'}, vocab {VOCAB}, {HEADS} heads, context {s.seq}, batch {s.batch} per rank; "
+          f"{s.blocks} blocks x {s.steps} steps after {s.warmup} warm-up" +
+          (f"; comm {s.comm}" if s.comm else ""), flush=True)
+    rows, failures = [], []
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_step_cache_") as cache_dir:
+        for world in args.worlds:
+            world_configs = [c for c in configs if c.world == world]
+            if not world_configs:
+                continue
+            try:
+                for cfg in world_configs:
+                    seconds = build(cfg, s, cache_dir)
+                    print(f"  built world {world} {cfg.placement} L{cfg.layers} d{cfg.d_model} "
+                          f"in {seconds:.1f}s", file=sys.stderr, flush=True)
+                rows += run_world(world, world_configs, s, cache_dir, args.timeout)
+            except Exception as exc:  # report it, measure the other worlds
+                failures.append(f"world {world}: {exc}")
+                print(f"error: world {world}: {exc}", file=sys.stderr, flush=True)
+    if rows:
+        print(table(rows, s.with_compile))
+        plot(args.plot, rows, s.with_compile,
+             f"ms/step, loaded vs eager (label: loaded/eager); context {s.seq}, batch {s.batch}/rank")
+        print(f"# plot: {args.plot}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(command=command.strip(), settings=dataclasses.asdict(s), rows=rows), f, indent=1)
+            print(f"# rows: {args.json}")
+    print(f"# {time.perf_counter() - start:.0f}s in all", flush=True)
+    return 1 if failures or not rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
