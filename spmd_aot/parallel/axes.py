@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from . import placements
+from . import data_parallel
 from . import tensor_parallel
 
 __all__ = ["AXES", "active_axes", "Tracing", "traced_buffers", "graph_passes", "collective_limits",
@@ -18,7 +18,7 @@ __all__ = ["AXES", "active_axes", "Tracing", "traced_buffers", "graph_passes", "
 
 AXES = (
     tensor_parallel.AXIS,
-    placements.AXIS,
+    data_parallel.AXIS,
 )
 
 

@@ -18,12 +18,12 @@ from .axis import Axis
 from .dims import DATA_PARALLEL_ROLES, PLACEMENT_NAMES
 from ..passes import bucket_gradient_all_reduces
 
-__all__ = ["Placement", "PLACEMENTS", "Replicate", "Shard", "AXIS"]
+__all__ = ["DataParallelPlacement", "PLACEMENTS", "ReplicateParams", "ShardParams", "AXIS"]
 
-PLACEMENTS: dict[str, "Placement"] = {}  # name -> placement object, in definition order
+PLACEMENTS: dict[str, "DataParallelPlacement"] = {}  # name -> placement object, in definition order
 
 
-class Placement:
+class DataParallelPlacement:
     """The interface; every method takes the ``Plan`` it serves (a placement holds no state)."""
 
     name: ClassVar[str]
@@ -46,7 +46,7 @@ class Placement:
         return {}
 
 
-class Replicate(Placement):
+class ReplicateParams(DataParallelPlacement):
     name = "replicate"
     summary = "DDP: parameters and optimizer state Replicate, batch Shard(0), gradients averaged"
 
@@ -82,7 +82,7 @@ class Replicate(Placement):
         return {"all_reduce": sum(1 for s in slots if s.kind == "param" and s.requires_grad)}
 
 
-class Shard(Placement):
+class ShardParams(DataParallelPlacement):
     name = "shard"
     summary = ("FSDP/ZeRO-3: parameters and optimizer state Shard(0) (HSDP on a 2-D mesh: Replicate "
                "on dim 0, Shard(0) on dim 1), all-gather for compute, reduce-scatter for gradients")
