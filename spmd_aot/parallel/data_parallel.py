@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from .axis import Axis
+from .axis_interface import Axis
 from .dims import DATA_PARALLEL_ROLES, PLACEMENT_NAMES
 from ..passes import bucket_gradient_all_reduces
 

@@ -73,7 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UnsupportedError
-from .axis import Axis
+from .axis_interface import Axis
 from .tp_plan import SPLIT_DIMS, first_match
 from ..passes.collectives import label_collective
 
