@@ -24,7 +24,7 @@ from ..keying.key import CacheKey
 from .kernels import kernel_parts
 from .load_check import check_before_storing
 from ..keying.lookup import find_entry
-from .memory import graph_peak_bytes
+from .peak_memory import graph_peak_bytes
 from ..tracing.causal_masks import masks_used_as_given
 from ..tracing.numpy_absent import numpy_lookups_skipped
 from ..tracing.override import Transforms, swapped_submodules

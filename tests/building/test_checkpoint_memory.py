@@ -1,6 +1,6 @@
 """Activation checkpointing's memory effect: the stored graph keeps the
 recomputation, and checkpointing lowers both the build-time estimate ``stats["peak_bytes"]``
-(``spmd_aot.building.memory.graph_peak_bytes``) and eager's measured peak (``spmd_aot.building.memory.PeakMemory``,
+(``spmd_aot.building.peak_memory.graph_peak_bytes``) and eager's measured peak (``spmd_aot.building.peak_memory.PeakMemory``,
 a ``TorchDispatchMode`` counting the storages op outputs allocate until they are freed).
 
 Both sides count the same thing: bytes of tensor storages alive at once, the step's state
@@ -18,7 +18,7 @@ import torch
 
 import spmd_aot
 from support import train_steps
-from spmd_aot.building.memory import PeakMemory, state_tensors
+from spmd_aot.building.peak_memory import PeakMemory, state_tensors
 
 FACTOR = 1.25  # world 2 estimate vs world 1 eager (same per-rank batch), either way
 

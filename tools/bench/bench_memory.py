@@ -3,7 +3,7 @@
 The bench transformer (d_model 128, 4 layers, context 64, AdamW), world 2 on gloo, placement
 ``shard`` with the default groups (one per block), against eager FSDP2 with ``fully_shard``
 on every block and on the root (the same groups). Both are measured the same way, by
-``spmd_aot.building.memory.PeakMemory`` on the second step (the first one builds or lazily initializes):
+``spmd_aot.building.peak_memory.PeakMemory`` on the second step (the first one builds or lazily initializes):
 every storage an op returns counts from its creation until it is freed, plus the step's
 state and batch (and FSDP2's unsharded-parameter storages, which it resizes in place). The
 build-time estimate ``stats["peak_bytes"]`` (from the graph alone) is printed beside them.
@@ -72,7 +72,7 @@ def _worker(rank, world, port, layers, reshard, cache_dir, queue):
         import spmd_aot
         from spmd_aot.format.artifact import read_manifest
         from spmd_aot.examples.models import train_step
-        from spmd_aot.building.memory import PeakMemory, state_tensors
+        from spmd_aot.building.peak_memory import PeakMemory, state_tensors
         from spmd_aot.store import LocalStore
 
         make_model, make_optim, batch = _job(layers)
