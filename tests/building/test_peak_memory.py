@@ -3,7 +3,7 @@
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_aot.building.memory import PeakMemory, graph_peak_bytes
+from spmd_aot.building.peak_memory import PeakMemory, graph_peak_bytes
 
 
 def _step(x):
