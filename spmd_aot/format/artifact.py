@@ -247,7 +247,7 @@ def artifact_in_memory(blobs: dict[str, bytes]):
     ``store_artifact`` would sign it, so it loads through the same checks."""
     import hashlib
 
-    from ..store.memory import MemoryStore
+    from ..store.memory_store import MemoryStore
 
     blobs = dict(blobs)
     key_bytes = signing.signing_key()

@@ -44,7 +44,7 @@ from ..state import TrainState, initialize_optimizer_state
 from ..store import open_store
 from ..store.fsafe import LinkError
 from ..store.leases import ArtifactGoneError, reading, touch_used
-from ..store.memory import MemoryStore
+from ..store.memory_store import MemoryStore
 from ..parallel.mesh import device_mesh
 
 __all__ = ["compile", "CompiledStep", "CacheInfo"]

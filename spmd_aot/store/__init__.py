@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .layered import LayeredStore
 from .local import ENV_CACHE_DIR, LocalStore, resolve_cache_dir
-from .memory import MemoryStore
+from .memory_store import MemoryStore
 from .protocol import HOLDS, LOCAL_FILES, BlobProblem, Store, local_files, supports
 from .registry import ENV_LOCAL_CACHE, open_location, open_store, register_scheme
 from .s3 import ENV_S3_ENDPOINT, S3Store, is_s3_url

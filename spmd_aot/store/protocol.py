@@ -18,7 +18,7 @@ the accessor of that capability below) instead of probing for attributes:
   ``holds(store, digest, data)`` answers False for a store without it.
 
 A new backend is one module that implements ``Store`` plus one line in ``registry.SCHEMES``
-(or a ``registry.register_scheme`` call from your own code); ``memory.py`` is the smallest
+(or a ``registry.register_scheme`` call from your own code); ``memory_store.py`` is the smallest
 complete example, and ``tests/support/store_contract.py`` is the conformance check every backend runs.
 """
 

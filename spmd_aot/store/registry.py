@@ -27,7 +27,7 @@ from typing import Callable
 from ..errors import SpmdAotError
 from .layered import LayeredStore
 from .local import ENV_CACHE_DIR, LocalStore, default_cache_dir, resolve_cache_dir
-from .memory import open_memory_store
+from .memory_store import open_memory_store
 from .protocol import Store
 from .s3 import S3Store
 
