@@ -5,8 +5,9 @@ A store holds two kinds of names, and both end up as path components (``objects/
 before any backend touches storage, and neither can express a path: no separator, no ``..``,
 no leading dot (which would also hide the file from listings).
 
-* **digest**: the name of a blob, the sha256 of its bytes as 64 lowercase hex characters.
-  A bad digest comes from a damaged manifest or ref: ``CorruptArtifactError``.
+* **digest**: the name of a blob, the sha256 of its bytes as 64 lowercase hex characters
+  (the artifact format's rule, ``format/digests.py``). A bad digest comes from a damaged
+  manifest or ref: ``CorruptArtifactError``.
 * **key**: the name of a ref (and of its build lock), 1-200 characters from ``[A-Za-z0-9._-]``,
   not starting with ``.``. Keys are opaque to the store: cache keys are hex digests, but tests and
   tools use readable names. A bad key is a caller's mistake: ``SpmdAotError``.
@@ -15,37 +16,15 @@ no leading dot (which would also hide the file from listings).
 
 from __future__ import annotations
 
-import hashlib
 import re
 
 from ..errors import CorruptArtifactError, SpmdAotError
+from ..format.digests import DIGEST_PATTERN, check_digest, digest_of, is_digest
 
 __all__ = ["DIGEST_PATTERN", "is_digest", "check_digest", "is_key", "check_key", "digest_of",
            "ref_bytes", "parse_ref", "check_path_parts"]
 
-#: A blob's name: the sha256 hex digest of its bytes.
-DIGEST_PATTERN = r"[0-9a-f]{64}"
-_DIGEST_RE = re.compile(DIGEST_PATTERN)
 _KEY_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
-
-
-def digest_of(data: bytes) -> str:
-    """The name a blob holding ``data`` has in every store."""
-    return hashlib.sha256(data).hexdigest()
-
-
-def is_digest(digest: object) -> bool:
-    return isinstance(digest, str) and _DIGEST_RE.fullmatch(digest) is not None
-
-
-def check_digest(digest: object) -> str:
-    """``digest`` if it is a valid blob name, else ``CorruptArtifactError``."""
-    if not is_digest(digest):
-        raise CorruptArtifactError(
-            f"invalid blob digest {digest!r}: expected 64 lowercase hex characters (a sha256); "
-            "the manifest or ref that named it is damaged"
-        )
-    return digest  # type: ignore[return-value]
 
 
 def is_key(key: object) -> bool:
