@@ -156,11 +156,11 @@ def cmd_verify(args) -> int:
 
     Read-only: an artifact whose blobs the re-hash already found damaged is reported without
     being read, since reading a corrupt blob moves it to quarantine/. Decoding runs with Python's
-    cyclic collector paused, as a job's load does (``runtime/collector.py``).
+    cyclic collector paused, as a job's load does (``runtime/gc_pause.py``).
     """
-    from ..runtime import collector
+    from ..runtime import gc_pause
 
-    with collector.paused():
+    with gc_pause.paused():
         return _verify(args)
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from ..keying import guards
-from . import collector, prepared, ranks
+from . import gc_pause, prepared, ranks
 from ..format.allowlist import opt_in_names, opted_in
 from ..format.artifact import artifact_bytes, artifact_in_memory, layout_mismatch, read_artifact
 from ..errors import (ArtifactMismatchError, CacheIOError, CacheMissError, CorruptArtifactError, LockTimeoutError,
@@ -138,7 +138,7 @@ class CompiledStep:
         if bound is None or not bound.fits(model, optim, leaves, spec):
             if bound is not None:
                 bound.warn_constant_changed(optim)
-            with opted_in(self.allow_ops), collector.paused():
+            with opted_in(self.allow_ops), gc_pause.paused():
                 bound = self._bound = self._prepare(model, optim, batch)
         return bound.run(leaves)
 
@@ -299,7 +299,7 @@ class CompiledStep:
                 f"this job and require_hit=True. {why} {build_it}")
         log.warning("%s: cache miss for key %s (%s) in %s; tracing the step now, the other ranks "
                     "wait. %s %s", _name(self.fn), key.key[:12], plan.describe(), store.root, why, build_it)
-        with collector.resumed():  # a trace builds cyclic garbage (FX graphs, fake tensors)
+        with gc_pause.resumed():  # a trace builds cyclic garbage (FX graphs, fake tensors)
             return self._trace_on_rank0(store, state, plan, key, mesh, leases)
 
     def _trace_on_rank0(self, store, state, plan, key, mesh, leases) -> tuple[str, bool, bool, Any]:

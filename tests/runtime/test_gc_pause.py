@@ -1,4 +1,4 @@
-"""The cyclic garbage collector is paused while a hit loads (``runtime/collector.py``), and
+"""The cyclic garbage collector is paused while a hit loads (``runtime/gc_pause.py``), and
 only then: a trace runs with it on, and the caller's setting is back afterwards."""
 
 import gc
@@ -9,7 +9,7 @@ import spmd_aot
 import spmd_aot.runtime.step as step_module
 from spmd_aot.building import pipeline
 from spmd_aot.examples.models import train_step
-from spmd_aot.runtime import collector
+from spmd_aot.runtime import gc_pause
 from support.jobs import fresh_objects, make_batch, make_job
 
 
@@ -50,14 +50,14 @@ def test_a_miss_traces_with_the_collector_on(tmp_path, monkeypatch):
 def test_paused_keeps_a_callers_disabled_collector_off():
     gc.disable()
     try:
-        with collector.paused():
+        with gc_pause.paused():
             assert not gc.isenabled()
-            with collector.resumed():
+            with gc_pause.resumed():
                 assert gc.isenabled()
             assert not gc.isenabled()
         assert not gc.isenabled()
     finally:
         gc.enable()
-    with collector.paused():
+    with gc_pause.paused():
         assert not gc.isenabled()
     assert gc.isenabled()
