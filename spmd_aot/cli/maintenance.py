@@ -24,7 +24,7 @@ def cmd_gc(args) -> int:
     """Evict by age and LRU under the size bound, then remove unreferenced blobs."""
     import datetime
 
-    from ..store.gc import collect_garbage, format_size
+    from ..store.eviction import collect_garbage, format_size
     from ..store.leases import last_used
 
     store = existing_store(args.cache_dir)

@@ -186,7 +186,7 @@ def _bundle_commands(sub, common) -> None:
 
 
 def _size(text: str) -> int:
-    from ..store.gc import parse_size
+    from ..store.eviction import parse_size
 
     try:
         return parse_size(text)
@@ -195,7 +195,7 @@ def _size(text: str) -> int:
 
 
 def _age(text: str) -> float:
-    from ..store.gc import parse_age
+    from ..store.eviction import parse_age
 
     try:
         return parse_age(text)

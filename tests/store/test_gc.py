@@ -17,7 +17,7 @@ import pytest
 import spmd_aot
 from spmd_aot.cli.app import main
 from spmd_aot.store import LocalStore
-from spmd_aot.store.gc import cache_size, collect_garbage, parse_age, parse_size
+from spmd_aot.store.eviction import cache_size, collect_garbage, parse_age, parse_size
 from spmd_aot.store.leases import ArtifactGoneError, last_used, reading, touch_used
 from spmd_aot.store.transfer import artifact_blobs, copy_artifact
 
@@ -307,7 +307,7 @@ def test_manifest_stored_after_the_listing_keeps_the_parts_it_reuses(cache, monk
     it read the refs. gc must read that manifest's parts, not delete them."""
     from spmd_aot.format.artifact import pack_manifest, read_manifest
 
-    from spmd_aot.store import gc as gc_module
+    from spmd_aot.store import eviction as gc_module
 
     store, keys = cache
     old = store.get_ref(keys[0])

@@ -22,7 +22,7 @@ from spmd_aot.format.artifact import read_artifact, read_manifest
 from spmd_aot.cli.app import main as cli
 from spmd_aot.errors import SpmdAotError
 from spmd_aot.store import LocalStore
-from spmd_aot.store.gc import collect_garbage
+from spmd_aot.store.eviction import collect_garbage
 from spmd_aot.store.leases import reading, touch_used
 
 OLD = time.time() - 7200  # older than clean_tmp's hour

@@ -293,7 +293,7 @@ def _gc_worker(role: str, index: int, cache: str, deadline: float, out) -> None:
     import spmd_aot
     from spmd_aot.format.artifact import read_manifest
     from spmd_aot.store import LocalStore
-    from spmd_aot.store.gc import collect_garbage
+    from spmd_aot.store.eviction import collect_garbage
     from spmd_aot.store.leases import ArtifactGoneError, reading
 
     store = LocalStore(cache)
