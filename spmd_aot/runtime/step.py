@@ -42,7 +42,7 @@ from ..tracing.optimizers import as_optimizer, members
 from ..tracing.override import Transforms
 from ..state import TrainState, initialize_optimizer_state
 from ..store import open_store
-from ..store.fsafe import LinkError
+from ..store.nofollow import LinkError
 from ..store.leases import ArtifactGoneError, reading, touch_used
 from ..store.memory_store import MemoryStore
 from ..parallel.mesh import device_mesh

@@ -29,7 +29,7 @@ Nothing here imports torch.
 All of it works on the host's cache directory: the store's ``LocalStore`` (``protocol.local_files``;
 for an s3:// cache, the local cache in front of the bucket). A store without one (object storage
 alone, memory) takes no leases and records no use, and ``collect_garbage`` refuses it.
-Every file is reached through the store's ``fsafe.Tree``: no symbolic link is followed, so a
+Every file is reached through the store's ``nofollow.Tree``: no symbolic link is followed, so a
 link planted at ``used/``, ``leases/``, ``locks/`` or a fan-out directory cannot make gc delete,
 or a load create, anything outside the cache.
 """

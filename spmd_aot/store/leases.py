@@ -31,7 +31,7 @@ import stat
 from typing import Iterator
 
 from ..errors import CorruptArtifactError, SpmdAotError
-from .fsafe import LinkError
+from .nofollow import LinkError
 from .local import LocalStore
 from .locks import FileLock, locks_supported
 from .names import check_digest, check_key

@@ -41,7 +41,7 @@ from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError, descr
 from .faults import crash_point
 from ..format.limits import load_limits
 from . import trust
-from .fsafe import LinkError, TooLargeError, Tree
+from .nofollow import LinkError, TooLargeError, Tree
 from .locks import FileLock
 from .names import check_digest, check_key, digest_of, is_digest, is_key, parse_ref, ref_bytes
 from .protocol import LOCAL_FILES, BlobProblem
@@ -120,7 +120,7 @@ class LocalStore:
     Safe for many processes (and threads) on one machine, and on shared filesystems whose
     rename is atomic. ``lock(key)`` serialises expensive work (a build) between processes;
     the store's own reads and writes need no lock. No symbolic link inside the root is ever
-    followed (``fsafe.Tree``): the root is resolved once, a linked subdirectory is refused, a
+    followed (``nofollow.Tree``): the root is resolved once, a linked subdirectory is refused, a
     linked file is treated as damaged, and only regular files are deleted. Without a signing
     key the cache must be writable by nobody else unless ``trust_cache`` (or
     ``$SPMD_AOT_TRUST_CACHE``) says otherwise (``trust.py``: ``UntrustedCacheError``).

@@ -15,7 +15,7 @@ import stat
 import time
 
 from ..errors import SpmdAotError
-from .fsafe import Tree
+from .nofollow import Tree
 
 try:
     import fcntl
