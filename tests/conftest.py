@@ -5,7 +5,17 @@ from __future__ import annotations
 import os
 import tempfile
 
+import pytest
+
 # Loads remember passed checks in a per-user record (spmd_aot/format/verified.py); the suite keeps its
 # own, so it neither reads nor writes the record of the user running it. Set before any rank
 # process starts: they inherit the environment.
 os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="spmd-aot-tests-state-")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers
+def pytest_collection_modifyitems(config, items):
+    """``multiproc`` on every test that starts processes (``support.markers``: read from the code)."""
+    from support.markers import mark_multiproc
+
+    mark_multiproc(items)

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "spmd_aot"
 
@@ -99,6 +101,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.multiproc  # its two ranks are plain subprocesses, which tests/conftest.py cannot see
 def test_two_rank_job_runs_without_numpy(tmp_path):
     from support.multiproc import free_port
 
