@@ -1,6 +1,6 @@
 """spmd-aot: build a distributed train step once, offline; load it at job start; never retrace.
 
-    step = spmd_aot.compile(train_step, placement="replicate", cache_dir="cache")
+    step = spmd_aot.compile(train_step, parallel=spmd_aot.ParallelOptions("shard"), cache_dir="cache")
     loss = step(model, optim, batch)        # rank-local loss, as eager DDP returns it
     print(step.cache_info)
 
@@ -27,11 +27,12 @@ from .tracing.override import Override
 from .parallel.plan import Plan
 from .runtime.step import CacheInfo, CompiledStep, compile
 from .runtime import teardown  # noqa: E402  (registers what a job's end must do; see the module)
+from .options import ParallelOptions, RunOptions
 from .schema import Comm, Schema
 from .spmd import SPMD
 
 __all__ = [
-    "Job", "build", "compile", "load_target", "Override", "register_fingerprint", "SPMD", "Schema", "Comm",
+    "Job", "build", "compile", "load_target", "Override", "register_fingerprint", "SPMD", "ParallelOptions", "RunOptions", "Schema", "Comm",
     "BuildResult", "CacheInfo", "CompiledStep", "Plan", "MixedPrecisionPolicy",
     "SpmdAotError", "TargetError", "UnsupportedError", "CacheMissError", "ArtifactMismatchError",
     "CorruptArtifactError", "UnsafeArtifactError", "OpNotAllowedError", "LockTimeoutError",

@@ -57,6 +57,7 @@ class Flag:
     placements: tuple[str, ...] | None = None
     with_axes: bool = False
     takes_mesh_dim: bool = False
+    help: str | None = None  # the --help line when the flag is not the field's first sentence (a switch off)
 
     def words(self, value) -> list[str]:
         """``value`` as command-line words (empty when the flag cannot say it: a switch off)."""
@@ -146,6 +147,7 @@ def _x_text(shape) -> str:
 
 # --------------------------------------------------------------------------- the options
 _DP, _TP, _COMM, _MP = "data parallel", "tensor parallel", "communication", "mixed precision"
+_CACHE = "cache and trust"
 _POLICY_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
 
 
@@ -155,55 +157,60 @@ class ParallelOptions:
     mixed precision. Keyed: with the world size and device type it is the stored ``Plan``
     (``plan``), so a job compiles with the options its build was given. Validated when made."""
 
-    placement: str = option("replicate", """The data-parallel placement of parameters: 'replicate' (every rank
-        holds them whole and gradients are averaged, as DDP) or 'shard' (each rank holds a shard, gathered
-        for compute, as FSDP2's fully_shard).""",
+    placement: str = option("replicate", """How parameters lie over the data-parallel ranks: 'replicate' or
+        'shard'. 'replicate' keeps them whole on every rank and averages gradients (DDP); 'shard' keeps a
+        shard per rank, gathered for compute, and reduce-scatters gradients (FSDP2's fully_shard).""",
         Flag("--placement", _DP, short="-p", choices=PLACEMENT_NAMES, metavar="PLACEMENT"))
-    mesh_shape: tuple[int, ...] | None = option(None, """The device mesh's shape (default: one dimension of
-        every rank). Under 'shard' a 2-D mesh RxS is R replicas of S shards (HSDP); with a tp_plan the last
-        dimension is tensor parallel: DPxTP (DDP x TP under 'replicate', FSDP x TP under 'shard') or RxSxTP
-        (HSDP x TP).""",
+    mesh_shape: tuple[int, ...] | None = option(None, """The device mesh's shape, e.g. (2, 4), 2x4 on the
+        command line; default: one dimension of every rank. Data-parallel dimensions come first, then one
+        per other axis: under 'shard' a 2-D mesh RxS is R replicas of S shards (HSDP); with a tp_plan the
+        last dimension is tensor parallel (DPxTP: DDP x TP under 'replicate', FSDP x TP under 'shard';
+        RxSxTP: HSDP x TP).""",
         Flag("--mesh-shape", _DP, metavar="RxS", parse=_mesh_shape, text=_x_text, placements=("shard",),
              with_axes=True))
-    param_placements: tuple[tuple[str, str], ...] = option((), """Parameters whose FQN matches a pattern
-        (fnmatch; first match wins) take that placement, e.g. '*.bias=replicate' keeps biases whole under
-        'shard'.""",
+    param_placements: tuple[tuple[str, str], ...] = option((), """Placements of single parameters, by FQN
+        pattern. Each entry is (fnmatch pattern, placement) and the first match wins, e.g. '*.bias' ->
+        'replicate' keeps biases whole under 'shard'.""",
         Flag("--param-placement", _DP, "repeat", "PATTERN=PLACEMENT", parse=_param_placement, text=_pair_text,
              placements=("shard",)))
-    bucket_cap_mb: float = option(25.0, """Gradient bucket size in MiB under 'replicate': gradients are
-        averaged in flat buckets of at most this size (25, as DDP).""",
+    bucket_cap_mb: float = option(25.0, """Gradient bucket size in MiB under 'replicate'. Gradients are
+        averaged in flat buckets of at most this size, as DDP's bucket_cap_mb.""",
         Flag("--bucket-cap-mb", _COMM, metavar="MIB", parse=_positive_float, text=repr))
-    first_bucket_cap_mb: float = option(1.0, """Size in MiB of the first gradient bucket under 'replicate',
-        so the first all_reduce starts early in backward (1, as DDP).""",
+    first_bucket_cap_mb: float = option(1.0, """Size in MiB of the first gradient bucket under 'replicate'.
+        A small first bucket starts the first all_reduce early in backward, as DDP does.""",
         Flag("--first-bucket-cap-mb", _COMM, metavar="MIB", parse=_positive_float, text=repr))
-    shard_groups: tuple[str, ...] = option((), """FQN patterns (fnmatch) under 'shard', one communication
-        group each: a group's parameters are gathered and their gradients reduce-scattered together
-        (default: one group per block of every ModuleList/Sequential/ModuleDict, as fully_shard per
-        block).""",
+    shard_groups: tuple[str, ...] = option((), """Communication groups under 'shard', one FQN pattern each.
+        A group's parameters are gathered and their gradients reduce-scattered together (a parameter joins
+        the first group that matches); default: one group per block of every ModuleList, Sequential and
+        ModuleDict, as fully_shard per block.""",
         Flag("--shard-group", _DP, "repeat", "PATTERN", placements=("shard",)))
-    reshard_after_forward: bool = option(True, """Under 'shard', free gathered parameters after forward and
-        gather them again for backward (FSDP2's default); off keeps them from forward to backward: more
-        memory, fewer all_gathers.""",
-        Flag("--keep-params-after-forward", _DP, "switch", switched=False, placements=("shard",)))
-    tp_plan: tuple[tuple[str, str], ...] | str = option((), """Tensor parallel on the last mesh dimension:
-        modules whose FQN matches a pattern (fnmatch; first match wins) run a style (colwise, rowwise or a
-        sequence-parallel style, docs/parallelism.md), e.g. 'blocks.*.attn.q=colwise'; or 'hf': a
-        transformers model's own plan (config.base_model_tp_plan). Without a mesh_shape, TP alone over
-        the world (placement 'replicate').""",
+    reshard_after_forward: bool = option(True, """Under 'shard', free gathered parameters after forward.
+        They are gathered again for backward (FSDP2's default); False keeps them from forward to backward:
+        more memory, fewer all_gathers.""",
+        Flag("--keep-params-after-forward", _DP, "switch", switched=False, placements=("shard",),
+             help="Under 'shard', keep gathered parameters from forward to backward instead of gathering "
+                  "them again (reshard_after_forward=False)."))
+    tp_plan: tuple[tuple[str, str], ...] | str = option((), """Tensor parallel: module FQN patterns and the
+        style each runs. Entries are (fnmatch pattern, style), first match wins: 'colwise', 'rowwise' or a
+        sequence-parallel style (docs/parallelism.md), e.g. 'blocks.*.attn.q' -> 'colwise'; or 'hf': a
+        transformers model's own plan (config.base_model_tp_plan). TP takes the last mesh dimension, or
+        the whole world without a mesh_shape (placement 'replicate').""",
         Flag("--tp-plan", _TP, "repeat", "PATTERN=STYLE", parse=_tp_entry, collect=_tp_plan, text=lambda e:
              e if isinstance(e, str) else _pair_text(e), takes_mesh_dim=True))
-    param_dtype: Any = option(None, """Mixed precision: compute in this dtype (bf16, fp16 or fp32) with the
-        parameters the optimizer updates kept in their own dtype (FSDP2's param_dtype).""",
+    param_dtype: Any = option(None, """Mixed precision: the dtype parameters compute in (bf16, fp16, fp32).
+        The parameters the optimizer updates keep their own dtype, as FSDP2's param_dtype.""",
         Flag("--param-dtype", _MP, metavar="DTYPE", choices=tuple(DTYPES), text=_dtype_text))
-    reduce_dtype: Any = option(None, """Mixed precision: average gradients in this dtype (default: the
-        param_dtype), then cast them to the parameter's dtype (FSDP2's reduce_dtype).""",
+    reduce_dtype: Any = option(None, """Mixed precision: the dtype gradients are averaged in. Default: the
+        param_dtype; the averaged gradient is cast to the parameter's dtype, as FSDP2's reduce_dtype.""",
         Flag("--reduce-dtype", _MP, metavar="DTYPE", choices=tuple(DTYPES), text=_dtype_text))
-    output_dtype: Any = option(None, """Mixed precision: cast the model's floating-point outputs to this
-        dtype (FSDP2's output_dtype).""",
+    output_dtype: Any = option(None, """Mixed precision: the dtype the model's floating-point outputs are cast
+        to. As FSDP2's output_dtype.""",
         Flag("--output-dtype", _MP, metavar="DTYPE", choices=tuple(DTYPES), text=_dtype_text))
-    cast_forward_inputs: bool = option(True, """Mixed precision: cast the model's floating-point inputs to
-        the param_dtype (FSDP2's cast_forward_inputs); off leaves them in their dtype.""",
-        Flag("--no-cast-forward-inputs", _MP, "switch", switched=False))
+    cast_forward_inputs: bool = option(True, """Mixed precision: cast the model's floating-point inputs to the
+        param_dtype. As FSDP2's cast_forward_inputs; False leaves them in their dtype.""",
+        Flag("--no-cast-forward-inputs", _MP, "switch", switched=False,
+             help="Mixed precision: leave the model's floating-point inputs in their dtype "
+                  "(cast_forward_inputs=False)."))
 
     def __post_init__(self):
         # dtypes by name or torch dtype, checked as FSDP2's policy (fp16 reductions refused)
@@ -267,18 +274,24 @@ class ParallelOptions:
             fields.update({f: getattr(policy, f) for f in _POLICY_FIELDS})
         return cls(**fields)
 
-    def for_placement(self, placement: str) -> "ParallelOptions":
-        """These options for ``placement``, without the options only other placements read
+    @classmethod
+    def for_placement(cls, placement: str, **fields) -> "ParallelOptions":
+        """Options for ``placement`` from ``fields``, leaving out those only other placements read
         (``Flag.placements``): what the CLI builds when one command names several placements."""
+        axes = any(f.metadata["flag"].takes_mesh_dim and fields.get(f.name, f.default) != f.default
+                   for f in dataclasses.fields(cls))
+        kept = {f.name: fields[f.name] for f in dataclasses.fields(cls)
+                if f.name in fields and applies(f.metadata["flag"], placement, axes)}
+        return cls(placement=placement, **kept)
+
+    def words(self, skip: tuple[str, ...] = ()) -> list[str]:
+        """The command-line words that give these options: fields not at their default that
+        this placement reads (``for_placement`` keeps the same ones), except ``skip``."""
         axes = any(f.metadata["flag"].takes_mesh_dim and getattr(self, f.name) != f.default
                    for f in dataclasses.fields(self))
-        reset = {f.name: f.default for f in dataclasses.fields(self)
-                 if not applies(f.metadata["flag"], placement, axes)}
-        return dataclasses.replace(self, placement=placement, **reset)
-
-    def words(self) -> list[str]:
-        """The command-line words that give these options (defaults left out)."""
-        return [w for f in dataclasses.fields(self) if getattr(self, f.name) != f.default
+        return [w for f in dataclasses.fields(self)
+                if f.name not in skip and getattr(self, f.name) != f.default
+                and applies(f.metadata["flag"], self.placement, axes)
                 for w in f.metadata["flag"].words(getattr(self, f.name))]
 
 
@@ -294,30 +307,31 @@ class RunOptions:
     beside the step. Pass a job's ``compile`` the same as its build: ``kernels``, the hooks and
     ``extra_sources`` are part of the key; the others are how to reach and trust the cache."""
 
-    cache_dir: Any = option(None, """The cache directory, or a store URL (s3://bucket/prefix, written through
-        a local cache); default: $SPMD_AOT_CACHE_DIR, else $XDG_CACHE_HOME/spmd_aot, else
+    cache_dir: Any = option(None, """The cache directory, or a store URL such as s3://bucket/prefix. A URL
+        is written through a local cache; default: $SPMD_AOT_CACHE_DIR, else $XDG_CACHE_HOME/spmd_aot, else
         ~/.cache/spmd_aot.""",
-        Flag("--cache-dir", "cache and trust", metavar="DIR", commands=("*",)))
+        Flag("--cache-dir", _CACHE, metavar="DIR", commands=("*",)))
     trust_cache: bool | None = option(None, """Use a cache directory other users can write, without a signing
-        key (as $SPMD_AOT_TRUST_CACHE=1, the default when unset; docs/security.md).""",
-        Flag("--trust-cache", "cache and trust", "switch", commands=("*",)))
-    allow_ops: tuple[str, ...] = option((), """Operator overloads ('namespace::op.overload') a stored graph
-        may call beyond the op allowlist (as $SPMD_AOT_ALLOW_OPS); every job loading such an entry must
+        key. As $SPMD_AOT_TRUST_CACHE=1 (read when this is None); docs/security.md.""",
+        Flag("--trust-cache", _CACHE, "switch", commands=("*",)))
+    allow_ops: tuple[str, ...] = option((), """Operator overloads beyond the op allowlist that stored graphs
+        may call, as 'namespace::op.overload'. As $SPMD_AOT_ALLOW_OPS; every job loading such an entry must
         opt in to the same ones.""",
-        Flag("--allow-op", "cache and trust", "repeat", "OP", commands=("*",)))
-    kernels: bool = option(False, """Also compile the graph with Inductor into the entry; its kernels run
-        only from a signed entry or a trusted cache (native code), else the interpreted graph runs.""",
+        Flag("--allow-op", _CACHE, "repeat", "OP", commands=("*",)))
+    kernels: bool = option(False, """Also compile the graph with Inductor into the entry. Its kernels are
+        native code: they run only from a signed entry or a trusted cache, else the interpreted graph runs;
+        keyed.""",
         Flag("--kernels", "what to build", "switch"))
-    store: Any = option(None, "An open store object (store/protocol.py) used instead of cache_dir.",
+    store: Any = option(None, """An open store (store/protocol.py) to use instead of cache_dir.""",
                         api_only="an object; --cache-dir takes store URLs")
-    require_hit: bool = option(False, """At a job's first call, raise CacheMissError instead of tracing when
-        no stored entry serves the job.""", api_only="a build traces on a miss by definition")
-    module_override: tuple = option((), """Override objects that swap untraceable submodules while tracing
-        and patch the graph after (tracing/override.py); keyed.""", api_only="Python objects")
-    gm_transformation: Callable | None = option(None, """A function applied to the traced graph module before it
-        is stored (tracing/override.py); keyed by its code.""", api_only="a Python function")
-    extra_sources: tuple = option((), """Further modules, functions or files whose source the key covers,
-        for code the step reaches that the key cannot see.""", api_only="Python objects")
+    require_hit: bool = option(False, """Raise CacheMissError at a job's first call instead of tracing. For
+        jobs whose entries must have been built ahead of time.""", api_only="a build traces on a miss")
+    module_override: tuple = option((), """Override objects that swap untraceable submodules while tracing.
+        They may patch the traced graph after (tracing/override.py); keyed.""", api_only="Python objects")
+    gm_transformation: Callable | None = option(None, """A function applied to the traced graph module
+        before it is stored. See tracing/override.py; keyed by its code.""", api_only="a Python function")
+    extra_sources: tuple = option((), """Further modules, functions or files whose source the key covers.
+        For code the step reaches that the key cannot see.""", api_only="Python objects")
 
     def __post_init__(self):
         for name in ("allow_ops", "module_override", "extra_sources"):

@@ -1,7 +1,7 @@
 """``spmd_aot.SPMD``: a module wrapper whose forward runs a stored distributed forward.
 
 The counterpart of the seed's ``SPMD(module, schema, input_schemas)``: the wrapped module's
-forward is compiled as a forward-only step (``module_forward``), expanded for the schema's
+forward is compiled as a forward-only step (``module_forward``), expanded for the options'
 placement (parameters replicated, sharded, or HSDP) and found, loaded and bound through the
 same cache as ``spmd_aot.compile``; ``SPMD.job`` is the ``Job`` that builds it offline.
 
@@ -17,6 +17,7 @@ parameters require gradients is an error, not a silently detached output.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,9 +26,9 @@ from torch import nn
 from .errors import UnsupportedError
 from .job import Job, input_placements as _input_placements
 from .runtime.step import CompiledStep
-from .schema import COMM_FIELDS, Schema
+from .options import ParallelOptions, RunOptions
 
-__all__ = ["SPMD", "Schema", "module_forward"]
+__all__ = ["SPMD", "module_forward"]
 
 
 def module_forward(module: nn.Module, inputs: tuple):
@@ -38,11 +39,12 @@ def module_forward(module: nn.Module, inputs: tuple):
 class SPMD(nn.Module):
     """Wrap ``module`` so that calling the wrapper runs its forward as a stored SPMD program.
 
-    ``schema``: a ``Schema`` (default: replicated parameters, as DDP). ``input_placements``:
-    one ``Replicate()`` or ``Shard(dim)`` (``torch.distributed.tensor``) per positional
-    input; default ``Shard(0)`` for every input (each rank passes its own batch).
-    ``options`` go to ``spmd_aot.compile`` (``cache_dir``, ``require_hit``, ``store``,
-    ``module_override``, ``gm_transformation``, ``extra_sources``).
+    ``parallel``: a ``ParallelOptions`` (default: replicated parameters, as DDP).
+    ``input_placements``: one ``Replicate()`` or ``Shard(dim)`` (``torch.distributed.tensor``)
+    per positional input; default ``Shard(0)`` for every input (each rank passes its own batch).
+    ``run``: a ``RunOptions`` (``cache_dir``, ``require_hit``, ``store``, ``module_override``,
+    ...), or its fields as keywords; as for ``spmd_aot.compile`` (``docs/options.md``).
+    ``schema`` is the earlier name of ``parallel``.
 
     ``wrapper(*inputs)`` returns the module's output on this rank, computed without autograd.
     The module's parameters and buffers are the wrapped module's own (under "shard" they become
@@ -50,20 +52,24 @@ class SPMD(nn.Module):
     and its train/eval mode (part of the key) is what ``wrapper.eval()`` sets.
     """
 
-    def __init__(self, module: nn.Module, schema: Schema | None = None,
-                 input_placements: Sequence[Any] | None = None, **options):
+    def __init__(self, module: nn.Module, parallel: ParallelOptions | None = None,
+                 input_placements: Sequence[Any] | None = None, *, run: RunOptions | None = None,
+                 schema: ParallelOptions | None = None, **options):
         super().__init__()
-        schema = schema if schema is not None else Schema()
-        if not isinstance(schema, Schema):
-            raise TypeError(f"SPMD schema must be a spmd_aot.Schema, got {type(schema).__name__}")
-        clash = sorted(set(options) & {*schema.options(), *COMM_FIELDS})
+        if schema is not None:
+            if parallel is not None:
+                raise TypeError("SPMD takes parallel= or its earlier name schema=, not both")
+            parallel = schema
+        if parallel is not None and not isinstance(parallel, ParallelOptions):
+            raise TypeError(f"SPMD parallel options must be a spmd_aot.ParallelOptions, got {type(parallel).__name__}")
+        clash = sorted(set(options) - {f.name for f in dataclasses.fields(RunOptions)})
         if clash:
-            raise TypeError(f"SPMD: pass {', '.join(clash)} in the Schema, not as options")
+            raise TypeError(f"SPMD: pass {', '.join(clash)} in the ParallelOptions, not as options")
         self.module = module
-        self.schema = schema
+        self.parallel = parallel if parallel is not None else ParallelOptions()
         self.input_placements = (_input_placements(input_placements, "SPMD input_placements")
                                  if input_placements is not None else None)
-        self._step = CompiledStep(module_forward, schema=schema, **options)
+        self._step = CompiledStep(module_forward, parallel=self.parallel, run=run, **options)
 
     @property
     def cache_info(self):
@@ -91,7 +97,7 @@ class SPMD(nn.Module):
     def job(model: Callable[[], nn.Module], inputs: Callable[[], Any],
             input_placements: Sequence[Any] | None = None) -> Job:
         """The ``Job`` that builds what an ``SPMD`` wrapper with these input placements loads
-        (``spmd-aot build`` / ``spmd_aot.build`` with the schema's placement options).
+        (``spmd-aot build`` / ``spmd_aot.build`` with the wrapper's ``ParallelOptions``).
 
         ``model``: zero-argument factory, returning the module in the mode it will run in
         (``MyModel().eval()``). ``inputs``: zero-argument factory returning the GLOBAL example

@@ -25,7 +25,7 @@ from ..keying.key import CacheKey, compute_key
 from .pipeline import trace_and_store
 from ..tracing.override import Transforms
 from ..parallel.plan import Plan
-from ..schema import Schema
+from ..options import ParallelOptions, RunOptions, split_options
 from ..tracing.optimizers import as_optimizer
 from ..state import TrainState, initialize_optimizer_state
 from ..store import open_store
@@ -47,39 +47,45 @@ class BuildResult:
     seconds: float
 
 
-def build(job: Job, *, world_size: int | None = None, schema: Schema | None = None, cache_dir=None,
-          device: str = "cpu", module_override=(), gm_transformation=None, extra_sources=(), store=None,
-          plan: Plan | None = None, allow_ops=(), trust_cache=None, kernels: bool = False,
-          **layout) -> BuildResult:
+def build(job: Job, *, parallel: ParallelOptions | None = None, run: RunOptions | None = None,
+          world_size: int | None = None, device: str = "cpu", plan: Plan | None = None,
+          schema: ParallelOptions | None = None, **options) -> BuildResult:
     """Build ``job`` for one configuration; a no-op (``traced=False``) when already cached.
 
-    The options mean what they mean for ``spmd_aot.compile``; pass the same ones to both.
-    ``schema`` (a ``spmd_aot.Schema``) says how the step is spread, or its keywords ``layout``
-    do (``placement``, ``mesh_shape``, ``param_placements``, ``tp_plan``, the communication
-    options); ``plan`` replaces schema, world size and device at once.
-    ``cache_dir`` may be a path or an ``s3://bucket/prefix`` URL (written through a local cache).
-    ``allow_ops`` names overloads beyond the allowlist the graph may call (``allowlist.py``); every
-    job that loads the entry must opt in to the same ones. ``kernels=True`` also compiles the
-    graph with Inductor into the entry (``kernels.py``; a job passes the same to ``compile``).
+    ``parallel`` (``spmd_aot.ParallelOptions``) says how the step is spread and ``run``
+    (``spmd_aot.RunOptions``) where its entry goes and what the trace runs beside the step
+    (``docs/options.md``); a job passes the same two to ``spmd_aot.compile``. Their fields may
+    be passed as keywords instead (``placement="shard"``, ``cache_dir=...``), which make them.
+    ``world_size`` and ``device`` (the device type) complete the configuration, which a job's
+    compile reads from its process group and model; ``plan`` replaces options, world size and
+    device at once. ``schema`` is the earlier name of ``parallel``.
     """
     start = time.perf_counter()
-    opt_in_names(allow_ops)  # a bad name fails before any work
+    if schema is not None:
+        if parallel is not None:
+            raise TypeError("build() takes parallel= or its earlier name schema=, not both")
+        parallel = schema
     if plan is None:
-        schema = Schema.of(schema, **layout)
+        parallel, run = split_options(parallel, run, options, "build")
         if world_size is None:
             raise TypeError("build() needs world_size (or a plan)")
-        plan = schema.plan(world_size, device)
-    elif schema is not None or layout:
-        raise TypeError("build() takes a plan or a schema (and its keywords), not both")
-    world_size = plan.world_size
-    transforms = Transforms(tuple(module_override), gm_transformation)
-    store = store or open_store(cache_dir, trust_cache=trust_cache)
+        plan = parallel.plan(world_size, device)
+    else:
+        spread = sorted(set(options) - {f.name for f in dataclasses.fields(RunOptions)})
+        if parallel is not None or spread:
+            raise TypeError(f"build() takes a plan or parallel options ({', '.join(spread) or 'parallel='}), "
+                            "not both")
+        _, run = split_options(None, run, options, "build")
+    opt_in_names(run.allow_ops)  # a bad name fails before any work
+    allow_ops, kernels, world_size = run.allow_ops, run.kernels, plan.world_size
+    transforms = Transforms(run.module_override, run.gm_transformation)
+    store = run.store if run.store is not None else open_store(run.cache_dir, trust_cache=run.trust_cache)
     fake_mode = FakeTensorMode()
     state = _fake_state(job, plan, fake_mode)
     plan = state.plan  # bound to the model (a tp_plan="hf" resolved)
     with fake_world(world_size):
         mesh = device_mesh(plan)
-        key = compute_key(job.step, state, plan, transforms.identities(), extra_sources, kernels=kernels)
+        key = compute_key(job.step, state, plan, transforms.identities(), run.extra_sources, kernels=kernels)
         with fake_mode:
             inputs = state.graph_inputs()
         for attempt in range(3):  # gc may evict the entry between storing (or finding) and reading it
@@ -116,10 +122,11 @@ def _backward_for(plan: Plan, state: TrainState):
     return python_autograd.gpu_less_cuda_tracing()
 
 
-def job_key(job: Job, plan: Plan, transforms: Transforms = Transforms(), extra_sources=()) -> CacheKey:
+def job_key(job: Job, plan: Plan, transforms: Transforms = Transforms(), extra_sources=(),
+            kernels: bool = False) -> CacheKey:
     """The key ``build`` would store ``job`` under for ``plan``, without tracing (for explain)."""
     state = _fake_state(job, plan, FakeTensorMode())
-    return compute_key(job.step, state, state.plan, transforms.identities(), extra_sources)
+    return compute_key(job.step, state, state.plan, transforms.identities(), extra_sources, kernels=kernels)
 
 
 def _fake_state(job: Job, plan: Plan, fake_mode: FakeTensorMode) -> TrainState:

@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_ERROR
     _configure_logging(args.verbose)
     try:
-        with _trusting(args.trust_cache), opted_in(args.allow_op):
+        with _trusting(args.trust_cache), opted_in(args.allow_ops or ()):
             status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not as a traceback at interpreter exit
         return status

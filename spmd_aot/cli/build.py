@@ -2,45 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import traceback
 from typing import Iterable
 
 from ..errors import SpmdAotError, TargetError
-from ..parallel.dims import cli_fields
+from .option_flags import parallel_from_args, run_from_args
 from .report import EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, Failed, error, print_table
 from .stores import cache_root, store_at
 
 
-def _tp_plan(entries: list) -> tuple | str:
-    """The --tp-plan options as ``Plan`` takes them: pairs, or the model's own plan alone."""
-    named = [e for e in entries if isinstance(e, str)]
-    if named and len(entries) > 1:
-        raise SpmdAotError(f"--tp-plan {named[0]} takes the model's own plan; it cannot be combined with "
-                           "other --tp-plan entries")
-    return named[0] if named else tuple(entries)
-
-
 def plan_for(args, world_size: int, placement: str):
-    """One configuration; a placement's own options (``parallel.dims.cli_fields``) apply to it alone."""
-    from ..schema import Schema
-
-    options = {"mesh_shape": args.mesh_shape, "param_placements": tuple(args.param_placement),
-               "shard_groups": tuple(args.shard_group),
-               "reshard_after_forward": not args.keep_params_after_forward}
-    own = cli_fields(placement, bool(args.tp_plan))
-    schema = Schema(placement, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb,
-                    tp_plan=_tp_plan(args.tp_plan), mixed_precision=_mixed_precision(args),
-                    **{k: v for k, v in options.items() if k in own})
-    return schema.plan(world_size, args.device)
-
-
-def _mixed_precision(args):
-    from ..parallel.mixed_precision import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(args.param_dtype, args.reduce_dtype, args.output_dtype,
-                                not args.no_cast_forward_inputs)
+    """One configuration: the command line's options for ``placement`` (only those it reads,
+    ``ParallelOptions.for_placement``) at ``world_size`` ranks of ``--device``."""
+    return parallel_from_args(args, placement).plan(world_size, args.device)
 
 
 def cmd_build(args) -> int:
@@ -49,6 +26,7 @@ def cmd_build(args) -> int:
     from .progress import Progress
 
     plans = _unique(plan_for(args, w, p) for w in args.world_size for p in (args.placement or ["replicate"]))
+    run = run_from_args(args)
     job = load_job(args.target)
     from ..store import local_files, open_store
 
@@ -61,7 +39,7 @@ def cmd_build(args) -> int:
         with Progress(len(plans)) as bar:
             for plan in plans:
                 bar.start(plan.describe())
-                result = build(job, plan=plan, store=store, kernels=args.kernels)
+                result = build(job, plan=plan, run=dataclasses.replace(run, store=store))
                 results.append(result)
                 bar.finish("built" if result.traced else "cached")
     except (SpmdAotError, OSError) as exc:
@@ -122,11 +100,11 @@ def cmd_explain(args) -> int:
     from ..keying.explain import explain_miss
     from ..hints import build_command
 
-    plan = plan_for(args, args.world_size, args.placement)
+    plan = plan_for(args, args.world_size, args.placement or "replicate")
     job = load_job(args.target)
     from ..building.builder import job_key
 
-    key = job_key(job, plan)
+    key = job_key(job, plan, kernels=run_from_args(args).kernels)
     store = store_at(args.cache_dir)
     root = cache_root(args.cache_dir)
     digest = None

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from ..parallel.dims import PLACEMENT_NAMES
 from .build import cmd_build, cmd_explain
 from .copy import cmd_export, cmd_import, cmd_pull, cmd_push
 from .inspect import cmd_ls, cmd_ops, cmd_show, cmd_verify
 from .maintenance import cmd_gc, cmd_rm
+from .option_flags import add_option_flags
 
 
 def _version() -> str:
@@ -24,21 +24,18 @@ def _version() -> str:
 
 
 def _common() -> argparse.ArgumentParser:
-    """The options every command takes: where the cache is, how much to log, what to trust."""
+    """The options every command takes (a parent parser)."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--cache-dir", metavar="DIR", default=None,
-                        help="cache directory (default: $SPMD_AOT_CACHE_DIR, else "
-                             "$XDG_CACHE_HOME/spmd_aot, else ~/.cache/spmd_aot)")
-    common.add_argument("-v", "--verbose", action="store_true",
-                        help="also log INFO lines (keys, hits, misses, timings) to stderr")
-    common.add_argument("--trust-cache", action="store_true",
-                        help="use a cache directory other users can write, without a signing key "
-                             "(as $SPMD_AOT_TRUST_CACHE=1; see docs/security.md)")
-    common.add_argument("--allow-op", action="append", default=[], metavar="OP",
-                        help="also allow operator overload OP ('namespace::op.overload') beyond the op "
-                             "allowlist, in builds and loads (repeatable; as $SPMD_AOT_ALLOW_OPS); every job "
-                             "loading such an entry must opt in too")
+    _add_common(common)
     return common
+
+
+def _add_common(p, groups: dict | None = None) -> None:
+    """How much to log, and the options fields every command reads (where the cache is, what to
+    trust: ``RunOptions``, generated)."""
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also log INFO lines (keys, hits, misses, timings) to stderr")
+    add_option_flags(p, "*", groups=groups, common=True)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -58,24 +55,43 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
+_BUILD_EXAMPLE = """example:
+  spmd-aot build train.py:job -w 8 -p replicate -p shard --mesh-shape 2x4 \\
+      --param-placement '*.bias=replicate' --param-dtype bf16 --cache-dir /shared/spmd_aot
+
+  builds job (a spmd_aot.Job in train.py) for 8 ranks twice: replicated (DDP) and sharded as
+  2 replicas of 4 shards (HSDP), in bf16; --mesh-shape and --param-placement apply to 'shard'
+  alone. A job compiles with the same options (spmd_aot.ParallelOptions, spmd_aot.RunOptions):
+  docs/options.md lists them."""
+
+
 def _build_command(sub, common) -> None:
     """``build``: trace configurations into the cache."""
-    p = sub.add_parser("build", parents=[common], help="trace a job for some configurations into the cache",
+    p = sub.add_parser("build", help="trace a job for some configurations into the cache",
                        description="Build TARGET for every WORLD_SIZE x PLACEMENT; already cached "
-                                   "configurations are skipped.")
+                                   "configurations are skipped.",
+                       epilog=_BUILD_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    groups = _target_group(p, "build")
+    add_option_flags(p, "build", groups=groups, matrix=("placement",))
+    _add_common(p, groups)
+    p.set_defaults(func=cmd_build)
+
+
+def _target_group(p, command: str) -> dict:
+    """The job and the configuration's world size and device: what a job's ``compile`` reads from
+    its process group and model, so no options field holds them."""
+    target = p.add_argument_group("what to build")
     p.add_argument("target", metavar="TARGET",
                    help="'pkg.module:job' or 'path/to/file.py:job': a spmd_aot.Job, or a "
                         "zero-argument callable returning one")
-    p.add_argument("-w", "--world-size", type=_positive_int, action="append", required=True,
-                   metavar="N", help="world size to build for (repeat for several)")
-    p.add_argument("-p", "--placement", action="append", choices=sorted(PLACEMENT_NAMES),
-                   help="placement to build for (repeat for several; default: replicate)")
-    p.add_argument("--device", default="cpu", help="device type the job will run on (default: cpu)")
-    p.add_argument("--kernels", action="store_true",
-                   help="also compile the graph with Inductor into the entry (jobs pass kernels=True; native "
-                        "code: it runs only from a signed entry or a trusted cache)")
-    add_shard_options(p)
-    p.set_defaults(func=cmd_build)
+    if command == "build":
+        target.add_argument("-w", "--world-size", type=_positive_int, action="append", required=True,
+                            metavar="N", help="World size to build for. Repeat for several.")
+    else:
+        target.add_argument("-w", "--world-size", type=_positive_int, required=True, metavar="N",
+                            help="World size the job will run at.")
+    target.add_argument("--device", default="cpu", help="Device type the job will run on. Default: cpu.")
+    return {target.title: target}
 
 
 def _inspect_commands(sub, common) -> None:
@@ -98,20 +114,16 @@ def _inspect_commands(sub, common) -> None:
 
 def _explain_command(sub, common) -> None:
     """``explain``: a job's key looked up without tracing."""
-    p = sub.add_parser("explain", parents=[common],
+    p = sub.add_parser("explain",
                        help="say whether a job's configuration is cached, and if not, why not",
                        description="Compute TARGET's cache key for one configuration WITHOUT tracing "
                                    "(fake tensors, a second or two) and look it up. Prints 'hit' (exit 0) "
                                    "or 'miss' and which key ingredients differ from the nearest stored "
                                    "artifact (exit 1), e.g. 'parallel' for another world size or 'batch' "
                                    "for other batch shapes.")
-    p.add_argument("target", metavar="TARGET", help="as for build: 'pkg.module:job' or 'path/to/file.py:job'")
-    p.add_argument("-w", "--world-size", type=_positive_int, required=True, metavar="N",
-                   help="world size the job will run at")
-    p.add_argument("-p", "--placement", default="replicate", choices=sorted(PLACEMENT_NAMES),
-                   help="placement (default: replicate)")
-    p.add_argument("--device", default="cpu", help="device type the job will run on (default: cpu)")
-    add_shard_options(p)
+    groups = _target_group(p, "explain")
+    add_option_flags(p, "explain", groups=groups)
+    _add_common(p, groups)
     p.set_defaults(func=cmd_explain)
 
 
@@ -211,90 +223,3 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
-
-
-def add_shard_options(p) -> None:
-    p.add_argument("--mesh-shape", type=_mesh_shape, metavar="RxS",
-                   help="for placement shard: a 2-D mesh of R replicas x S shards (HSDP), e.g. 2x4; with "
-                        "--tp-plan the last dimension is TP: DPxTP (DDP x TP under replicate, FSDP x TP "
-                        "under shard) or RxSxTP (HSDP x TP)")
-    p.add_argument("--param-placement", action="append", type=_param_placement, default=[],
-                   metavar="PATTERN=PLACEMENT",
-                   help="for placement shard: keep parameters whose FQN matches PATTERN (fnmatch) "
-                        "whole, e.g. '*.bias=replicate' (repeat for several; first match wins)")
-    p.add_argument("--shard-group", action="append", default=[], metavar="PATTERN",
-                   help="for placement shard: parameters whose FQN matches PATTERN (fnmatch) form one "
-                        "communication group (repeat for several; default: one group per block of "
-                        "every ModuleList/Sequential/ModuleDict)")
-    p.add_argument("--keep-params-after-forward", action="store_true",
-                   help="for placement shard: keep gathered parameters from forward to backward "
-                        "(more memory, fewer all_gathers) instead of gathering them again")
-    p.add_argument("--tp-plan", action="append", type=_tp_style, default=[], metavar="PATTERN=STYLE",
-                   help="tensor parallel on the last mesh dimension: modules whose FQN matches PATTERN "
-                        "(fnmatch) run STYLE (colwise, rowwise or a sequence-parallel style, see docs/parallelism.md), "
-                        "e.g. 'blocks.*.attn.q=colwise'; or 'hf': a transformers model's own plan "
-                        "(config.base_model_tp_plan) "
-                        "(repeat for several; first match wins). Without --mesh-shape TP alone over the "
-                        "world (placement replicate); with it, TP on its last dimension")
-    p.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, metavar="MIB",
-                   help="for placement replicate: gradient bucket size (default 25, as DDP)")
-    p.add_argument("--first-bucket-cap-mb", type=_positive_float, default=1.0, metavar="MIB",
-                   help="for placement replicate: size of the first gradient bucket (default 1, as DDP)")
-    _add_precision_options(p)
-
-
-def _add_precision_options(p) -> None:
-    """A mixed-precision policy (``parallel/mixed_precision.py``, FSDP2's fields), for every placement."""
-    from ..parallel.mixed_precision import DTYPES
-
-    names = ", ".join(DTYPES)
-    p.add_argument("--param-dtype", choices=list(DTYPES), metavar="DTYPE",
-                   help=f"mixed precision: compute in DTYPE ({names}) with fp32 master weights (FSDP2's param_dtype)")
-    p.add_argument("--reduce-dtype", choices=list(DTYPES), metavar="DTYPE",
-                   help="mixed precision: average gradients in DTYPE (default: the param dtype)")
-    p.add_argument("--output-dtype", choices=list(DTYPES), metavar="DTYPE",
-                   help="mixed precision: cast the model's floating-point outputs to DTYPE")
-    p.add_argument("--no-cast-forward-inputs", action="store_true",
-                   help="mixed precision: leave the model's floating-point inputs in their dtype")
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
-
-
-def _mesh_shape(text: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a mesh shape like 2x4, got {text!r}") from None
-    if not shape or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"expected a mesh shape like 2x4, got {text!r}")
-    return shape
-
-
-def _pattern_pair(text: str, what: str, choices) -> tuple[str, str]:
-    """``PATTERN=VALUE`` (the last ``=`` splits) with VALUE one of ``choices``."""
-    pattern, sep, value = text.rpartition("=")
-    if not sep or not pattern or value not in choices:
-        raise argparse.ArgumentTypeError(
-            f"expected PATTERN={what} with {what} one of {', '.join(choices)}, got {text!r}")
-    return pattern, value
-
-
-def _param_placement(text: str) -> tuple[str, str]:
-    return _pattern_pair(text, "PLACEMENT", PLACEMENT_NAMES)
-
-
-def _tp_style(text: str) -> tuple[str, str] | str:
-    """``PATTERN=STYLE`` (ours or transformers' style names), or ``hf``/``auto``: the model's own plan."""
-    from ..parallel.tp_plan import HF_REFUSED_STYLES, HF_STYLE_NAMES, MODEL_PLAN_NAMES, STYLE_NAMES
-
-    if text in MODEL_PLAN_NAMES:
-        return text
-    return _pattern_pair(text, "STYLE", [*STYLE_NAMES, *HF_STYLE_NAMES, *HF_REFUSED_STYLES])

@@ -10,7 +10,7 @@ value imports this module, the axes' mechanics (``axes.py``) import it too.
 
 from __future__ import annotations
 
-__all__ = ["ROLES", "DATA_PARALLEL_ROLES", "PLACEMENT_NAMES", "mesh_roles", "cli_fields"]
+__all__ = ["ROLES", "DATA_PARALLEL_ROLES", "PLACEMENT_NAMES", "mesh_roles"]
 
 #: Every role, in mesh order.
 ROLES = ("dp_replicate", "dp_shard", "tp")
@@ -25,11 +25,6 @@ _DP_ROLES = {
 }
 PLACEMENT_NAMES = tuple(_DP_ROLES)
 
-#: Options only one placement reads (the CLI applies them to it alone; build hints print them
-#: only for it). ``mesh_shape`` is every placement's once another axis (TP) takes a dimension.
-_CLI_FIELDS = {"replicate": (), "shard": ("mesh_shape", "param_placements", "shard_groups", "reshard_after_forward")}
-
-
 def mesh_roles(placement: str, mesh_shape: tuple[int, ...], other_roles: tuple[str, ...]) -> tuple[str, ...] | str:
     """The role of each mesh dimension: the data-parallel ones, then ``other_roles`` (the
     dimensions the other axes take, last); or why ``mesh_shape`` does not fit (a message)."""
@@ -42,9 +37,3 @@ def mesh_roles(placement: str, mesh_shape: tuple[int, ...], other_roles: tuple[s
         return (f"mesh shape {tuple(mesh_shape)} does not fit placement {placement!r}"
                 f"{' with a tp_plan' if other_roles else ''}: it takes mesh_shape={forms}{hint}")
     return dp + other_roles
-
-
-def cli_fields(placement: str, other_axes: bool) -> tuple[str, ...]:
-    """The options the CLI applies to ``placement`` (``other_axes``: a TP plan is given)."""
-    own = _CLI_FIELDS[placement]
-    return own if "mesh_shape" in own or not other_axes else ("mesh_shape", *own)

@@ -37,7 +37,7 @@ from ..keying.key import compute_key
 from .kernel_load import interpreting, load_kernels, untrusted_reason
 from ..keying.lookup import find_entry
 from ..parallel import axes
-from ..schema import Schema
+from ..options import ParallelOptions, RunOptions, split_options
 from ..tracing.optimizers import as_optimizer, members
 from ..tracing.override import Transforms
 from ..state import TrainState, initialize_optimizer_state
@@ -63,49 +63,54 @@ class CacheInfo:
     traces: int = 0  # traces this process has performed for this compiled step so far
 
 
-def compile(fn: Callable | None = None, *, schema: Schema | None = None, cache_dir=None,
-            require_hit: bool = False, module_override=(), gm_transformation=None, extra_sources=(),
-            store=None, allow_ops=(), trust_cache=None, kernels: bool = False, **layout):
+def compile(fn: Callable | None = None, *, parallel: ParallelOptions | None = None,
+            run: RunOptions | None = None, schema: ParallelOptions | None = None, **options):
     """Wrap a train step ``fn(model, optim, batch)``; also usable as ``@spmd_aot.compile(...)``.
 
     The returned step returns what ``fn`` returns, computed on this rank: for the usual
     ``return loss`` that is the rank-local loss, exactly what eager DDP returns.
     A forward-only step (evaluation, inference) ``fn(model, batch)`` is called the same way,
     ``step(model, batch)``, with no optimizer; it runs under ``torch.no_grad()``.
-    ``schema`` (a ``spmd_aot.Schema``) says how the step is spread; its keywords ``layout``
-    (``placement``, ``mesh_shape``, ``param_placements``, ``tp_plan`` (tensor parallel, see
-    ``tensor_parallel.py``) and the communication options ``bucket_cap_mb``,
-    ``first_bucket_cap_mb``, ``shard_groups``, ``reshard_after_forward``) make one, checked now.
-    ``module_override``, ``gm_transformation``: build-time hooks (``override.py``); pass the same
-    ones as the build. ``allow_ops``: overloads beyond the allowlist this job admits (the build's
-    opt-in, ``allowlist.py``). ``trust_cache=True`` uses a cache directory other users can write
-    without a signing key (``store/trust.py``; default: ``$SPMD_AOT_TRUST_CACHE``).
-    ``kernels=True``: the entry built with ``kernels=True``, whose compiled kernels run when the
-    entry is signed or the cache trusted (``kernel_load.py``); else its interpreted graph runs.
+    ``parallel`` (``spmd_aot.ParallelOptions``: placement, mesh, tensor-parallel plan,
+    communication, mixed precision) says how the step is spread, ``run``
+    (``spmd_aot.RunOptions``: cache, trust, op opt-ins, kernels, ``require_hit``, build-time
+    hooks) where its entry is found and what a load may trust; pass the same ones as the build
+    (``docs/options.md``). Their fields may be passed as keywords instead (``placement="shard"``,
+    ``cache_dir="cache"``), which make them, checked now. ``schema`` is the earlier name of
+    ``parallel``. World size and device type come from the process group and the model.
     """
-    options = dict(schema=Schema.of(schema, **layout), cache_dir=cache_dir, require_hit=require_hit,
-                   module_override=module_override, gm_transformation=gm_transformation,
-                   extra_sources=extra_sources, store=store, allow_ops=allow_ops, trust_cache=trust_cache,
-                   kernels=kernels)
+    parallel, run = _options(parallel, run, schema, options, "compile")
     if fn is None:
-        return functools.partial(compile, **options)
-    return CompiledStep(fn, **options)
+        return functools.partial(compile, parallel=parallel, run=run)
+    return CompiledStep(fn, parallel=parallel, run=run)
+
+
+def _options(parallel, run, schema, keywords, where: str) -> tuple[ParallelOptions, RunOptions]:
+    """``split_options`` with ``schema=`` taken as ``parallel=`` (its earlier name)."""
+    if schema is not None:
+        if parallel is not None:
+            raise TypeError(f"{where}() takes parallel= or its earlier name schema=, not both")
+        parallel = schema
+    return split_options(parallel, run, keywords, where)
 
 
 class CompiledStep:
-    def __init__(self, fn, *, schema: Schema | None = None, cache_dir=None, require_hit=False,
-                 module_override=(), gm_transformation=None, extra_sources=(), store=None, allow_ops=(),
-                 trust_cache=None, kernels: bool = False):
-        self.schema = schema if schema is not None else Schema()
-        self.allow_ops = tuple(opt_in_names(allow_ops))  # a bad name fails here, not at the first call
+    """A step compiled by ``spmd_aot.compile`` (which documents ``parallel``, ``run`` and the
+    keywords that make them): resolved at its first call, run from the bound program after."""
+
+    def __init__(self, fn, *, parallel: ParallelOptions | None = None, run: RunOptions | None = None,
+                 schema: ParallelOptions | None = None, **options):
+        self.parallel_options, self.run_options = _options(parallel, run, schema, options, "CompiledStep")
+        run = self.run_options
+        self.allow_ops = tuple(opt_in_names(run.allow_ops))  # a bad name fails here, not at the first call
         self.fn = fn
-        self.require_hit = require_hit
-        self.transforms = Transforms(tuple(module_override), gm_transformation)
-        self.extra_sources = tuple(extra_sources)
-        self._store = store
-        self._cache_dir = cache_dir
-        self._trust_cache = trust_cache
-        self.kernels = kernels
+        self.require_hit = run.require_hit
+        self.transforms = Transforms(run.module_override, run.gm_transformation)
+        self.extra_sources = run.extra_sources
+        self._store = run.store
+        self._cache_dir = run.cache_dir
+        self._trust_cache = run.trust_cache
+        self.kernels = run.kernels
         self._bound: _BoundStep | None = None
         self._unstored = None  # a traced artifact the cache could not take (rank 0 serves it)
         self.cache_info: CacheInfo | None = None
@@ -154,7 +159,7 @@ class CompiledStep:
         start = time.perf_counter()
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        plan = self.schema.plan(world, _device_type(model)).for_model(model)
+        plan = self.parallel_options.plan(world, _device_type(model)).for_model(model)
         device = check_device(plan, model)  # the device the program binds to, or why it cannot run here
         mesh = device_mesh(plan)  # collective for 2-D meshes: every rank builds it
         spread = world > 1  # one rank: nothing is spread
