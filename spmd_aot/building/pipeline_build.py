@@ -1,0 +1,174 @@
+"""``spmd_aot.build_pipeline``: a pipeline-parallel step built offline, every stage at once.
+
+The job's model and batch are made on fake tensors (as ``build`` makes them), the forward and
+loss traced once and cut at the split points into stages, each stage traced into a forward and
+a backward graph (``tracing/stages.py``), the graphs cleaned by the same passes as a whole step,
+checked as a load checks them, and stored as one entry (``format/pipeline_artifact.py``) under a
+key every rank computes from the live job (``keying/pipeline_key.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..errors import CorruptArtifactError, SpmdAotError, UnsupportedError
+from ..format.artifact import store_artifact
+from ..format.pipeline_artifact import check_pipeline_blobs, encode_pipeline, read_pipeline_manifest
+from ..job import Job
+from ..keying.pipeline_key import pipeline_key
+from ..parallel.pipeline_parallel import Pipeline, bubble_fraction, even_split_points, in_flight_peak, schedule_actions
+from ..passes import fold_views, remove_detach, rewrite_inplace_views, strip_profiler_ops
+from ..store import open_store
+from ..tracing.fake_factories import fake_factories
+from ..tracing.stages import trace_stages
+from .peak_memory import _storage, graph_peak_bytes
+
+__all__ = ["build_pipeline", "PipelineBuild", "pipeline_plan", "micro_batch", "trace_pipeline_blobs", "resolve_split"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PipelineBuild:
+    key: str
+    digest: str
+    traced: bool
+    stats: dict
+    seconds: float
+
+
+def pipeline_plan(pipeline: Pipeline, world_size: int, device_type: str, split_points) -> dict:
+    """The entry's plan: world size, the ``pp`` mesh dimension (pipeline-only meshes), device,
+    the resolved split points."""
+    if world_size != pipeline.stages:
+        raise SpmdAotError(
+            f"a pipeline of {pipeline.stages} stages runs on {pipeline.stages} ranks (one stage each; pp composed "
+            f"with data or tensor parallelism is not built yet), got world size {world_size}")
+    return {"world_size": world_size, "mesh_shape": [pipeline.stages], "mesh_roles": ["pp"],
+            "device_type": device_type, "split_points": list(split_points)}
+
+
+def resolve_split(model, pipeline: Pipeline) -> tuple[str, ...]:
+    return pipeline.split_points or (even_split_points(model, pipeline.stages) if pipeline.stages > 1 else ())
+
+
+def micro_batch(batch, microbatches: int):
+    """The first of ``microbatches`` equal micro-batches of ``batch`` (every leaf split on dim 0)."""
+    def first(t):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            raise SpmdAotError("a pipeline step's batch leaves are tensors split on dim 0 into micro-batches")
+        if t.shape[0] % microbatches:
+            raise SpmdAotError(f"a batch leaf of {t.shape[0]} samples does not split into {microbatches} equal "
+                               f"micro-batches; use a batch size that is a multiple of {microbatches}")
+        return t.narrow(0, 0, t.shape[0] // microbatches)
+    return pytree.tree_map(first, tuple(batch))
+
+
+def build_pipeline(job: Job, pipeline: Pipeline, *, world_size: int | None = None, cache_dir=None, store=None,
+                   device: str = "cpu", trust_cache=None) -> PipelineBuild:
+    """Build ``job`` as a pipeline; ``job.step`` is the loss function ``loss_fn(output, target)``
+    and ``job.batch`` returns the step's whole batch ``(inputs..., target)`` (split into
+    ``pipeline.microbatches`` on dim 0). A no-op (``traced=False``) when already cached."""
+    start = time.perf_counter()
+    world_size = pipeline.stages if world_size is None else world_size
+    store = store or open_store(cache_dir, trust_cache=trust_cache)
+    fake_mode = FakeTensorMode()
+    with fake_factories(fake_mode):
+        model, batch = job.model(), job.batch()
+        if device != "cpu":
+            model = model.to(device)
+            batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+    split = resolve_split(model, pipeline)
+    plan = pipeline_plan(pipeline, world_size, device, split)
+    key = pipeline_key(model, job.step, batch, pipeline, plan)
+    with store.lock(key.key):
+        digest = store.get_ref(key.key)
+        if digest is not None:
+            try:
+                manifest = read_pipeline_manifest(store, digest)
+                if manifest["key"] == key.key:
+                    return PipelineBuild(key.key, digest, False, manifest["stats"], time.perf_counter() - start)
+            except CorruptArtifactError as exc:
+                log.warning("pipeline entry for key %s is damaged (%s); rebuilding it", key.key[:12], exc)
+        blobs = trace_pipeline_blobs(model, job.step, batch, pipeline, plan, key)
+        digest = store_artifact(store, key.key, blobs)
+        stats = read_pipeline_manifest(store, digest)["stats"]
+    seconds = time.perf_counter() - start
+    log.info("build %s world=%d: key %s, digest %s, %.2f s", pipeline.describe(), world_size, key.key[:12],
+             digest[:12], seconds)
+    return PipelineBuild(key.key, digest, True, stats, seconds)
+
+
+def trace_pipeline_blobs(model, loss_fn, batch, pipeline: Pipeline, plan: dict, key) -> dict[str, bytes]:
+    """Trace, clean, check: the entry's blobs (what a job-start miss stores too)."""
+    start = time.perf_counter()
+    stages = trace_stages(model, loss_fn, micro_batch(batch, pipeline.microbatches), tuple(plan["split_points"]))
+    for st in stages:
+        for gm in (st.forward, st.backward):
+            strip_profiler_ops(gm)
+            remove_detach(gm)
+            rewrite_inplace_views(gm)
+            fold_views(gm)
+            gm.recompile()
+        st.stats = _stage_stats(st, schedule_actions(pipeline)[st.index])
+    stats = {"stages": pipeline.stages, "microbatches": pipeline.microbatches, "schedule": pipeline.schedule,
+             "bubble_fraction": round(bubble_fraction(pipeline), 4),
+             "peak_bytes": [st.stats["peak_bytes"] for st in stages],
+             "trace_seconds": round(time.perf_counter() - start, 4)}
+    blobs = encode_pipeline(stages, key, plan, pipeline.to_dict(), stats)
+    try:
+        check_pipeline_blobs(blobs)  # what a load would refuse is never stored
+    except CorruptArtifactError as exc:
+        raise UnsupportedError(f"the built pipeline fails the check every load runs, so nothing was stored under key "
+                               f"{key.key[:12]}: {exc}") from exc
+    return blobs
+
+
+def _stage_stats(st, actions) -> dict:
+    """Nodes, and the stage's peak live bytes over the schedule: its parameters and buffers, the
+    gradients accumulated for them, the saved tensors of every micro-batch in flight (forward
+    done, backward not), and the larger of the two graphs' own working memory on top."""
+    fw_in = _placeholder_values(st.forward)
+    state_ids = {_key(v) for p, v in zip(st.inputs, fw_in) if p.name.startswith(("param:", "buffer:"))}
+    state_bytes = sum(_nbytes(v) for p, v in zip(st.inputs, fw_in) if p.name.startswith(("param:", "buffer:")))
+    grad_bytes = sum(_nbytes(v) for p, v in zip(st.inputs, fw_in) if p.name.startswith("param:") and p.grad)
+    saved_vals = _output_values(st.forward)[len(st.outputs):]
+    seen, saved_bytes = set(state_ids), 0
+    for v in saved_vals:  # what a micro-batch keeps: storages not the stage's parameters'
+        k = _key(v)
+        if k not in seen:
+            seen.add(k)
+            saved_bytes += _nbytes(v)
+    held = in_flight_peak(actions)
+    fw_work = graph_peak_bytes(st.forward) - state_bytes  # inputs, outputs and saved counted in it
+    bw_work = graph_peak_bytes(st.backward)
+    # the backward of the last micro-batch in flight runs with held - 1 others kept
+    peak = state_bytes + grad_bytes + max((held - 1) * saved_bytes + max(fw_work, bw_work), held * saved_bytes)
+    return {"forward_nodes": len(st.forward.graph.nodes), "backward_nodes": len(st.backward.graph.nodes),
+            "state_bytes": state_bytes, "saved_bytes_per_microbatch": saved_bytes, "in_flight": held,
+            "peak_bytes": peak}
+
+
+def _placeholder_values(gm) -> list:
+    return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _output_values(gm) -> list:
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    return [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in out]
+
+
+def _key(v):
+    st = _storage(v) if isinstance(v, torch.Tensor) else None
+    return st._cdata if st is not None else id(v)
+
+
+def _nbytes(v) -> int:
+    st = _storage(v) if isinstance(v, torch.Tensor) else None
+    return st.nbytes() if st is not None else 0

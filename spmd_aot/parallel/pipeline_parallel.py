@@ -1,0 +1,206 @@
+"""Pipeline parallelism as a value: where the model is split into stages, and the schedule.
+
+A pipeline-parallel step runs each stage's forward and backward once per micro-batch (the
+step's batch split on dim 0), passing activations forward and their gradients back between the
+ranks of neighbouring stages. Which stage does what, in which order, is decided before the first
+step, so it is *data*: a list of ``(action, micro-batch)`` per stage, stored in the artifact and
+hashed into the key, which the runtime (``runtime/pipeline_schedule.py``) executes as written.
+
+The schedules are torch.distributed.pipelining's, action for action:
+
+- ``gpipe`` (``ScheduleGPipe``): every forward, then every backward, in micro-batch order.
+- ``1f1b`` (``Schedule1F1B``): stage ``s`` of ``S`` runs ``min(n, S - s)`` forwards, then
+  alternates one backward and one forward while forwards remain, then the remaining backwards;
+  fewer activations are held at once than under GPipe.
+
+Both accumulate each parameter's gradient over the micro-batches in micro-batch order and
+divide it by ``n`` once at the end (torch's ``scale_grads=True``), so the update is the one of
+the mean of the micro-batch losses.
+
+Split points are module FQNs, each the *first* module of a new stage (``SplitPoint.BEGINNING``,
+as ``pipeline(split_spec=...)`` takes them); with none, ``even_split_points`` picks them so the
+stages hold about equal parameter counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from ..errors import SpmdAotError
+
+__all__ = ["Pipeline", "SCHEDULES", "schedule_actions", "even_split_points", "timeline", "bubble_fraction",
+           "in_flight_peak"]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """``stages`` pipeline stages, one per rank of the ``pp`` mesh dimension; ``microbatches``
+    per step; ``schedule`` one of ``SCHEDULES``; ``split_points`` the FQNs of the modules that
+    begin stages 1.. (``stages - 1`` of them), or empty for an even split by parameter count."""
+
+    stages: int = 2
+    microbatches: int = 2
+    schedule: str = "gpipe"
+    split_points: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for name in ("stages", "microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SpmdAotError(f"Pipeline({name}={value!r}): a positive integer is needed")
+        schedule = str(self.schedule).lower()
+        if schedule not in SCHEDULES:
+            raise SpmdAotError(f"Pipeline(schedule={self.schedule!r}): expected one of {', '.join(SCHEDULES)}")
+        object.__setattr__(self, "schedule", schedule)
+        points = (self.split_points,) if isinstance(self.split_points, str) else tuple(self.split_points)
+        if not all(isinstance(p, str) and p for p in points):
+            raise SpmdAotError(f"Pipeline(split_points={self.split_points!r}): module FQNs are needed")
+        if points and len(points) != self.stages - 1:
+            raise SpmdAotError(
+                f"Pipeline(split_points={points!r}) names {len(points)} split point(s) for {self.stages} stages; "
+                f"name {self.stages - 1} (each the first module of a stage after the first) or none for an even split")
+        object.__setattr__(self, "split_points", points)
+
+    def to_dict(self) -> dict:
+        """The text form stored in the manifest and hashed into the key (the schedule itself too)."""
+        return {"stages": self.stages, "microbatches": self.microbatches, "schedule": self.schedule,
+                "split_points": list(self.split_points),
+                "actions": [[f"{a}{m}" for a, m in acts] for acts in schedule_actions(self)]}
+
+    @classmethod
+    def from_dict(cls, d) -> "Pipeline":
+        if not isinstance(d, dict) or not isinstance(d.get("split_points"), list):
+            raise SpmdAotError("a stored pipeline is a map with stages, microbatches, schedule and split_points")
+        return cls(d.get("stages"), d.get("microbatches"), d.get("schedule"), tuple(d["split_points"]))
+
+    def describe(self) -> str:
+        return f"pp={self.stages} {self.schedule} x{self.microbatches} micro-batches"
+
+
+def schedule_actions(pipeline: Pipeline) -> list[list[tuple[str, int]]]:
+    """Per stage, its ``("F" | "B", micro-batch)`` actions in the order it runs them."""
+    n, stages = pipeline.microbatches, pipeline.stages
+    out = []
+    for s in range(stages):
+        if pipeline.schedule == "gpipe":
+            out.append([("F", m) for m in range(n)] + [("B", m) for m in range(n)])
+            continue
+        warmup = min(n, stages - s)
+        acts = [("F", m) for m in range(warmup)]
+        forward, backward = warmup, 0
+        while forward < n:
+            acts += [("B", backward), ("F", forward)]
+            forward, backward = forward + 1, backward + 1
+        acts += [("B", m) for m in range(backward, n)]
+        out.append(acts)
+    return out
+
+
+def _simulate(pipeline: Pipeline) -> list[list[tuple[int, str, int]]]:
+    """Per stage, ``(tick, action, micro-batch)``: every action takes one tick (a backward as
+    long as a forward), starts when its stage is free and its input arrived (the previous
+    stage's forward of the micro-batch, the next stage's backward of it)."""
+    acts = schedule_actions(pipeline)
+    done: dict[tuple[int, str, int], int] = {}  # (stage, action, mb) -> tick it finished
+    position, free = [0] * pipeline.stages, [0] * pipeline.stages
+    out: list[list[tuple[int, str, int]]] = [[] for _ in acts]
+    remaining = sum(map(len, acts))
+    while remaining:
+        progressed = False
+        for s, stage_acts in enumerate(acts):
+            if position[s] == len(stage_acts):
+                continue
+            action, m = stage_acts[position[s]]
+            needs = (s - 1, "F", m) if action == "F" else (s + 1, "B", m)
+            if action == "B" and s == pipeline.stages - 1:
+                needs = (s, "F", m)
+            if action == "F" and s == 0:
+                needs = None
+            if needs is not None and needs not in done:
+                continue
+            start = max(free[s], done[needs] if needs is not None else 0)
+            done[(s, action, m)] = free[s] = start + 1
+            out[s].append((start, action, m))
+            position[s] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            raise AssertionError(f"schedule {pipeline.schedule} deadlocks")
+    return out
+
+
+def timeline(pipeline: Pipeline) -> list[str]:
+    """One text line per stage, one column per tick: ``F3`` a forward of micro-batch 3, ``B3``
+    its backward, ``.`` idle (the bubble)."""
+    runs = _simulate(pipeline)
+    ticks = max(t for stage in runs for t, _, _ in stage) + 1
+    width = len(str(pipeline.microbatches - 1)) + 1
+    lines = []
+    for s, stage in enumerate(runs):
+        cells = ["." * width] * ticks
+        for t, action, m in stage:
+            cells[t] = f"{action}{m}".ljust(width)
+        lines.append(f"stage {s}: " + " ".join(cells))
+    return lines
+
+
+def bubble_fraction(pipeline: Pipeline) -> float:
+    """The idle share of stage-ticks over the step (equal forward and backward times): for
+    GPipe and 1F1B alike ``(S - 1) / (n + S - 1)``."""
+    runs = _simulate(pipeline)
+    ticks = max(t for stage in runs for t, _, _ in stage) + 1
+    busy = sum(len(stage) for stage in runs)
+    return 1.0 - busy / (ticks * pipeline.stages)
+
+
+def in_flight_peak(actions: Iterable[tuple[str, int]]) -> int:
+    """The most micro-batches whose forward ran and backward did not, at once, on one stage."""
+    peak = held = 0
+    for action, _ in actions:
+        held += 1 if action == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def even_split_points(model, stages: int) -> tuple[str, ...]:
+    """Split points putting about ``1/stages`` of the parameters in each stage: the blocks of the
+    model's largest ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` (its repeated layers) are cut where
+    the running parameter count (everything registered before the list counted with its first
+    block) comes nearest each multiple of ``total / stages``."""
+    import torch
+
+    lists = [(fqn, m) for fqn, m in model.named_modules()
+             if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)) and len(m) >= stages]
+    if not lists:
+        raise SpmdAotError(
+            f"an even split into {stages} stages cuts the model's repeated blocks (an nn.ModuleList, "
+            f"nn.Sequential or nn.ModuleDict of at least {stages}), and {type(model).__name__} has none: pass "
+            "Pipeline(split_points=[...]) naming the first module of each stage after the first")
+    fqn, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    total = sum(p.numel() for p in model.parameters())
+    in_blocks = {id(p) for p in blocks.parameters()}
+    before = 0
+    for _, p in model.named_parameters():  # registration order: what comes before the blocks
+        if id(p) in in_blocks:
+            break
+        before += p.numel()
+    points, running = [], before
+    names = [name for name, _ in blocks.named_children()]
+    for i, child in enumerate(blocks.children()):
+        if len(points) == stages - 1:
+            break
+        # a cut before block i when that leaves the stages so far nearer their share than after it
+        target = total * (len(points) + 1) / stages
+        size = sum(p.numel() for p in child.parameters())
+        remaining_blocks = len(names) - i
+        if i > 0 and (abs(running - target) <= abs(running + size - target)
+                      or remaining_blocks == stages - 1 - len(points)):
+            points.append(f"{fqn}.{names[i]}" if fqn else names[i])
+        running += size
+    if len(points) != stages - 1:
+        raise SpmdAotError(f"{fqn or 'the model'} has {len(names)} blocks, too few to split evenly into "
+                           f"{stages} stages; pass Pipeline(split_points=[...])")
+    return tuple(points)

@@ -1,0 +1,263 @@
+"""``spmd_aot.compile_pipeline``: at job start every rank loads its own stage of a stored
+pipeline; every step runs the stored schedule, passing activations and gradients to the
+neighbouring stages' ranks with point-to-point sends.
+
+The first call is collective, as ``compile``'s: every rank computes the key from the whole
+live model (the same on every rank), the ranks check they agree, rank 0 decides hit or miss
+(on a miss it traces every stage and stores the entry while the others wait), then each rank
+reads the manifest and only its own stage's graphs, checked as every load is checked.
+
+Every step then executes the schedule's actions for this rank's stage, in the stored order:
+
+- ``F m``: receive the micro-batch's activations from the previous stage (shapes and dtypes
+  are the manifest's), run the forward graph, keep its saved tensors, send its outputs on (the
+  last stage's output is the micro-batch loss);
+- ``B m``: receive the gradients of those outputs from the next stage (the last stage starts
+  from 1, as ``loss.backward()``), run the backward graph on the saved tensors, add the
+  parameter gradients into their accumulators, send the input gradients back, drop the saved
+  tensors.
+
+Sends are asynchronous (``isend``, waited at the end of the step); receives wait. After the
+last action the gradients are divided by the number of micro-batches (torch's
+``scale_grads=True``), set as the parameters' ``.grad``, and the optimizer steps (eagerly, on
+this stage's parameters; other stages' parameters get no gradient, so it skips them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from . import ranks
+from ..errors import CacheMissError, CorruptArtifactError
+from ..format.artifact import store_artifact
+from ..format.pipeline_artifact import backward_inputs, read_pipeline_manifest, read_stage
+from ..keying.pipeline_key import pipeline_key
+from ..parallel.pipeline_parallel import Pipeline, schedule_actions
+from ..store import open_store
+from ..store.leases import reading
+from .program import Program
+from .step import CacheInfo
+
+__all__ = ["compile_pipeline", "PipelineStep"]
+
+log = logging.getLogger(__name__)
+
+
+def compile_pipeline(loss_fn, *, pipeline: Pipeline, cache_dir=None, store=None, require_hit: bool = False,
+                     trust_cache=None) -> "PipelineStep":
+    """A pipeline-parallel train step: ``step(model, optim, batch)`` with ``batch = (inputs...,
+    target)``, the whole step's batch on every rank. Pass the same ``loss_fn`` and pipeline as
+    ``build_pipeline``. Returns the mean micro-batch loss on the last stage's ranks, None on the
+    others; ``step(..., losses=[])`` also fills the list with each micro-batch's loss there."""
+    return PipelineStep(loss_fn, pipeline, cache_dir=cache_dir, store=store, require_hit=require_hit,
+                        trust_cache=trust_cache)
+
+
+class PipelineStep:
+    def __init__(self, loss_fn, pipeline: Pipeline, *, cache_dir=None, store=None, require_hit=False,
+                 trust_cache=None):
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(f"pipeline= takes a spmd_aot.Pipeline, got {type(pipeline).__name__}")
+        self.loss_fn, self.pipeline, self.require_hit = loss_fn, pipeline, require_hit
+        self._store, self._cache_dir, self._trust_cache = store, cache_dir, trust_cache
+        self._bound: _BoundStage | None = None
+        self.cache_info: CacheInfo | None = None
+        self._traces = 0
+
+    @property
+    def store(self):
+        if self._store is None:
+            self._store = open_store(self._cache_dir, trust_cache=self._trust_cache)
+        return self._store
+
+    def __call__(self, model, optim, batch, losses: list | None = None):
+        leaves, spec = pytree.tree_flatten(tuple(batch))
+        bound = self._bound
+        if bound is None or bound.model is not model or bound.signature != _signature(leaves, spec):
+            bound = self._bound = self._prepare(model, batch)
+        return bound.run(optim, leaves, losses)
+
+    def _prepare(self, model, batch) -> "_BoundStage":
+        from ..building.pipeline_build import pipeline_plan, resolve_split
+
+        start = time.perf_counter()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        device_type = next((p.device.type for p in model.parameters()), "cpu")
+        plan = pipeline_plan(self.pipeline, world, device_type, resolve_split(model, self.pipeline))
+        key = pipeline_key(model, self.loss_fn, batch, self.pipeline, plan)
+        ranks.check_ranks_agree(key, world)
+        status, payload, hit, traced, error = "ok", "", False, False, None
+        if rank == 0:
+            try:
+                payload, hit, traced = self._resolve_on_rank0(model, batch, plan, key)
+            except Exception as exc:  # any failure reaches every rank: none is left waiting
+                status, payload, error = type(exc).__name__, str(exc), exc
+            self._traces += int(traced)
+        status, payload, hit, traced = ranks.broadcast_decision((status, payload, hit, traced), world)
+        if error is not None:
+            raise error
+        if status != "ok":
+            raise ranks.error_from_rank0(status, payload)
+        digest, failure, bound = payload, None, None
+        try:
+            with reading(self.store, digest):
+                manifest = read_pipeline_manifest(self.store, digest)
+                if manifest["key"] != key.key:
+                    raise CorruptArtifactError(f"ref {key.key[:12]} points to pipeline entry {digest[:12]} of another key")
+                device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
+                    else torch.device(device_type)
+                loaded = read_stage(self.store, manifest, rank, device, device_type)
+            bound = _BoundStage(model, loaded, manifest, rank, world, device)
+        except Exception as exc:
+            failure = exc
+        ranks.all_ranks_ok(failure, world)
+        seconds = time.perf_counter() - start
+        log.info("pipeline step: cache %s on rank %d (stage %d), key %s, digest %s, %.2f s",
+                 "hit" if hit else "miss, traced by rank 0", rank, rank, key.key[:12], digest[:12], seconds)
+        self.cache_info = CacheInfo(hit, key.key, digest, "trace" if traced else "cache", seconds,
+                                    float(manifest["stats"].get("trace_seconds", 0.0)), self._traces)
+        bound.signature = _signature(*pytree.tree_flatten(tuple(batch)))
+        return bound
+
+    def _resolve_on_rank0(self, model, batch, plan, key) -> tuple[str, bool, bool]:
+        store = self.store
+        digest = store.get_ref(key.key)
+        if digest is not None:
+            try:
+                if read_pipeline_manifest(store, digest)["key"] == key.key:
+                    return digest, True, False
+            except CorruptArtifactError as exc:
+                if self.require_hit:
+                    raise
+                log.warning("pipeline entry for key %s is damaged (%s); rebuilding it", key.key[:12], exc)
+        if self.require_hit:
+            raise CacheMissError(f"no pipeline entry for key {key.key[:12]} ({self.pipeline.describe()}) in "
+                                 f"{store.root} and require_hit=True{_nearest(store, key)}; build it ahead of time "
+                                 "with spmd_aot.build_pipeline(job, pipeline, cache_dir=...) with the same pipeline")
+        from ..building.pipeline_build import trace_pipeline_blobs
+
+        log.warning("pipeline step: cache miss for key %s (%s); rank 0 traces every stage now, the other ranks "
+                    "wait", key.key[:12], self.pipeline.describe())
+        with store.lock(key.key):
+            blobs = trace_pipeline_blobs(model, self.loss_fn, batch, self.pipeline, plan, key)
+            return store_artifact(store, key.key, blobs), False, True
+
+
+def _nearest(store, key, limit: int = 64) -> str:
+    """``: the nearest stored pipeline entry differs in ...`` (the ingredients), reading at most
+    ``limit`` manifests; empty when the store holds none."""
+    best = None
+    for digest in list(store.refs().values())[:limit]:
+        try:
+            stored = read_pipeline_manifest(store, digest)["ingredients"]
+        except Exception:  # not a pipeline entry, or unreadable: not a candidate
+            continue
+        differ = [n for n in key.ingredients if stored.get(n) != key.ingredients[n]]
+        if best is None or len(differ) < len(best):
+            best = differ
+    return f"; the nearest stored pipeline entry differs in: {', '.join(best)}" if best else ""
+
+
+def _signature(leaves, spec):
+    return spec, [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in leaves]
+
+
+class _BoundStage:
+    """One rank's stage: its programs, the live tensors behind its ports, its actions."""
+
+    def __init__(self, model, loaded, manifest: dict, rank: int, world: int, device):
+        self.model, self.rank, self.world, self.device = model, rank, world, device
+        self.signature = None
+        ports = loaded.ports
+        self.inputs, self.outputs = ports["inputs"], ports["outputs"]
+        self.last = rank == world - 1
+        self.first = rank == 0
+        self.forward = Program(loaded.forward, loaded.constants, expected=loaded.forward_expected)
+        self.backward = Program(loaded.backward, loaded.constants, expected=loaded.backward_expected)
+        self.n_saved = len(ports["saved"])
+        self.n_tangents = len(backward_inputs(ports)) - self.n_saved
+        self.pipeline = Pipeline.from_dict(manifest["pipeline"])
+        self.actions = schedule_actions(self.pipeline)[rank]
+        self.state = [self._live(p["name"]) for p in self.inputs]  # None for activations and batch leaves
+        self.grad_params = [(i, self.state[i]) for i, p in enumerate(self.inputs)
+                            if p["name"].startswith("param:") and p["grad"]]
+
+    def _live(self, name: str):
+        kind, _, fqn = name.partition(":")
+        if kind == "param":
+            return self.model.get_parameter(fqn)
+        if kind == "buffer":
+            return self.model.get_buffer(fqn)
+        return None
+
+    def run(self, optim, leaves, losses):
+        n = self.pipeline.microbatches
+        mbs = [leaf.chunk(n) for leaf in leaves]
+        saved: dict[int, list] = {}
+        accumulated: dict[int, torch.Tensor] = {}
+        step_losses: list[torch.Tensor] = []
+        sends: list = []
+        with torch.no_grad():
+            for action, m in self.actions:
+                if action == "F":
+                    outs = self.forward(*self._forward_inputs(mbs, m))
+                    saved[m] = outs[len(self.outputs):]
+                    if self.last:
+                        step_losses.append(outs[0])
+                    else:
+                        sends += [dist.isend(t.contiguous(), self.rank + 1, tag=2 * m) for t in outs[:len(self.outputs)]]
+                else:
+                    grads = self.backward(*saved.pop(m), *self._output_grads(m))
+                    for i, param in self.grad_params:
+                        g = grads[i]
+                        if i in accumulated:
+                            accumulated[i].add_(g)
+                        else:
+                            accumulated[i] = g
+                    if not self.first:
+                        sends += [dist.isend(grads[i].contiguous(), self.rank - 1, tag=2 * m + 1)
+                                  for i, p in enumerate(self.inputs) if p["name"].startswith("act:") and p["grad"]]
+            for work in sends:
+                work.wait()
+            for i, param in self.grad_params:
+                param.grad = accumulated[i].div_(n) if i in accumulated else None
+        if optim is not None:
+            optim.step()
+            optim.zero_grad()
+        if not self.last:
+            return None
+        if losses is not None:
+            losses.extend(step_losses)
+        return torch.stack(step_losses).mean()
+
+    def _forward_inputs(self, mbs, m: int) -> list:
+        values, receives = [], []
+        for port, live in zip(self.inputs, self.state):
+            name = port["name"]
+            if live is not None:
+                values.append(live)
+            elif name.startswith("batch:"):
+                values.append(mbs[int(name.split(":")[1])][m])
+            else:
+                buf = torch.empty(port["shape"], dtype=getattr(torch, port["dtype"]), device=self.device)
+                receives.append(dist.irecv(buf, self.rank - 1, tag=2 * m))
+                values.append(buf)
+        for work in receives:
+            work.wait()
+        return values
+
+    def _output_grads(self, m: int) -> list:
+        if self.last:
+            return [torch.ones((), dtype=getattr(torch, self.outputs[0]["dtype"]), device=self.device)]
+        bufs = [torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]), device=self.device)
+                for p in self.outputs if p["grad"]]
+        works = [dist.irecv(b, self.rank + 1, tag=2 * m + 1) for b in bufs]
+        for work in works:
+            work.wait()
+        return bufs

@@ -1,0 +1,210 @@
+"""Pipeline parallelism built ahead of time, against torch.distributed.pipelining on real gloo ranks.
+
+The oracle is torch's own pipelining: ``PipelineStage`` over each rank's stage module (the model
+with the other stages' blocks deleted, torchtitan's way of making stage modules) driven by
+``ScheduleGPipe`` / ``Schedule1F1B`` with the same split, micro-batches and loss; the loaded
+step must give the same micro-batch losses and the same parameters after 3 AdamW steps, with
+no trace on any rank.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import spmd_aot
+from spmd_aot.building.pipeline_build import build_pipeline
+from spmd_aot.errors import SpmdAotError, UnsupportedError
+from spmd_aot.parallel.pipeline_parallel import Pipeline, bubble_fraction, even_split_points, schedule_actions, timeline
+from spmd_aot.runtime.pipeline_schedule import compile_pipeline
+from support.multiproc import run_ranks
+
+VOCAB, DIM, LAYERS, SEQ, BATCH, MICRO = 48, 32, 4, 8, 8, 4
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+        self.norm2 = nn.LayerNorm(d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.out(F.gelu(self.fc(self.norm2(x))))
+
+
+class LM(nn.Module):
+    """A causal LM whose stage modules are itself with blocks deleted (``blocks`` is a ModuleDict,
+    so FQNs keep their indices) and ``emb`` / ``head`` set to None off the first / last stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleDict({str(i): Block(DIM) for i in range(LAYERS)})
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, x):
+        h = self.emb(x) if self.emb is not None else x
+        for block in self.blocks.values():
+            h = block(h)
+        return self.head(h) if self.head is not None else h
+
+
+def loss_fn(output, target):
+    return F.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+def make_batch(step: int = 0):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def make_job():
+    return spmd_aot.Job(step=loss_fn, model=LM, optimizer=None, batch=make_batch)
+
+
+def stage_module(model: LM, stage: int, first_of_stage: list[int]) -> LM:
+    """torchtitan's stage module: the model with every block outside the stage deleted."""
+    bounds = [0] + first_of_stage + [LAYERS]
+    keep = set(range(bounds[stage], bounds[stage + 1]))
+    for name in list(model.blocks):
+        if int(name) not in keep:
+            del model.blocks[name]
+    if stage != 0:
+        model.emb = None
+    if stage != len(bounds) - 2:
+        model.head = None
+    return model
+
+
+SPLIT = ("blocks.2",)
+
+
+def _parity_worker(rank, world, cache_dir, schedule, steps=3):
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    if rank == 0:  # the offline build, right before the job: other sessions edit this working tree
+        build_pipeline(make_job(), Pipeline(world, MICRO, schedule, SPLIT), cache_dir=cache_dir)
+    dist.barrier()
+    torch.manual_seed(0)
+    model = LM()
+    ref = stage_module(copy.deepcopy(model), rank, [2])
+    ref_stage = PipelineStage(ref, rank, world, torch.device("cpu"))
+    ref_schedule = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(ref_stage, MICRO, loss_fn=loss_fn)
+    ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = compile_pipeline(loss_fn, pipeline=Pipeline(world, MICRO, schedule, SPLIT), cache_dir=cache_dir,
+                            require_hit=True)
+    loss_diff, returned = 0.0, []
+    for i in range(steps):
+        x, y = make_batch(i)
+        ref_losses, losses = [], []
+        if rank == 0:
+            ref_schedule.step(x)
+        else:
+            ref_schedule.step(target=y, losses=ref_losses)
+        ref_optim.step()
+        ref_optim.zero_grad()
+        out = step(model, optim, (x, y), losses=losses)
+        returned.append(None if out is None else float(out))
+        if rank == world - 1:
+            loss_diff = max(loss_diff, max(abs(float(a) - float(b)) for a, b in zip(ref_losses, losses)))
+            assert len(losses) == MICRO
+            assert abs(float(out) - float(torch.stack(ref_losses).mean())) < 1e-5
+    param_diff = max((ref_p - model.get_parameter(name)).abs().max().item() for name, ref_p in ref.named_parameters())
+    moved = max((ref_p - p0).abs().max().item() for (name, ref_p), p0 in
+                zip(ref.named_parameters(), [LM_init(name) for name, _ in ref.named_parameters()]))
+    info = step.cache_info
+    return {"loss_diff": loss_diff, "param_diff": param_diff, "moved": moved, "hit": info.hit,
+            "traces": info.traces, "returned": returned}
+
+
+def LM_init(name):
+    torch.manual_seed(0)
+    return LM().get_parameter(name).detach()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("pp_cache")
+    results = {s: build_pipeline(make_job(), Pipeline(2, MICRO, s, SPLIT), cache_dir=cache) for s in ("gpipe", "1f1b")}
+    return cache, results
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_matches_torch_pipelining_with_zero_traces(built, schedule):
+    cache, results = built
+    assert results[schedule].traced
+    out = run_ranks(_parity_worker, 2, str(cache), schedule, timeout=600)
+    for rank, r in enumerate(out):
+        assert r["hit"] and r["traces"] == 0, r
+        assert r["param_diff"] < 1e-4, (rank, r)
+        assert r["moved"] > 1e-3, "the parameters must have trained for the comparison to mean anything"
+    assert out[1]["loss_diff"] < 1e-4
+    assert out[0]["returned"] == [None] * 3 and all(v is not None for v in out[1]["returned"])
+
+
+def test_schedule_is_in_the_key_and_the_entry(built):
+    cache, results = built
+    assert results["gpipe"].key != results["1f1b"].key
+    again = build_pipeline(make_job(), Pipeline(2, MICRO, "gpipe", SPLIT), cache_dir=cache)
+    assert not again.traced and again.digest == results["gpipe"].digest
+    stats = results["1f1b"].stats
+    assert stats["schedule"] == "1f1b" and stats["bubble_fraction"] == pytest.approx(1 / (MICRO + 1))
+    # 1F1B holds fewer micro-batches' activations on the first stage than GPipe
+    assert stats["peak_bytes"][0] < results["gpipe"].stats["peak_bytes"][0]
+
+
+def test_schedules_are_torchs_action_orders():
+    gpipe = schedule_actions(Pipeline(2, 4, "gpipe"))
+    assert gpipe[0] == [("F", m) for m in range(4)] + [("B", m) for m in range(4)]
+    one = schedule_actions(Pipeline(2, 4, "1f1b"))
+    assert one[0] == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
+    assert one[1] == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
+    assert bubble_fraction(Pipeline(4, 8, "1f1b")) == pytest.approx(3 / 11)
+    assert timeline(Pipeline(2, 2, "gpipe")) == ["stage 0: F0 F1 .. .. B0 B1", "stage 1: .. F0 F1 B0 B1 .."]
+
+
+def test_even_split_balances_parameters():
+    assert even_split_points(LM(), 2) == ("blocks.2",)
+    with pytest.raises(SpmdAotError, match="split_points"):
+        even_split_points(nn.Linear(2, 2), 2)
+
+
+def test_bad_splits_are_refused_naming_the_module(tmp_path):
+    with pytest.raises(UnsupportedError, match="names no module"):
+        build_pipeline(make_job(), Pipeline(2, 2, "gpipe", ("blocks.9",)), cache_dir=tmp_path)
+    with pytest.raises(SpmdAotError, match="split point"):
+        Pipeline(3, 2, "gpipe", ("blocks.1",))
+    with pytest.raises(SpmdAotError, match="micro-batches"):
+        build_pipeline(make_job(), Pipeline(2, 3, "gpipe", SPLIT), cache_dir=tmp_path)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(DIM) for _ in range(2))
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return h @ self.emb.weight.t()
+
+
+def test_tied_weights_across_stages_are_refused(tmp_path):
+    job = spmd_aot.Job(step=loss_fn, model=Tied, optimizer=None, batch=make_batch)
+    with pytest.raises(UnsupportedError, match="emb.weight is read by stages"):
+        build_pipeline(job, Pipeline(2, 2, "gpipe", ("blocks.1",)), cache_dir=tmp_path)
