@@ -197,6 +197,12 @@ class ParallelOptions:
         the whole world without a mesh_shape (placement 'replicate').""",
         Flag("--tp-plan", _TP, "repeat", "PATTERN=STYLE", parse=_tp_entry, collect=_tp_plan, text=lambda e:
              e if isinstance(e, str) else _pair_text(e), takes_mesh_dim=True))
+    context_parallel: bool = option(False, """Context parallel: split the batch's sequence over a 'cp' mesh
+        dimension. The sequence is dim 1 of every batch tensor; the 'cp' dimension comes after the data-parallel
+        ones and before TP; the split is load-balanced for causal attention, with scaled_dot_product_attention
+        computed over the whole sequence (docs/context_parallel.md); its size is that dimension's, e.g. mesh_shape
+        DPxCPxTP.""",
+        Flag("--context-parallel", "context parallel", "switch", takes_mesh_dim=True))
     param_dtype: Any = option(None, """Mixed precision: the dtype parameters compute in (bf16, fp16, fp32).
         The parameters the optimizer updates keep their own dtype, as FSDP2's param_dtype.""",
         Flag("--param-dtype", _MP, metavar="DTYPE", choices=tuple(DTYPES), text=_dtype_text))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
+from . import context_parallel
 from . import data_parallel
 from . import tensor_parallel
 
@@ -18,6 +19,7 @@ __all__ = ["AXES", "active_axes", "Tracing", "traced_buffers", "graph_passes", "
 
 AXES = (
     tensor_parallel.AXIS,
+    context_parallel.AXIS,
     data_parallel.AXIS,
 )
 
@@ -42,6 +44,14 @@ class Tracing:
 
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)
+
+    def batch(self, leaves: list) -> list:
+        """The batch's flattened leaves as the step sees them: each context with a ``batch``
+        method (context parallel: cut to this rank's tokens) applied in turn."""
+        for context in self.contexts:
+            if hasattr(context, "batch"):
+                leaves = context.batch(leaves)
+        return leaves
 
     def budget(self) -> dict[str, int]:
         total: dict[str, int] = {}

@@ -23,7 +23,9 @@ class Axis:
 
     def tracing(self, plan, model, mesh):
         """A context manager the step is traced in (with a ``budget()`` of the collectives its
-        calls added), or None."""
+        calls added), or None. It may also have ``batch(leaves) -> leaves``: the batch's
+        flattened leaves as the step sees them (context parallel cuts them to the rank's tokens),
+        called before the step runs."""
         return None
 
     def traced_buffers(self, plan, buffers: list, mesh) -> list:

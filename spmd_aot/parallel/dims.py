@@ -1,9 +1,10 @@
 """Named mesh dimensions: which roles a configuration's mesh has, in mesh order.
 
 Roles are the names FSDP2's mesh info and torchtitan's ``parallel_dims`` use: ``dp_replicate``
-(replicas: DDP, or HSDP's outer dimension), ``dp_shard`` (FSDP shards) and ``tp`` (tensor
-parallel). A configuration's mesh lists its data-parallel roles first and the other axes' roles
-after (``(dp_replicate, dp_shard, tp)``), so the stored text form (``mesh_shape`` plus the
+(replicas: DDP, or HSDP's outer dimension), ``dp_shard`` (FSDP shards), ``cp`` (context parallel:
+the sequence split) and ``tp`` (tensor parallel). A configuration's mesh lists its data-parallel
+roles first and the other axes' roles after, in torchtitan's order
+(``(dp_replicate, dp_shard, cp, tp)``), so the stored text form (``mesh_shape`` plus the
 placement and plan) names each dimension without storing the names. Only names here: the plan
 value imports this module, the axes' mechanics (``axes.py``) import it too.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 __all__ = ["ROLES", "DATA_PARALLEL_ROLES", "PLACEMENT_NAMES", "mesh_roles"]
 
 #: Every role, in mesh order.
-ROLES = ("dp_replicate", "dp_shard", "tp")
+ROLES = ("dp_replicate", "dp_shard", "cp", "tp")
 DATA_PARALLEL_ROLES = ("dp_replicate", "dp_shard")
 
 #: The data-parallel placements (``data_parallel.PLACEMENTS`` holds their mechanics) and the
@@ -33,7 +34,8 @@ def mesh_roles(placement: str, mesh_shape: tuple[int, ...], other_roles: tuple[s
     if dp is None or (left == 0 and not other_roles):
         forms = " or ".join(f"({', '.join(roles + other_roles)}{',' if len(roles + other_roles) == 1 else ''})"
                             for roles in _DP_ROLES[placement].values() if roles + other_roles)
+        others = " and ".join({"cp": "context_parallel", "tp": "a tp_plan"}.get(r, r) for r in other_roles)
         hint = "" if placement == "shard" else "; 2-D meshes (dp_replicate, dp_shard) are for placement 'shard' (HSDP)"
         return (f"mesh shape {tuple(mesh_shape)} does not fit placement {placement!r}"
-                f"{' with a tp_plan' if other_roles else ''}: it takes mesh_shape={forms}{hint}")
+                f"{' with ' + others if other_roles else ''}: it takes mesh_shape={forms}{hint}")
     return dp + other_roles

@@ -124,8 +124,8 @@ class GroupGather:
         self.layouts = layouts
         self.world = layouts[0].shards
         self.shard_group = mesh.get_group(layouts[0].shard_mesh_dim).group_name
-        replicas = layouts[0].dp_mesh_dims[:-1]  # HSDP: the replica dimension
-        self.replica_group = mesh.get_group(replicas[0]).group_name if replicas else None
+        # HSDP's replica dimension and context parallel's: the gradient averaged over each
+        self.replica_groups = [mesh.get_group(d).group_name for d in layouts[0].replica_mesh_dims]
         self.numels = [_numel(layout.local_shape) for layout in layouts]
         self._shards: list[torch.Tensor] | None = None
         self._forward: dict[int, torch.Tensor] | None = None  # id(leaf) -> compute tensor
@@ -212,8 +212,8 @@ class GroupGather:
         reduced = c10d.reduce_scatter_tensor(buffer.reshape(-1), "avg", self.world, self.shard_group)
         label_collective(reduced, self.comm("backward"))
         reduced = c10d.wait_tensor(reduced)
-        if self.replica_group is not None:
-            reduced = c10d.all_reduce(reduced, "avg", self.replica_group)
+        for replica_group in self.replica_groups:
+            reduced = c10d.all_reduce(reduced, "avg", replica_group)
             label_collective(reduced, self.comm("backward"))
             reduced = c10d.wait_tensor(reduced)
         offset = 0

@@ -3,8 +3,10 @@
 Its own module, below everything that reads layouts (placements, the plan, the expansion, the
 state and the job-start sharding), so that each of them can import it without a cycle.
 
-The mesh's dimensions are the data-parallel ones, then, with a tensor-parallel plan, one TP
-dimension last. A tensor is first split over TP (``tp_dim``: the tensor dimension split evenly
+The mesh's dimensions are the data-parallel ones, then, with context parallel, one ``cp``
+dimension, then, with a tensor-parallel plan, one TP dimension last. A tensor is whole over
+``cp`` (its ranks hold the same parameters and see different tokens), and its gradient is
+averaged over ``cp`` as over a data-parallel dimension. A tensor is first split over TP (``tp_dim``: the tensor dimension split evenly
 over the TP ranks, or None when every TP rank holds it whole); that TP-local tensor is what a
 module computes with (``gathered_shape``). Under ``shard`` its dim 0 is then split over the
 data-parallel shard dimension, padded up to a multiple of the shard count as FSDP2 pads, so
@@ -30,6 +32,7 @@ class TensorLayout:
     shards: int = 1  # ranks of the mesh dimension dim 0 is sharded over (1: not sharded)
     tp: int = 0  # ranks of the TP mesh dimension (the last one); 0: the mesh has none
     tp_dim: int | None = None  # tensor dimension split over TP; None: whole on every TP rank
+    cp: int = 0  # ranks of the context-parallel mesh dimension (just before TP); 0: the mesh has none
 
     @property
     def sharded(self) -> bool:
@@ -42,15 +45,28 @@ class TensorLayout:
         return self.mesh_ndim - 1 if self.tp else None
 
     @property
+    def cp_mesh_dim(self) -> int | None:
+        """The context-parallel mesh dimension (just before TP), or None."""
+        return self.mesh_ndim - (2 if self.tp else 1) if self.cp else None
+
+    @property
     def dp_mesh_dims(self) -> list[int]:
-        """The data-parallel mesh dimensions: every one but the TP dimension."""
+        """The mesh dimensions gradients are averaged over: every one but the TP dimension (the
+        data-parallel ones and ``cp``)."""
         return list(range(self.mesh_ndim - (1 if self.tp else 0)))
 
     @property
-    def shard_mesh_dim(self) -> int:
+    def shard_mesh_dim(self) -> int | None:
         """The mesh dimension a sharded tensor's dim 0 is split over (the last data-parallel
-        one; the ones before it, under HSDP, replicate)."""
-        return self.dp_mesh_dims[-1]
+        one; the ones before it, under HSDP, replicate); None when the mesh has none."""
+        dims = [d for d in self.dp_mesh_dims if d != self.cp_mesh_dim]
+        return dims[-1] if dims else None
+
+    @property
+    def replica_mesh_dims(self) -> list[int]:
+        """The dimensions a sharded tensor is whole over whose ranks average its gradient after
+        the shard dimension's reduce_scatter: HSDP's replicas and ``cp``."""
+        return [d for d in self.dp_mesh_dims if d != self.shard_mesh_dim]
 
     @property
     def gathered_shape(self) -> tuple[int, ...]:

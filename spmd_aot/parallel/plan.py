@@ -30,7 +30,11 @@ class Plan:
     dimension is ``tp``. The mesh's dimensions are named (``mesh_roles``, ``parallel/dims.py``):
     ``replicate`` takes ``(dp_replicate,)``, with TP ``(tp,)`` (TP alone) or ``(dp_replicate, tp)``
     (DDP x TP); ``shard`` takes ``(dp_shard,)`` or ``(dp_replicate, dp_shard)`` (HSDP), with TP
-    ``(dp_shard, tp)`` (FSDP x TP) or ``(dp_replicate, dp_shard, tp)`` (HSDP x TP)."""
+    ``(dp_shard, tp)`` (FSDP x TP) or ``(dp_replicate, dp_shard, tp)`` (HSDP x TP).
+
+    ``context_parallel`` splits the batch's sequence (dim 1 of every batch tensor) over a ``cp``
+    mesh dimension after the data-parallel ones and before TP (``context_parallel.py``), e.g.
+    ``(cp,)``, ``(dp_shard, cp)`` or ``(dp_shard, cp, tp)``; its size is that dimension's."""
 
     world_size: int
     placement: str = "replicate"
@@ -52,6 +56,8 @@ class Plan:
     tp_plan: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
     # dtypes of compute, gradient reduction and outputs (``mixed_precision.py``); None: the model's own
     mixed_precision: MixedPrecisionPolicy | None = None
+    # the batch's sequence split over a ``cp`` mesh dimension (``context_parallel.py``)
+    context_parallel: bool = False
     # derived: the role of each mesh dimension (``parallel/dims.py``), e.g. ("dp_shard", "tp")
     mesh_roles: tuple[str, ...] = dataclasses.field(init=False, repr=False, compare=False, default=())
     # derived by ``for_model``: patterns of the model's own tp_plan ("hf") that name modules it
@@ -89,7 +95,10 @@ class Plan:
                     raise SpmdAotError(f"tp_plan entries are (module FQN pattern, style) pairs, got {entry!r}")
             tp_plan = tuple((pattern, style_name(pattern, style)) for pattern, style in tp_plan)
         object.__setattr__(self, "tp_plan", tp_plan)
-        roles = mesh_roles(self.placement, mesh, ("tp",) if tp_plan and self.world_size > 1 else ())
+        if not isinstance(self.context_parallel, bool):
+            raise SpmdAotError(f"context_parallel must be True or False, got {self.context_parallel!r}")
+        others = (("cp",) if self.context_parallel else ()) + (("tp",) if tp_plan else ())
+        roles = mesh_roles(self.placement, mesh, others if self.world_size > 1 else ())
         if isinstance(roles, str):
             raise SpmdAotError(roles)
         object.__setattr__(self, "mesh_roles", roles)
@@ -149,6 +158,11 @@ class Plan:
         return self.size("tp") if self.mesh_dim("tp") is not None else 0
 
     @property
+    def cp(self) -> int:
+        """Ranks of the context-parallel mesh dimension; 0 when the plan has none (or one rank)."""
+        return self.size("cp") if self.mesh_dim("cp") is not None else 0
+
+    @property
     def dp_size(self) -> int:
         """Ranks that see different batches: the data-parallel mesh dimensions (TP ranks share one)."""
         return math.prod(self.size(role) for role in DATA_PARALLEL_ROLES)
@@ -156,8 +170,9 @@ class Plan:
     @property
     def dtensor_leaves(self) -> bool:
         """Graph leaves (what the optimizer and ``model.parameters()`` see in the step) are
-        DTensors: on every mesh but DDP's alone (a shard or split dimension, more than one rank)."""
-        return self.world_size > 1 and self.mesh_roles != ("dp_replicate",)
+        DTensors: on every mesh but DDP's alone, or with context parallel (a shard or split
+        dimension, more than one rank); ``cp`` ranks hold whole parameters, as DDP's."""
+        return self.world_size > 1 and not set(self.mesh_roles) <= {"dp_replicate", "cp"}
 
     def batch_placements(self) -> list[str]:
         """A batch leaf per mesh dimension: split on dim 0 over the data-parallel dimensions
@@ -190,7 +205,8 @@ class Plan:
         if placement == "shard":
             shards = self.size("dp_shard")
             local = (math.ceil(local[0] / shards),) + local[1:]
-        return TensorLayout(placement, shape, local, len(self.mesh_shape), shards, tp=self.tp, tp_dim=tp_dim)
+        return TensorLayout(placement, shape, local, len(self.mesh_shape), shards, tp=self.tp, tp_dim=tp_dim,
+                            cp=self.cp)
 
     def to_dict(self) -> dict:
         """The plan's one text form: stored in manifests, hashed into the key, shown by the CLI."""
@@ -202,16 +218,17 @@ class Plan:
                 "reshard_after_forward": self.reshard_after_forward,
                 # only when set: plans without TP keep the text (and keys) they always had
                 **({"tp_plan": [list(p) for p in self.tp_plan]} if self.tp_plan else {}),
-                **({"mixed_precision": self.mixed_precision.to_dict()} if self.mixed_precision else {})}
+                **({"mixed_precision": self.mixed_precision.to_dict()} if self.mixed_precision else {}),
+                **({"context_parallel": True} if self.context_parallel else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Plan":
         """Inverse of ``to_dict``; raises ``SpmdAotError`` on anything it would not have written."""
-        optional = {"tp_plan", "mixed_precision"}
+        optional = {"tp_plan", "mixed_precision", "context_parallel"}
         if not isinstance(d, Mapping) or set(d) - optional != set(_FIELDS) - optional or \
-                d.get("tp_plan", True) == []:
-            raise SpmdAotError(f"a plan has exactly the fields {', '.join(_FIELDS)} (tp_plan and "
-                               "mixed_precision only when set)")
+                d.get("tp_plan", True) == [] or d.get("context_parallel", True) is not True:
+            raise SpmdAotError(f"a plan has exactly the fields {', '.join(_FIELDS)} (tp_plan, "
+                               "mixed_precision and context_parallel only when set)")
         pairs = ("param_placements", "tp_plan")
         if not all(isinstance(d.get(f, []), list) for f in ("mesh_shape", "shard_groups", *pairs)) or \
                 not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
@@ -221,11 +238,13 @@ class Plan:
                    tuple(tuple(p) for p in d["param_placements"]), d["bucket_cap_mb"],
                    d["first_bucket_cap_mb"], tuple(d["shard_groups"]), d["reshard_after_forward"],
                    tuple(tuple(p) for p in d.get("tp_plan", [])),
-                   MixedPrecisionPolicy.from_dict(d["mixed_precision"]) if "mixed_precision" in d else None)
+                   MixedPrecisionPolicy.from_dict(d["mixed_precision"]) if "mixed_precision" in d else None,
+                   context_parallel="context_parallel" in d)
 
     def describe(self) -> str:
         mesh = "x".join(map(str, self.mesh_shape))
         extra = f" +{len(self.param_placements)} overrides" if self.param_placements else ""
+        extra += f" cp={self.cp}" if self.cp else ""
         extra += f" tp={self.tp}" if self.tp else ""
         extra += f" {self.mixed_precision.describe()}" if self.mixed_precision else ""
         return f"world={self.world_size} mesh={mesh} {self.placement}{extra} {self.device_type}"

@@ -173,7 +173,7 @@ class _StepTracer:
         by_real = {id(real): leaf for (_, real), leaf in zip(state.params, leaves)}
         traced_state = self._optimizer_state(by_real, take("optim_state"))
         hypers = {} if forward_only else traced_hyperparameters(state.optim, state.hyper_inputs(), take("hyper"))
-        batch = pytree.tree_unflatten(take("batch"), state.batch_spec)
+        batch = pytree.tree_unflatten(self.axis_contexts.batch(take("batch")), state.batch_spec)
         gathers = self._gathers(leaves)
         computes = _ComputeOnAccess(leaves, [s.layout for s in self.param_slots], self.expander, gathers)
         optimizer = contextlib.nullcontext() if forward_only else \
