@@ -70,6 +70,14 @@ class PipelineStep:
         self._traces = 0
 
     @property
+    def stage_parameters(self) -> list[str]:
+        """The FQNs of the parameters this rank's stage owns (after the first call): build the
+        optimizer over them, or free the others, as torch's pipelining keeps only its stage module."""
+        if self._bound is None:
+            raise RuntimeError("a pipeline step knows its stage after its first call")
+        return [p["name"].split(":", 1)[1] for p in self._bound.inputs if p["name"].startswith("param:")]
+
+    @property
     def store(self):
         if self._store is None:
             self._store = open_store(self._cache_dir, trust_cache=self._trust_cache)
