@@ -35,8 +35,11 @@ def _ls_columns(store, entry) -> list:
 
     if entry.error:
         return [f"CORRUPT: {entry.error}"]
+    from ..format.pipeline_artifact import pipeline_manifest_or_none
+
     try:
-        manifest = read_manifest(store, entry.digest)
+        pipeline = pipeline_manifest_or_none(store, entry.digest)
+        manifest = pipeline or read_manifest(store, entry.digest)
         size = 0
         for name, digest in manifest_blobs(manifest, entry.digest):
             blob_size = store.size(digest)
@@ -45,6 +48,10 @@ def _ls_columns(store, entry) -> list:
             size += blob_size
     except SpmdAotError as exc:
         return [f"CORRUPT: {exc}"]
+    if pipeline is not None:
+        from .pipeline_show import ls_columns
+
+        return ls_columns(pipeline, size)
     plan, stats = manifest["plan"], manifest["stats"]
     return [plan["world_size"], plan["placement"], plan["device_type"], stats.get("nodes", "?"),
             stats.get("collectives", "?"), size]
@@ -54,8 +61,16 @@ def cmd_show(args) -> int:
     """Print one artifact's manifest summary, and with ``--code`` its readable graph code."""
     from ..format.artifact import read_artifact, read_manifest
 
+    from ..format.pipeline_artifact import pipeline_manifest_or_none
+
     store = existing_store(args.cache_dir)
     key, digest = resolve_ref(store, args.ref)
+    pipeline = pipeline_manifest_or_none(store, digest)
+    if pipeline is not None:  # a pipeline-parallel entry: stages and schedule (pipeline_show.py)
+        from .pipeline_show import print_pipeline
+
+        print_pipeline(store, key, digest, pipeline)
+        return EXIT_OK
     manifest = read_manifest(store, digest)
     _print_manifest(store, key, digest, manifest)
     _print_kernels(store, manifest)
@@ -208,9 +223,18 @@ def _entry_problem(store, key: str, digest: str, bad: set, check_entry) -> str |
     found damaged is reported, not read: reading it would move it to quarantine/)."""
     from ..format.artifact import manifest_blobs, read_manifest
 
+    from ..format.pipeline_artifact import check_pipeline_entry, pipeline_manifest_or_none
+
     if digest in bad:
         return "its manifest blob is damaged"
     try:
+        pipeline = pipeline_manifest_or_none(store, digest)
+        if pipeline is not None:  # a pipeline-parallel entry: every stage checked as its rank loads it
+            damaged = [f"{name} blob {d}" for name, d in sorted(pipeline["blobs"].items()) if d in bad]
+            if damaged:
+                return f"{', '.join(damaged)} damaged"
+            check_pipeline_entry(store, digest)
+            return None
         damaged = [f"{name} blob {d}" for name, d in manifest_blobs(read_manifest(store, digest), digest)[1:] if d in bad]
         if damaged:
             return f"{', '.join(damaged)} damaged"
@@ -222,7 +246,10 @@ def _entry_problem(store, key: str, digest: str, bad: set, check_entry) -> str |
 
 def _previous(store, digest: str) -> str | None:
     from ..format.artifact import read_manifest
+    from ..format.pipeline_artifact import pipeline_manifest_or_none
 
+    if pipeline_manifest_or_none(store, digest) is not None:
+        return None  # a pipeline entry replaces none
     previous = read_manifest(store, digest)["previous"]
     return previous if previous is not None and store.has(previous) else None
 

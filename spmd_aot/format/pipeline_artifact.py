@@ -28,7 +28,7 @@ from .limits import load_limits
 from .serialize import decode_graph, encode_graph
 
 __all__ = ["KIND", "encode_pipeline", "read_pipeline_manifest", "read_stage", "LoadedStage", "is_pipeline_manifest",
-           "check_pipeline_blobs"]
+           "check_pipeline_blobs", "check_pipeline_entry", "pipeline_manifest_or_none", "backward_inputs"]
 
 KIND = "pipeline"
 FORMAT = 1
@@ -211,3 +211,27 @@ def check_pipeline_blobs(blobs: dict[str, bytes]) -> None:
     manifest = read_pipeline_manifest(store, digest)
     for s in range(len(manifest["stages"])):
         read_stage(store, manifest, s, torch.device("cpu"), manifest["plan"].get("device_type", "cpu"))
+
+
+def pipeline_manifest_or_none(store, digest: str) -> dict | None:
+    """The validated pipeline manifest ``digest``, or None when ``digest`` is another kind of entry
+    (which its own reader checks); for the commands that read every kind (``show``, ``ls``, ``verify``)."""
+    limits = load_limits()
+    data = store.get(digest, limit=limits.part_bytes)
+    if data is None:
+        return None
+    try:
+        _, body = signing.split(data, f"manifest {digest[:12]}")
+        m = bounded.unpack(body, f"manifest {digest[:12]}", objects=limits.objects, max_array=limits.items,
+                           max_map=limits.items)
+    except CorruptArtifactError:
+        return None
+    return read_pipeline_manifest(store, digest) if is_pipeline_manifest(m) else None
+
+
+def check_pipeline_entry(store, digest: str) -> dict:
+    """Every check a load runs, on every stage of the stored entry ``digest``; its manifest."""
+    manifest = read_pipeline_manifest(store, digest)
+    for s in range(len(manifest["stages"])):
+        read_stage(store, manifest, s, torch.device("cpu"), manifest["plan"].get("device_type", "cpu"))
+    return manifest

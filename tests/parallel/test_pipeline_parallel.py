@@ -276,3 +276,21 @@ def test_transformers_llama_pp2_matches_eager_micro_batches(tmp_path):
     names = out[0]["own"] + out[1]["own"]
     assert len(names) == len(set(names)) == len(list(llama().parameters()))  # every parameter on one stage
     assert "model.embed_tokens.weight" in out[0]["own"] and "lm_head.weight" in out[1]["own"]
+
+
+def test_show_ls_and_verify_read_pipeline_entries(built, capsys):
+    from spmd_aot.cli.app import main
+
+    cache, results = built
+    r = results["1f1b"]
+    assert main(["show", r.key[:16], "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "pp=2 1f1b x4 micro-batches, split before blocks.2" in out
+    assert "stage 0: F0 F1 F2 F3 .. .. B0 F4" not in out  # 4 micro-batches only
+    assert "stage 0: F0 F1 .. B0 F2 B1 F3 B2 .. B3" in out and "stage 1: .. F0 B0 F1 B1 F2 B2 F3 B3 .." in out
+    assert "bubble:       0.2" in out and "at most 2 in flight" in out and "at most 1 in flight" in out
+    assert "receives add_" in out and "sends loss float32[]" in out
+    assert main(["ls", "--cache-dir", str(cache)]) == 0
+    assert "pp2 1f1b" in capsys.readouterr().out
+    assert main(["verify", "--cache-dir", str(cache)]) == 0
+    assert "0 problems" in capsys.readouterr().out
