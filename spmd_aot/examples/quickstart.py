@@ -20,6 +20,8 @@ import spmd_aot
 from spmd_aot.examples.models import Transformer, train_step
 
 VOCAB, SEQ, BATCH = 256, 32, 8
+#: How the step is spread: the build and the job pass the same options (docs/options.md).
+PARALLEL = spmd_aot.ParallelOptions("replicate")
 
 
 def make_model() -> Transformer:
@@ -45,7 +47,7 @@ def job() -> spmd_aot.Job:
 
 def build_all(cache_dir: str, world_sizes=(1, 2, 4)) -> None:
     for world in world_sizes:
-        r = spmd_aot.build(job(), world_size=world, cache_dir=cache_dir)
+        r = spmd_aot.build(job(), parallel=PARALLEL, run=spmd_aot.RunOptions(cache_dir=cache_dir), world_size=world)
         print(f"build  {r.plan.describe():32s} key {r.key[:12]}  {'built' if r.traced else 'cached':6s} "
               f"{r.stats['nodes']} nodes, {r.stats['collectives']} collectives, {r.seconds:.2f}s", flush=True)
 
@@ -57,7 +59,8 @@ def train(cache_dir: str, steps: int) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model, step = make_model(), spmd_aot.compile(train_step, cache_dir=cache_dir)
+    step = spmd_aot.compile(train_step, parallel=PARALLEL, run=spmd_aot.RunOptions(cache_dir=cache_dir))
+    model = make_model()
     optim = make_optimizer(model)
     for s in range(steps):
         loss = step(model, optim, make_batch(rank, s))
