@@ -131,28 +131,41 @@ def trace_pipeline_blobs(model, loss_fn, batch, pipeline: Pipeline, plan: dict, 
 
 
 def _stage_stats(st, actions) -> dict:
-    """Nodes, and the stage's peak live bytes over the schedule: its parameters and buffers, the
-    gradients accumulated for them, the saved tensors of every micro-batch in flight (forward
-    done, backward not), and the larger of the two graphs' own working memory on top."""
+    """Nodes, and the stage's peak live bytes over the schedule, action by action: its parameters
+    and buffers throughout, the gradients accumulated for them once the first backward ran, the
+    saved tensors of every other micro-batch in flight (forward done, backward not), and the
+    running graph's own peak (its intermediates, outputs and this micro-batch's saved tensors;
+    a backward's parameter gradients counted once, as eager autograd adds them into ``.grad``)."""
     fw_in = _placeholder_values(st.forward)
-    state_ids = {_key(v) for p, v in zip(st.inputs, fw_in) if p.name.startswith(("param:", "buffer:"))}
-    state_bytes = sum(_nbytes(v) for p, v in zip(st.inputs, fw_in) if p.name.startswith(("param:", "buffer:")))
+    state = [v for p, v in zip(st.inputs, fw_in) if p.name.startswith(("param:", "buffer:"))]
+    state_ids = {_key(v) for v in state}
+    state_bytes = sum(_nbytes(v) for v in state)
     grad_bytes = sum(_nbytes(v) for p, v in zip(st.inputs, fw_in) if p.name.startswith("param:") and p.grad)
     saved_vals = _output_values(st.forward)[len(st.outputs):]
-    seen, saved_bytes = set(state_ids), 0
+    seen, saved_bytes, aliased = set(state_ids), 0, 0
     for v in saved_vals:  # what a micro-batch keeps: storages not the stage's parameters'
         k = _key(v)
-        if k not in seen:
+        if k in state_ids and k in seen:
+            aliased += _nbytes(v)
+            seen.discard(k)  # counted once: the backward graph's input of that storage
+        if k not in seen and k not in state_ids:
             seen.add(k)
             saved_bytes += _nbytes(v)
-    held = in_flight_peak(actions)
-    fw_work = graph_peak_bytes(st.forward) - state_bytes  # inputs, outputs and saved counted in it
-    bw_work = graph_peak_bytes(st.backward)
-    # the backward of the last micro-batch in flight runs with held - 1 others kept
-    peak = state_bytes + grad_bytes + max((held - 1) * saved_bytes + max(fw_work, bw_work), held * saved_bytes)
+    fw_work = graph_peak_bytes(st.forward) - state_bytes  # this micro-batch's inputs, outputs, saved
+    bw_work = graph_peak_bytes(st.backward) - aliased  # saved inputs, intermediates, gradients
+    peak = held = 0
+    accumulated = False
+    for action, _ in actions:
+        if action == "F":
+            peak = max(peak, state_bytes + (grad_bytes if accumulated else 0) + held * saved_bytes + fw_work)
+            held += 1
+        else:
+            held -= 1
+            peak = max(peak, state_bytes + held * saved_bytes + bw_work)
+            accumulated = True
     return {"forward_nodes": len(st.forward.graph.nodes), "backward_nodes": len(st.backward.graph.nodes),
-            "state_bytes": state_bytes, "saved_bytes_per_microbatch": saved_bytes, "in_flight": held,
-            "peak_bytes": peak}
+            "state_bytes": state_bytes, "saved_bytes_per_microbatch": saved_bytes,
+            "in_flight": in_flight_peak(actions), "peak_bytes": peak}
 
 
 def _placeholder_values(gm) -> list:

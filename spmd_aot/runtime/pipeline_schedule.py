@@ -219,7 +219,8 @@ class _BoundStage:
                     if self.last:
                         step_losses.append(outs[0])
                     else:
-                        sends += [dist.isend(t.contiguous(), self.rank + 1, tag=2 * m) for t in outs[:len(self.outputs)]]
+                        sends += [dist.isend(t, self.rank + 1, tag=2 * m) for t in outs[:len(self.outputs)]]
+                    del outs  # the saved tensors live in ``saved`` only: freed by their backward
                 else:
                     grads = self.backward(*saved.pop(m), *self._output_grads(m))
                     for i, param in self.grad_params:
@@ -231,6 +232,7 @@ class _BoundStage:
                     if not self.first:
                         sends += [dist.isend(grads[i].contiguous(), self.rank - 1, tag=2 * m + 1)
                                   for i, p in enumerate(self.inputs) if p["name"].startswith("act:") and p["grad"]]
+                    del grads
             for work in sends:
                 work.wait()
             for i, param in self.grad_params:
