@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..format.allowlist import opt_in_names, opted_in
-from ..format.artifact import read_manifest
+from ..entries import read_manifest
 from ..errors import SpmdAotError
 from ..tracing.fake_factories import fake_factories
 from ..job import Job

@@ -87,7 +87,7 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from ..format.bounded import unpack as unpack_bounded
-    from ..tracing.fused_meta import registered
+    from ..format.fused_meta import registered
     from ..format.limits import load_limits
     from ..format.serialize import decode_graph, to_fx_graph
 

@@ -4,21 +4,23 @@ Why: the tracer, the passes and the user's graph transformations can produce a g
 refuses (an op argument that breaks its contract, a view outside its storage, a tensor over the
 load limits). Stored, such an entry is worse than none: the build exits 0, every rank of every job
 that hits it fails, and ``spmd-aot verify`` reports it only when someone runs it. So the entry
-goes through ``format.artifact.check_entry`` (the function ``spmd-aot verify`` runs, and the
+goes through ``entries.check_entry`` (the function ``spmd-aot verify`` runs, and the
 checks a load runs: re-hash and decode every blob, the op allowlist, the load limits, every node
 against its op's contract on meta tensors shaped by the layout) while it is still in memory; a
 refusal is a build error and nothing is written under the key.
 
 It costs one meta run of the graph per build (a few percent of a build: the README's figures).
 With a signing key set, a second one: the checked program is stored as the entry's ``program``
-part (``format/program_blob.py``), so that jobs that verify the signature skip the load check.
+part (``entries/program_blob.py``), so that jobs that verify the signature skip the load check.
 """
 
 from __future__ import annotations
 
 from ..errors import CorruptArtifactError, UnsupportedError
-from ..format import program_blob, signing
-from ..format.artifact import amended, artifact_in_memory, check_entry
+from ..entries import program_blob
+from ..format import signing
+from ..entries import artifact_in_memory, check_entry
+from ..format.artifact import amended
 from ..keying.key import CacheKey
 
 __all__ = ["check_before_storing"]

@@ -18,7 +18,8 @@ import torch
 
 from ..keying import guards
 from ..format.allowlist import extra_ops
-from ..format.artifact import amended, check_entry, encode_artifact, layout_entries, store_artifact
+from ..entries import check_entry, store_artifact
+from ..format.artifact import amended, encode_artifact, layout_entries
 from ..errors import CorruptArtifactError, UnsupportedError
 from ..keying.key import CacheKey
 from .kernels import kernel_parts
@@ -26,7 +27,7 @@ from .load_check import check_before_storing
 from ..keying.lookup import find_entry
 from .peak_memory import graph_peak_bytes
 from ..tracing.causal_masks import masks_used_as_given
-from ..tracing.numpy_absent import numpy_lookups_skipped
+from ..format.numpy_absent import numpy_lookups_skipped
 from ..tracing.override import Transforms, swapped_submodules
 from ..passes import (collective_stats, dedupe_collectives, fold_views, prefetch_groups,
                      remove_detach, rewrite_inplace_views, sink_waits, strip_profiler_ops)

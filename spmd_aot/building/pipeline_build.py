@@ -3,7 +3,7 @@
 The job's model and batch are made on fake tensors (as ``build`` makes them), the forward and
 loss traced once and cut at the split points into stages, each stage traced into a forward and
 a backward graph (``tracing/stages.py``), the graphs cleaned by the same passes as a whole step,
-checked as a load checks them, and stored as one entry (``format/pipeline_artifact.py``) under a
+checked as a load checks them, and stored as one entry (``entries/pipeline_artifact.py``) under a
 key every rank computes from the live job (``keying/pipeline_key.py``).
 """
 
@@ -18,8 +18,8 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import CorruptArtifactError, SpmdAotError, UnsupportedError
-from ..format.artifact import store_artifact
-from ..format.pipeline_artifact import check_pipeline_blobs, encode_pipeline, read_pipeline_manifest
+from ..entries import store_artifact
+from ..entries.pipeline_artifact import check_pipeline_blobs, encode_pipeline, read_pipeline_manifest
 from ..job import Job
 from ..keying.pipeline_key import pipeline_key
 from ..parallel.pipeline_parallel import Pipeline, bubble_fraction, even_split_points, in_flight_peak, schedule_actions

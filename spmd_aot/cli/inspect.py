@@ -31,11 +31,11 @@ def cmd_ls(args) -> int:
 
 
 def _ls_columns(store, entry) -> list:
-    from ..format.artifact import manifest_blobs, read_manifest
+    from ..entries import manifest_blobs, read_manifest
 
     if entry.error:
         return [f"CORRUPT: {entry.error}"]
-    from ..format.pipeline_artifact import pipeline_manifest_or_none
+    from ..entries.pipeline_artifact import pipeline_manifest_or_none
 
     try:
         pipeline = pipeline_manifest_or_none(store, entry.digest)
@@ -59,9 +59,9 @@ def _ls_columns(store, entry) -> list:
 
 def cmd_show(args) -> int:
     """Print one artifact's manifest summary, and with ``--code`` its readable graph code."""
-    from ..format.artifact import read_artifact, read_manifest
+    from ..entries import read_artifact, read_manifest
 
-    from ..format.pipeline_artifact import pipeline_manifest_or_none
+    from ..entries.pipeline_artifact import pipeline_manifest_or_none
 
     store = existing_store(args.cache_dir)
     key, digest = resolve_ref(store, args.ref)
@@ -84,7 +84,7 @@ def cmd_show(args) -> int:
 
 def _print_manifest(store, key: str, digest: str, m: dict) -> None:
     """Every line escaped (``safe``): every field is stored data."""
-    from ..format.artifact import manifest_blobs
+    from ..entries import manifest_blobs
     from ..parallel.plan import Plan
 
     stats = m["stats"]
@@ -124,7 +124,7 @@ def _print_manifest(store, key: str, digest: str, m: dict) -> None:
 
 def _print_kernels(store, manifest: dict) -> None:
     """The compiled kernels blob (``building/kernels.py``), decoded as data: what built it, how much."""
-    from ..format.artifact import blob_limit
+    from ..format.manifest import blob_limit
     from ..format.kernels_blob import describe
 
     status = manifest["stats"].get("kernels")
@@ -180,7 +180,7 @@ def cmd_verify(args) -> int:
 
 
 def _verify(args) -> int:
-    from ..format.artifact import check_entry
+    from ..entries import check_entry
     from ..keying.lookup import MAX_ENTRIES
 
     store = existing_store(args.cache_dir)
@@ -221,9 +221,9 @@ def _verify(args) -> int:
 def _entry_problem(store, key: str, digest: str, bad: set, check_entry) -> str | None:
     """Why the entry ``digest`` of ``key`` would not load, or None; read-only (a blob the re-hash
     found damaged is reported, not read: reading it would move it to quarantine/)."""
-    from ..format.artifact import manifest_blobs, read_manifest
+    from ..entries import manifest_blobs, read_manifest
 
-    from ..format.pipeline_artifact import check_pipeline_entry, pipeline_manifest_or_none
+    from ..entries.pipeline_artifact import check_pipeline_entry, pipeline_manifest_or_none
 
     if digest in bad:
         return "its manifest blob is damaged"
@@ -245,8 +245,8 @@ def _entry_problem(store, key: str, digest: str, bad: set, check_entry) -> str |
 
 
 def _previous(store, digest: str) -> str | None:
-    from ..format.artifact import read_manifest
-    from ..format.pipeline_artifact import pipeline_manifest_or_none
+    from ..entries import read_manifest
+    from ..entries.pipeline_artifact import pipeline_manifest_or_none
 
     if pipeline_manifest_or_none(store, digest) is not None:
         return None  # a pipeline entry replaces none

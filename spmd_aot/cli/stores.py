@@ -113,7 +113,7 @@ def select(store, refs: list[str]) -> list[tuple[str, str]]:
 
 
 def describe(store, entry) -> str:
-    from ..format.artifact import read_manifest
+    from ..entries import read_manifest
     from ..parallel.plan import Plan
 
     if entry.error:

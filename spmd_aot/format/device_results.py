@@ -1,7 +1,7 @@
 """What a device's kernel returns where it differs from the op's meta kernel, for real graphs.
 
 Why: the load's meta check derives every value's metadata from torch's meta kernels, and the
-interpreter's run-time invariants (``runtime/invariants.py``) refuse a real value whose shape or
+interpreter's run-time invariants (``interpreter/invariants.py``) refuse a real value whose shape or
 dtype differs from it. A few meta kernels describe another device's kernel rather than the one
 the artifact runs on, and ordinary models reach them: in bf16 or fp16, CPU layer norm keeps its
 saved mean and rstd in the input's dtype (meta: fp32, as CUDA does), and CPU group norm keeps

@@ -31,7 +31,7 @@ import torch.distributed._functional_collectives  # noqa: F401  (meta kernels of
 from .contracts import Broken, check_call
 from .device_results import corrected
 from ..errors import CorruptArtifactError, LoadLimitError, UnsafeArtifactError
-from ..tracing.fused_meta import FUSED_STEPS, standin
+from .fused_meta import FUSED_STEPS, standin
 from .limits import ENV_LOAD_LIMITS, LoadLimits, load_limits
 from .serialize import DecodedNode, Ref
 
@@ -73,7 +73,7 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
     """Run ``nodes`` on meta tensors shaped as ``inputs`` (the layout) and check every result;
     returns every node's meta value, as the artifact's ``device_type`` kernels return it
     (``device_results.py``; the program's run-time invariants compare real results with them:
-    ``runtime/invariants.py``)."""
+    ``interpreter/invariants.py``)."""
     limits = limits or load_limits()
     limit = tensor_limit(inputs, limits)
     placeholders = sum(1 for n in nodes if n.op == "placeholder")

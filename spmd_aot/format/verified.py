@@ -6,7 +6,7 @@ load), and its result depends only on bytes the manifest digest pins by sha256 (
 constants; every load re-hashes them) and on the checker itself. So a job that checked an
 artifact once records, under ``sha256(manifest digest, checker identity)``, what the check
 derived that a program still needs: the meta result's shape, strides and dtype of every node
-(``runtime/invariants.py`` compares the real results with them at run time). Later loads of the
+(``interpreter/invariants.py`` compares the real results with them at run time). Later loads of the
 same artifact by the same checker skip the meta run and take those from the record
 (``format/records.py``: tagged plain data, its sha256, the bounded decoder). The allowlist (by
 decoding, or, for a program kept in ``runtime/prepared.py``'s record, by resolving its op
@@ -51,8 +51,8 @@ _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLL
 # the files whose code decides what a load check accepts, relative to the package
 # (and the allowlist file this process chose: allowlist.chosen_list)
 _CHECKER_FILES = ("format/validate.py", "format/contracts", "format/allowlist.py",
-                  "format/limits.py", "tracing/fused_meta.py", "format/serialize.py", "format/bounded.py",
-                  "format/verified.py", "format/records.py", "runtime/invariants.py",
+                  "format/limits.py", "format/fused_meta.py", "format/serialize.py", "format/bounded.py",
+                  "format/verified.py", "format/records.py", "interpreter/invariants.py",
                   "format/device_results.py")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from ..format.artifact import read_manifest
+from ..entries import read_manifest
 from ..errors import SpmdAotError
 from .key import CacheKey
 from .lookup import find_entry

@@ -43,6 +43,8 @@ import torch
 
 from .fingerprint import file_digest, is_installed_path
 from ..format.limits import load_limits
+# the guard schema (what a manifest's ``guards`` holds) is the artifact format's
+from ..format.manifest import GUARD_KINDS as KINDS, empty_guards as empty, is_safe_path
 
 __all__ = ["recording_sources", "record", "check", "empty", "is_safe_path"]
 
@@ -51,15 +53,6 @@ _EXAMPLES_DIR = os.path.join(_PACKAGE_DIR, "examples") + os.sep
 _TORCH_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
                     for m in (torch,) + tuple(sys.modules[n] for n in ("torchgen", "functorch") if n in sys.modules))
 _STDLIB_DIRS = tuple(sorted({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib")}))
-
-
-#: The guard schema: a manifest's ``guards`` maps exactly these kinds to lists of [name, value]
-#: string pairs (files: path, content digest; distributions: name, version; tensors: path, digest).
-KINDS = ("files", "distributions", "tensors")
-
-
-def empty() -> dict:
-    return {kind: [] for kind in KINDS}
 
 
 # ---------------------------------------------------------------------------- recording
@@ -248,13 +241,6 @@ def _loaded_files() -> dict[str, list[str]]:
                 index.setdefault(os.path.basename(p), []).append(p)
         _INDEX = (len(modules), index)
     return _INDEX[1]
-
-
-def is_safe_path(rel) -> bool:
-    """A guard path spmd-aot could have written: relative, ``/``-separated, no empty, ``.`` or
-    ``..`` part, no NUL, at most 4096 characters."""
-    return (isinstance(rel, str) and 0 < len(rel) <= 4096 and "\0" not in rel and not rel.startswith("/")
-            and all(part not in ("", ".", "..") for part in rel.split("/")))
 
 
 def _inside(path: str, root: str) -> str | None:

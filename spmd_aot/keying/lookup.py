@@ -14,7 +14,7 @@ import dataclasses
 import logging
 
 from . import guards
-from ..format.artifact import read_manifest
+from ..entries import read_manifest
 from ..errors import CorruptArtifactError
 from .key import CacheKey
 

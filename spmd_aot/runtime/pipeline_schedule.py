@@ -34,13 +34,13 @@ import torch.utils._pytree as pytree
 
 from . import ranks
 from ..errors import CacheMissError, CorruptArtifactError
-from ..format.artifact import store_artifact
-from ..format.pipeline_artifact import backward_inputs, read_pipeline_manifest, read_stage
+from ..entries import store_artifact
+from ..entries.pipeline_artifact import backward_inputs, read_pipeline_manifest, read_stage
 from ..keying.pipeline_key import pipeline_key
 from ..parallel.pipeline_parallel import Pipeline, schedule_actions
 from ..store import open_store
 from ..store.leases import reading
-from .program import Program
+from ..interpreter.program import Program
 from .step import CacheInfo
 
 __all__ = ["compile_pipeline", "PipelineStep"]

@@ -42,8 +42,8 @@ import sys
 import torch
 
 from ..format import records, verified
-from .program import Program, ProgramTable
-from .program_form import builder_code, stored_form, table_from_stored
+from ..interpreter.program import Program, ProgramTable
+from ..interpreter.program_form import builder_code, stored_form, table_from_stored
 
 __all__ = ["program_for", "load", "save", "record_dir", "MAX_RECORDS"]
 
@@ -60,11 +60,11 @@ def record_dir() -> pathlib.Path:
 
 def program_for(artifact, groups: list[str], device: torch.device):
     """The ``Program`` of a loaded ``artifact``: built from its signed ``program`` part when the
-    manifest's signature was verified (``format/program_blob.py``: the builder's checked
+    manifest's signature was verified (``entries/program_blob.py``: the builder's checked
     program, so a fresh node skips the load check too), else rebuilt from its record when there
     is one, otherwise decoded, checked and built (``Artifact.program``), and its table kept."""
     if artifact.program_blob is not None:
-        from ..format import program_blob
+        from ..entries import program_blob
 
         program = program_blob.program(artifact, groups, device)
         if program is not None:

@@ -26,7 +26,8 @@ import torch.utils._pytree as pytree
 from ..keying import guards
 from . import gc_pause, prepared, ranks
 from ..format.allowlist import opt_in_names, opted_in
-from ..format.artifact import artifact_bytes, artifact_in_memory, layout_mismatch, read_artifact
+from ..entries import artifact_bytes, artifact_in_memory, read_artifact
+from ..format.artifact import layout_mismatch
 from ..errors import (ArtifactMismatchError, CacheIOError, CacheMissError, CorruptArtifactError, LockTimeoutError,
                      OpNotAllowedError, SpmdAotError)
 from .device_check import check_device

@@ -25,7 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from . import data_dependent
-from . import fused_meta
+from ..format import fused_meta
 from . import grouped_mm
 from .accumulation import Accumulation
 from .casts import forward_casts

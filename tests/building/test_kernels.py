@@ -108,7 +108,7 @@ def test_verify_detects_a_tampered_kernel_blob(tmp_path, world1):
     cache, result = world1
     copy = tmp_path / "copy"
     shutil.copytree(cache, copy)
-    from spmd_aot.format.artifact import read_manifest
+    from spmd_aot.entries import read_manifest
     from spmd_aot.cli.app import main
     from spmd_aot.store import open_store
 
@@ -162,7 +162,7 @@ sys.path.insert(0, sys.argv[2])
 import torch
 import spmd_aot
 from spmd_aot.examples.models import train_step
-from spmd_aot.format.artifact import read_artifact
+from spmd_aot.entries import read_artifact
 from spmd_aot.runtime.kernel_load import load_kernels
 from spmd_aot.store import open_store
 from support.jobs import fresh_objects, make_batch
@@ -218,7 +218,8 @@ def test_a_kernels_blob_of_the_old_format_runs_interpreted(tmp_path, world1):
     import msgpack
 
     from spmd_aot.cli.app import main
-    from spmd_aot.format.artifact import pack_manifest, read_manifest
+    from spmd_aot.entries import read_manifest
+    from spmd_aot.format.artifact import pack_manifest
     from spmd_aot.store import open_store
 
     cache, result = world1

@@ -58,7 +58,7 @@ def cache_copy(built, tmp_path) -> pathlib.Path:
 
 def _artifacts(cache) -> dict[int, tuple[str, str]]:
     """world size -> (key, manifest digest)."""
-    from spmd_aot.format.artifact import read_manifest
+    from spmd_aot.entries import read_manifest
 
     store = LocalStore(cache)
     return {read_manifest(store, d)["plan"]["world_size"]: (k, d) for k, d in store.refs().items()}
@@ -201,7 +201,7 @@ def test_verify_clean_then_flipped_byte(cache_copy, capsys):
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1] == "11 blobs, 2 artifacts checked, 0 problems"
 
-    from spmd_aot.format.artifact import read_manifest
+    from spmd_aot.entries import read_manifest
 
     store = LocalStore(cache_copy)
     key, digest = _artifacts(cache_copy)[2]
@@ -221,7 +221,7 @@ def test_verify_clean_then_flipped_byte(cache_copy, capsys):
 
 def test_verify_reads_artifacts_not_just_blobs(cache_copy, capsys):
     """A manifest naming a blob that is gone passes the blob re-hash but not the full read."""
-    from spmd_aot.format.artifact import read_manifest
+    from spmd_aot.entries import read_manifest
 
     store = LocalStore(cache_copy)
     _, digest = _artifacts(cache_copy)[1]

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import spmd_aot
 from spmd_aot.format.allowlist import ENV_ALLOW_OPS, allowed_ops
-from spmd_aot.format.artifact import read_manifest
+from spmd_aot.entries import read_manifest
 from spmd_aot.cli.app import main as cli
 from spmd_aot.errors import OpNotAllowedError, SpmdAotError, UnsafeArtifactError
 from spmd_aot.store import LocalStore

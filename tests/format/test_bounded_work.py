@@ -13,7 +13,7 @@ from support import costly
 from support.jobs import build_unsigned
 from spmd_aot.errors import LoadLimitError
 from spmd_aot.format import validate
-from spmd_aot.format.artifact import check_entry, read_manifest
+from spmd_aot.entries import check_entry, read_manifest
 from spmd_aot.format.limits import ENV_LOAD_LIMITS
 from spmd_aot.store import LocalStore
 

@@ -17,7 +17,8 @@ import torch
 import spmd_aot
 from support.jobs import build_unsigned, make_job
 from spmd_aot.format import signing
-from spmd_aot.format.artifact import pack_manifest, read_artifact, read_manifest
+from spmd_aot.entries import read_artifact, read_manifest
+from spmd_aot.format.artifact import pack_manifest
 from spmd_aot.cli.app import main as cli
 from spmd_aot.errors import CorruptArtifactError, UnsafeArtifactError
 from spmd_aot.format.limits import ENV_LOAD_LIMITS
@@ -162,7 +163,7 @@ def test_control_the_crafter_round_trip_loads(hostile):
 def test_every_hostile_entry_is_refused_before_any_op_runs(hostile, monkeypatch):
     store, _, table, digests = hostile
     ran = []
-    monkeypatch.setattr("spmd_aot.runtime.program.Program.__init__", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr("spmd_aot.interpreter.program.Program.__init__", lambda *a, **k: ran.append(a))
     refused = 0
     for name, (_, expected, text) in table.items():
         artifact = read_artifact(store, digests[name])  # the manifest and every blob are sound

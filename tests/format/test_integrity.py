@@ -24,9 +24,10 @@ import torch
 import spmd_aot
 from support.jobs import build_unsigned, make_job
 from spmd_aot.format import signing
-from spmd_aot.format.artifact import pack_manifest, read_artifact, read_manifest
+from spmd_aot.entries import read_artifact, read_manifest
+from spmd_aot.format.artifact import pack_manifest
 from spmd_aot.errors import CorruptArtifactError, SpmdAotError, UnsafeArtifactError
-from spmd_aot.runtime.program import Program
+from spmd_aot.interpreter.program import Program
 from spmd_aot.format.serialize import decode_graph
 from spmd_aot.format.signing import SignatureError
 from spmd_aot.store import LocalStore

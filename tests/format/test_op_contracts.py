@@ -10,7 +10,7 @@ import torch
 from spmd_aot.format import allowlist
 from spmd_aot.format import contracts
 from spmd_aot.errors import UnsafeArtifactError
-from spmd_aot.runtime.program import Program
+from spmd_aot.interpreter.program import Program
 from spmd_aot.format.serialize import DecodedNode, Ref, resolve_target
 from spmd_aot.format.validate import check_graph
 
@@ -248,7 +248,7 @@ def test_verify_reports_the_review_cases(tmp_path, capsys):
     from support.jobs import build_unsigned
     from test_hostile import Crafter, ints, node, ref
 
-    from spmd_aot.format.artifact import read_artifact
+    from spmd_aot.entries import read_artifact
     from spmd_aot.cli.app import main as cli
     from spmd_aot.store import LocalStore
 

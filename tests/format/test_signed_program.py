@@ -1,4 +1,4 @@
-"""A signed entry carries its checked program (``format/program_blob.py``): a job that verifies
+"""A signed entry carries its checked program (``entries/program_blob.py``): a job that verifies
 the signature builds its program from it, on a fresh node too (no per-user records), with no
 graph decode and no meta check, and gets the same bits as the full check; a tampered part is
 refused, an unsigned entry's part is never read, and entries without the part load as before."""
@@ -16,8 +16,10 @@ import torch
 
 import spmd_aot
 from spmd_aot.errors import CorruptArtifactError
-from spmd_aot.format import artifact as artifact_module, program_blob, serialize, signing
-from spmd_aot.format.artifact import read_artifact, read_manifest
+from spmd_aot.entries import artifact as artifact_module
+from spmd_aot.entries import program_blob
+from spmd_aot.format import serialize, signing
+from spmd_aot.entries import read_artifact, read_manifest
 from spmd_aot.store import LocalStore
 from support.jobs import hit_and_eager, load_job
 
@@ -107,7 +109,7 @@ def test_the_stored_program_is_the_table_a_full_load_builds(signed):
     from_part = program_blob.program(art, [], torch.device("cpu")).table
     full = art.program([], torch.device("cpu")).table
     from spmd_aot.format import records
-    from spmd_aot.runtime.program_form import stored_form
+    from spmd_aot.interpreter.program_form import stored_form
 
     # compared in stored form: ops by name (value-checked ops are wrappers), refs by index
     assert records.encode(stored_form(from_part)) == records.encode(stored_form(full))
@@ -214,7 +216,7 @@ def test_verify_refuses_a_signed_part_that_is_not_what_the_graph_gives(signed):
     """``check_entry`` (``spmd-aot verify``, and a build that finds the entry) compares the part
     with the program this code builds from the graph; a re-signed, altered table is refused."""
     from spmd_aot.format import records
-    from spmd_aot.format.artifact import check_entry
+    from spmd_aot.entries import check_entry
 
     store, key, digest = signed
     check_entry(store, key, digest)  # the stored part is exactly what the graph gives
@@ -236,7 +238,7 @@ def test_a_two_dimensional_mesh_binds_each_dimension_to_its_live_group(tmp_path,
     """HSDP on a (2, 2) mesh: the part names its groups by mesh dimension, and a load binds
     each to that dimension's live group exactly as decoding the graph does."""
     from spmd_aot.format import records
-    from spmd_aot.runtime.program_form import stored_form
+    from spmd_aot.interpreter.program_form import stored_form
     from support.jobs import make_job
 
     monkeypatch.setenv(signing.ENV_SIGNING_KEY, KEY)

@@ -23,9 +23,10 @@ import torch.utils._pytree as pytree
 from support.jobs import build_unsigned
 from spmd_aot.format import bounded
 from spmd_aot.format import signing
-from spmd_aot.format.artifact import decode_spec, encode_spec, pack_manifest, read_artifact, read_manifest
+from spmd_aot.entries import read_artifact, read_manifest
+from spmd_aot.format.artifact import decode_spec, encode_spec, pack_manifest
 from spmd_aot.cli.app import main as cli
-from spmd_aot.runtime.constant_fold import fold_constants
+from spmd_aot.interpreter.constant_fold import fold_constants
 from spmd_aot.errors import CorruptArtifactError, UnsupportedError
 from spmd_aot.format.limits import LoadLimits
 from spmd_aot.format.serialize import DecodedNode, Ref, decode_graph

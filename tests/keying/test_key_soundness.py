@@ -23,7 +23,7 @@ import spmd_aot
 import spmd_aot.runtime.step as runtime_mod
 from support.multiproc import run_ranks
 from spmd_aot.keying import guards
-from spmd_aot.format.artifact import read_manifest
+from spmd_aot.entries import read_manifest
 from spmd_aot.errors import CacheMissError, UnsupportedError
 from spmd_aot.keying.fingerprint import register_fingerprint
 from spmd_aot.keying.lookup import Lookup

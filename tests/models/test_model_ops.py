@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd_aot
-from spmd_aot.format.artifact import read_manifest
+from spmd_aot.entries import read_manifest
 from spmd_aot.store import LocalStore
 from support.multiproc import run_ranks
 from support.train_steps import plain_step as class_step
@@ -238,7 +238,7 @@ def test_each_model_loads_without_opt_in_and_matches_eager_on_two_gloo_ranks(bui
 def test_a_complex_buffer_is_state_in_the_layout_and_the_step_keeps_it(tmp_path):
     """A persistent complex64 ``freqs_cis`` is a state input like any buffer: the layout records
     its dtype, and a compiled step reads the live buffer and leaves it as training leaves it."""
-    from spmd_aot.format.artifact import read_artifact
+    from spmd_aot.entries import read_artifact
 
     torch.manual_seed(0)
     model = RopeLM("persistent")

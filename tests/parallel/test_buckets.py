@@ -22,7 +22,7 @@ def small_buckets(tmp_path_factory):
 
 
 def _artifact(cache, built):
-    from spmd_aot.format.artifact import read_artifact
+    from spmd_aot.entries import read_artifact
 
     return read_artifact(open_store(cache), built.digest)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import spmd_aot
-from spmd_aot.format.artifact import read_artifact
+from spmd_aot.entries import read_artifact
 from spmd_aot.parallel.context_parallel import load_balanced_positions
 from spmd_aot.store import LocalStore
 from support.multiproc import run_ranks

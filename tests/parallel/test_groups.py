@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import spmd_aot
-from spmd_aot.format.artifact import read_artifact
+from spmd_aot.entries import read_artifact
 from spmd_aot.examples.models import Block, Transformer, train_step
 from spmd_aot.parallel.groups import assign_groups, block_prefixes
 from spmd_aot.parallel.plan import Plan

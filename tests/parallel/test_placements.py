@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import spmd_aot
-from spmd_aot.format.artifact import read_artifact
+from spmd_aot.entries import read_artifact
 from spmd_aot.store import LocalStore
 from support.features import FEATURES
 from support.multiproc import run_ranks

@@ -326,7 +326,7 @@ def test_a_moved_constant_is_named_when_the_step_is_looked_up_again(tmp_path, ca
 def test_the_stored_graph_reads_every_hyperparameter_input(tmp_path, make_optim, fed):
     """No number a scheduler may move is baked into the graph: each hyperparameter input of the
     stored step has readers (its value is used, not a constant taken at trace time)."""
-    from spmd_aot.format.artifact import read_artifact
+    from spmd_aot.entries import read_artifact
     from spmd_aot.store import open_store
 
     model = FrozenTower if make_optim is adafactor_wd else train_steps.mlp

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import spmd_aot
-from spmd_aot.format.artifact import read_artifact
+from spmd_aot.entries import read_artifact
 from spmd_aot.examples.models import train_step as step  # the canonical step: token cross-entropy
 from spmd_aot.store import LocalStore
 from spmd_aot.parallel.tensor_parallel import TP_STYLES

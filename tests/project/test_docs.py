@@ -22,7 +22,7 @@ PAGES = [README, *DOCS]
 
 #: repository paths as prose names them: from the root, or a module below spmd_aot/
 ROOT_PATH = re.compile(r"(?<![\w/.$-])(?:spmd_aot|tests_cuda|tests|tools|docs|cache|\.ci)/[\w./-]*")
-PACKAGE_PATH = re.compile(r"(?<![\w/.$-])(?:building|cli|format|keying|parallel|passes|runtime|store|tracing)"
+PACKAGE_PATH = re.compile(r"(?<![\w/.$-])(?:building|cli|entries|format|interpreter|keying|parallel|passes|runtime|store|tracing)"
                           r"/[\w/-]*\.(?:py|txt)")
 NARRATION = re.compile(r"this round|previous round|rounds ago|issue \d+|issue-\d+", re.IGNORECASE)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

@@ -17,8 +17,9 @@ from spmd_aot.errors import CorruptArtifactError
 from spmd_aot.format import records, serialize
 from spmd_aot.format.limits import ENV_LOAD_LIMITS
 from spmd_aot.format.serialize import Ref
-from spmd_aot.runtime import prepared, program_form
-from spmd_aot.runtime.program import Program, ProgramTable
+from spmd_aot.interpreter import program_form
+from spmd_aot.runtime import prepared
+from spmd_aot.interpreter.program import Program, ProgramTable
 from support.jobs import hit_and_eager, load_job
 
 
@@ -38,7 +39,7 @@ def decodes(monkeypatch):
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
-    monkeypatch.setattr("spmd_aot.format.artifact.decode_graph", counted)
+    monkeypatch.setattr("spmd_aot.entries.artifact.decode_graph", counted)
     return calls
 
 

@@ -8,8 +8,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd_aot.errors import CorruptArtifactError
-from spmd_aot.runtime.invariants import DivergedValueError
-from spmd_aot.runtime.program import Program
+from spmd_aot.interpreter.invariants import DivergedValueError
+from spmd_aot.interpreter.program import Program
 from spmd_aot.format.serialize import decode_graph, encode_graph
 
 CPU = torch.device("cpu")
@@ -111,7 +111,7 @@ def test_a_repeat_written_in_place_unfolds_the_value_it_repeats_too():
 # ------------------------------------------------------------------ run-time invariants
 # Ops whose CPU results differ from their meta results (shape or dtype). A crafted graph that
 # reads such a value would run ops whose contracts were checked on the meta value; the program
-# stops at the producer with a typed error instead (runtime/invariants.py).
+# stops at the producer with a typed error instead (interpreter/invariants.py).
 aten = torch.ops.aten
 C = 3
 
@@ -151,7 +151,7 @@ def _checked_program(build, shapes, dtypes, read=lambda g, v: g.call_function(at
     """A hand-made graph: ``build``'s value, read by ``read``; meta-checked as a load checks it;
     the program with its run-time invariants; real inputs."""
     from spmd_aot.format.validate import check_graph
-    from spmd_aot.runtime.invariants import describe
+    from spmd_aot.interpreter.invariants import describe
 
     dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,) * len(shapes)
     g = torch.fx.Graph()
@@ -221,7 +221,7 @@ def test_frozen_batch_norm_in_a_training_step_runs():
     gm = make_fx(step)(w, x)
     constants = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
     from spmd_aot.format.validate import check_graph
-    from spmd_aot.runtime.invariants import describe
+    from spmd_aot.interpreter.invariants import describe
 
     nodes = decode_graph(encode_graph(gm.graph, {}), groups=[], device=CPU)
     metas = check_graph(nodes, constants, [{"local_shape": [C], "dtype": "float32"},
@@ -235,7 +235,7 @@ _VICTIM = r"""
 import operator, sys, torch
 sys.path[:0] = [{tests!r}, {here!r}]
 from test_program import _checked_program, DIVERGENT, aten
-from spmd_aot.runtime.invariants import DivergedValueError
+from spmd_aot.interpreter.invariants import DivergedValueError
 
 case = sys.argv[1]
 build, shapes, dtypes = DIVERGENT[case]
@@ -337,8 +337,8 @@ _FUSED_ADAM_VICTIM = r"""
 import operator, sys, torch
 from spmd_aot.format.serialize import decode_graph, encode_graph
 from spmd_aot.format.validate import check_graph
-from spmd_aot.runtime.invariants import DivergedValueError, describe
-from spmd_aot.runtime.program import Program
+from spmd_aot.interpreter.invariants import DivergedValueError, describe
+from spmd_aot.interpreter.program import Program
 
 aten, C = torch.ops.aten, 4096
 g = torch.fx.Graph()

@@ -131,7 +131,7 @@ def _corrupt_worker(rank, world, cache_dir, require_hit):
 
 
 def _flip_graph_blob(cache: pathlib.Path, digest: str) -> pathlib.Path:
-    from spmd_aot.format.artifact import read_manifest
+    from spmd_aot.entries import read_manifest
     from spmd_aot.store import LocalStore
 
     store = LocalStore(cache)

@@ -11,7 +11,7 @@ import tarfile
 import pytest
 
 import spmd_aot
-from spmd_aot.format.artifact import read_artifact
+from spmd_aot.entries import read_artifact
 from spmd_aot.cli.app import main
 from spmd_aot.store import LocalStore
 

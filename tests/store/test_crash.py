@@ -25,7 +25,7 @@ import spmd_aot
 from support.jobs import make_job
 from support.multiproc import run_processes
 from spmd_aot.store import faults
-from spmd_aot.format.artifact import read_artifact, read_manifest
+from spmd_aot.entries import read_artifact, read_manifest
 from spmd_aot.errors import LockTimeoutError
 from spmd_aot.store import LocalStore
 

@@ -224,7 +224,7 @@ def test_reading_an_evicted_artifact_says_gone(cache):
 
 _READER = textwrap.dedent("""
     import json, sys, time
-    from spmd_aot.format.artifact import read_artifact
+    from spmd_aot.entries import read_artifact
     from spmd_aot.store import LocalStore
     from spmd_aot.store.leases import ArtifactGoneError, reading
     store, key, seconds = LocalStore(sys.argv[1]), sys.argv[2], float(sys.argv[3])
@@ -305,7 +305,8 @@ def test_manifest_stored_after_the_listing_keeps_the_parts_it_reuses(cache, monk
     """The race the gc stress test found: a build that re-uses existing part blobs (finds them
     intact, rewrites nothing) stores its manifest and ref after gc listed the blobs and before
     it read the refs. gc must read that manifest's parts, not delete them."""
-    from spmd_aot.format.artifact import pack_manifest, read_manifest
+    from spmd_aot.entries import read_manifest
+    from spmd_aot.format.artifact import pack_manifest
 
     from spmd_aot.store import eviction as gc_module
 

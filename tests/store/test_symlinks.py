@@ -18,7 +18,7 @@ import time
 import pytest
 
 from support.jobs import build_unsigned
-from spmd_aot.format.artifact import read_artifact, read_manifest
+from spmd_aot.entries import read_artifact, read_manifest
 from spmd_aot.cli.app import main as cli
 from spmd_aot.errors import SpmdAotError
 from spmd_aot.store import LocalStore

@@ -20,7 +20,8 @@ import pytest
 from support.jobs import build_unsigned, make_job
 from spmd_aot.keying import guards
 from spmd_aot.format import signing
-from spmd_aot.format.artifact import pack_manifest, read_artifact, read_manifest
+from spmd_aot.entries import read_artifact, read_manifest
+from spmd_aot.format.artifact import pack_manifest
 from spmd_aot.cli.app import main as cli
 from spmd_aot.errors import CorruptArtifactError
 from spmd_aot.store import LocalStore

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import msgpack
 
-from spmd_aot.format.artifact import pack_manifest, read_manifest
+from spmd_aot.entries import read_manifest
+from spmd_aot.format.artifact import pack_manifest
 
 
 def _pack(obj) -> bytes:

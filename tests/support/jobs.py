@@ -107,7 +107,7 @@ def state_of(model, optim):
 def ddp_and_loaded_counting_decodes(rank, world, cache_dir):
     """One rank (for ``run_ranks``): eager DDP and the loaded transformer + AdamW step on the same
     batches, their differences, whether the load hit, and how often this rank decoded the graph."""
-    import spmd_aot.format.artifact as artifact
+    import spmd_aot.entries.artifact as artifact
 
     calls, real = [], artifact.decode_graph
     artifact.decode_graph = lambda *a, **k: (calls.append(1), real(*a, **k))[1]

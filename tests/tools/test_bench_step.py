@@ -57,7 +57,7 @@ def test_without_collectives_skips_every_collective_of_a_replicate_program(monke
     from profile_step import _without_collectives
 
     import torch
-    from spmd_aot.runtime.program import Program
+    from spmd_aot.interpreter.program import Program
     from spmd_aot.format.serialize import DecodedNode, Ref
 
     c10d = torch.ops._c10d_functional

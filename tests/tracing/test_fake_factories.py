@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import spmd_aot
-from spmd_aot.format.artifact import read_manifest
+from spmd_aot.entries import read_manifest
 from spmd_aot.store import LocalStore
 from support.multiproc import run_ranks
 

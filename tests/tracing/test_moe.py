@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import spmd_aot
 from spmd_aot.errors import UnsupportedError
-from spmd_aot.format.artifact import read_artifact
+from spmd_aot.entries import read_artifact
 from spmd_aot.store import LocalStore
 from spmd_aot.tracing.grouped_mm import grouped_mm, histc
 from support import corpus

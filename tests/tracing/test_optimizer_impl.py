@@ -9,7 +9,7 @@ import torch
 
 import spmd_aot
 from support.jobs import make_batch, make_job
-from spmd_aot.format.artifact import read_artifact
+from spmd_aot.entries import read_artifact
 from spmd_aot.examples.models import MLP, train_step
 from spmd_aot.store import open_store
 

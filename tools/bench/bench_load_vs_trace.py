@@ -20,7 +20,7 @@ import time
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from spmd_aot.format.artifact import read_artifact, store_artifact
+from spmd_aot.entries import read_artifact, store_artifact
 from spmd_aot.examples.models import Transformer, train_step
 from spmd_aot.keying.key import compute_key
 from spmd_aot.building.pipeline import trace_to_blobs

@@ -70,7 +70,7 @@ def _worker(rank, world, port, layers, reshard, cache_dir, queue):
         from torch.distributed.fsdp import fully_shard
 
         import spmd_aot
-        from spmd_aot.format.artifact import read_manifest
+        from spmd_aot.entries import read_manifest
         from spmd_aot.examples.models import train_step
         from spmd_aot.building.peak_memory import PeakMemory, state_tensors
         from spmd_aot.store import LocalStore

@@ -146,14 +146,14 @@ def parity(step, model, optim, batch, cfg: dict) -> float:
 #: What a load's phases are timed by (module, attribute, phase): ``--fresh-node`` reports them.
 #: Wrapped in the child before its first call; modules are imported where the load imports them
 #: anyway, except ``validate`` (the meta check), which is timed inside ``Artifact._check``.
-_PHASES = (("spmd_aot.format.artifact", "read_artifact", "read and verify blobs"),
+_PHASES = (("spmd_aot.entries.read", "read_artifact", "read and verify blobs"),
            ("spmd_aot.runtime.step", "read_artifact", "read and verify blobs"),
-           ("spmd_aot.format.artifact.Artifact", "_check", "decode + meta check (imports included)"),
-           ("spmd_aot.format.artifact", "decode_graph", "graph decode"),
-           ("spmd_aot.format.program_blob", "program", "program from the signed part"),
+           ("spmd_aot.entries.artifact.Artifact", "_check", "decode + meta check (imports included)"),
+           ("spmd_aot.entries.artifact", "decode_graph", "graph decode"),
+           ("spmd_aot.entries.program_blob", "program", "program from the signed part"),
            ("spmd_aot.runtime.prepared", "load", "prepared record read"),
            ("spmd_aot.runtime.prepared", "save", "prepared record write"),
-           ("spmd_aot.runtime.program.Program", "__init__", "program build (fold, plan)"),
+           ("spmd_aot.interpreter.program.Program", "__init__", "program build (fold, plan)"),
            ("spmd_aot.runtime.step", "initialize_optimizer_state", "optimizer state (zeros)"),
            ("spmd_aot.runtime.step", "compute_key", "cache key"),
            ("spmd_aot.runtime.step.CompiledStep", "_lookup", "lookup (ref, manifest, guards)"),
@@ -347,7 +347,7 @@ def fresh_node(cfg: dict, repeats: int, tmp: str, env: dict) -> dict[str, list[d
     """First loads as a cluster job's nodes pay them, beside repeat loads, signed and unsigned.
 
     Two caches hold the same build, one built with a signing key (its entry carries the checked
-    program, ``format/program_blob.py``). A "first load" child gets a new, empty
+    program, ``entries/program_blob.py``). A "first load" child gets a new, empty
     ``XDG_STATE_HOME`` (no record of passed checks, no prepared program: a node that never ran
     the job); a "repeat load" child shares one state folder that an untimed load filled. Every
     child is a fresh interpreter (imports cold in the process; the OS file cache is warm, as

@@ -20,7 +20,7 @@ _TESTS = os.path.join(os.path.dirname(__file__), "..", "..", "tests")
 sys.path[:0] = [_TESTS, os.path.join(_TESTS, "parallel")]  # support.*, and test_tensor_parallel's configurations
 
 import spmd_aot  # noqa: E402
-from spmd_aot.format.artifact import read_manifest  # noqa: E402
+from spmd_aot.entries import read_manifest  # noqa: E402
 from spmd_aot.store import LocalStore  # noqa: E402
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import spmd_aot  # noqa: E402
 from spmd_aot.format.allowlist import allowed_ops, chosen_list  # noqa: E402
-from spmd_aot.format.artifact import read_manifest  # noqa: E402
+from spmd_aot.entries import read_manifest  # noqa: E402
 from spmd_aot.job import load_target  # noqa: E402
 from spmd_aot.store import LocalStore  # noqa: E402
 

@@ -175,7 +175,7 @@ def check_refs(store) -> tuple[int, list[str]]:
     """(refs, problems): every ref must name an artifact that reads fully and decodes."""
     import torch
 
-    from spmd_aot.format.artifact import read_artifact
+    from spmd_aot.entries import read_artifact
     from spmd_aot.errors import SpmdAotError
 
     problems = []
@@ -199,7 +199,7 @@ def cmd_crash(args) -> int:
     rng = random.Random(seed)
     print(f"crash: {args.builds} builds killed at random stages, seed {seed} "
           f"(rerun: --seed {seed})", flush=True)
-    from spmd_aot.format.artifact import read_manifest
+    from spmd_aot.entries import read_manifest
 
     start = time.perf_counter()
     job = make_job()
@@ -291,7 +291,7 @@ def _gc_worker(role: str, index: int, cache: str, deadline: float, out) -> None:
 
     torch.set_num_threads(1)
     import spmd_aot
-    from spmd_aot.format.artifact import read_manifest
+    from spmd_aot.entries import read_manifest
     from spmd_aot.store import LocalStore
     from spmd_aot.store.eviction import collect_garbage
     from spmd_aot.store.leases import ArtifactGoneError, reading

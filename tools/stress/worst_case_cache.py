@@ -61,7 +61,8 @@ def bundle(args) -> None:
 
 def explain(args) -> None:
     from support.jobs import build_unsigned
-    from spmd_aot.format.artifact import pack_manifest, read_manifest
+    from spmd_aot.entries import read_manifest
+    from spmd_aot.format.artifact import pack_manifest
     from spmd_aot.keying.explain import explain_miss
     from spmd_aot.keying.key import CacheKey
     from spmd_aot.store import LocalStore

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from support import costly
     from support.jobs import make_job
     from spmd_aot.errors import SpmdAotError
-    from spmd_aot.format.artifact import check_entry, read_manifest
+    from spmd_aot.entries import check_entry, read_manifest
     from spmd_aot.store import LocalStore
 
     with tempfile.TemporaryDirectory(prefix="spmd-aot-worst-") as tmp:

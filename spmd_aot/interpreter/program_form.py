@@ -2,7 +2,7 @@
 identity of the code that builds programs and that form.
 
 Shared by the per-user prepared records (``prepared.py``) and the signed ``program`` part of an
-entry (``format/program_blob.py``): one form, one rule for which code may have written it.
+entry (``entries/program_blob.py``): one form, one rule for which code may have written it.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from .program import ProgramTable, value_checked
 
 __all__ = ["builder_code", "stored_form", "table_from_stored"]
 
-_BUILDER_FILES = ("runtime/program.py", "runtime/constant_fold.py", "runtime/prepared.py",
-                  "runtime/program_form.py", "runtime/invariants.py", "format/records.py")
+_BUILDER_FILES = ("interpreter/program.py", "interpreter/constant_fold.py", "runtime/prepared.py",
+                  "interpreter/program_form.py", "interpreter/invariants.py", "format/records.py")
 _GETITEM = "operator.getitem"
 
 

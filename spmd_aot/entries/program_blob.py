@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
-from . import records
+from ..format import records
 from ..errors import CorruptArtifactError
-from .serialize import Ref
+from ..format.serialize import Ref
 
 __all__ = ["MAGIC", "GROUP_PREFIX", "WORLD", "PART", "encode", "program", "check"]
 
@@ -63,7 +63,7 @@ def _placeholders(mesh_dims: int) -> list[str]:
 
 
 def _identity() -> str:
-    from ..runtime.program_form import builder_code
+    from ..interpreter.program_form import builder_code
 
     return builder_code()
 
@@ -87,8 +87,8 @@ def encode(artifact) -> bytes | None:
     graph decoded with placeholder groups and meta-checked (``Artifact._check``: the check every
     load runs), the program built, its table stored. None when the table holds a constant argument the records'
     format has no form for (the entry is then stored without the part: every load checks it)."""
-    from ..runtime.program_form import stored_form
-    from ..runtime.program import Program
+    from ..interpreter.program_form import stored_form
+    from ..interpreter.program import Program
 
     plan = artifact.plan
     dims = len(plan.mesh_shape) if plan.world_size > 1 else 0
@@ -131,7 +131,7 @@ def program(artifact, groups: list[str], device: torch.device):
     """The ``Program`` of a signed ``artifact`` built from its ``program`` part, bound to the live
     ``groups`` and ``device``; None when the part is of other code or does not fit (the caller
     then decodes and checks the graph in full)."""
-    from ..runtime.program import Program
+    from ..interpreter.program import Program
 
     data = artifact.program_blob
     if data is None:
@@ -149,7 +149,7 @@ class _Other(Exception):
 
 
 def _table(data: bytes, artifact, groups: list[str], device: torch.device):
-    from ..runtime.program_form import table_from_stored
+    from ..interpreter.program_form import table_from_stored
 
     where = f"program part of artifact {artifact.digest[:12]}"
     if not data.startswith(MAGIC):
@@ -208,7 +208,7 @@ def _bound(value: Any, live: dict[str, str], device: torch.device, where: str) -
 def _check_structure(plain: tuple, artifact, where: str) -> None:
     """The cheap structural checks: counts within the load limits and the layout, every index a
     step writes or frees inside the value table, every constant stored."""
-    from .limits import load_limits
+    from ..format.limits import load_limits
 
     n_nodes, n_inputs, n_ops, constants, folds, output, steps, inputs = plain
 

@@ -22,10 +22,10 @@ import hashlib
 import msgpack
 import torch
 
-from . import bounded, signing
+from ..format import bounded, signing
 from ..errors import CorruptArtifactError
-from .limits import load_limits
-from .serialize import decode_graph, encode_graph
+from ..format.limits import load_limits
+from ..format.serialize import decode_graph, encode_graph
 
 __all__ = ["KIND", "encode_pipeline", "read_pipeline_manifest", "read_stage", "LoadedStage", "is_pipeline_manifest",
            "check_pipeline_blobs", "check_pipeline_entry", "pipeline_manifest_or_none", "backward_inputs"]
@@ -143,8 +143,8 @@ def read_stage(store, manifest: dict, stage: int, device: torch.device, device_t
     run on meta tensors laid out by its ports."""
     from safetensors.torch import load as load_safetensors
 
-    from ..runtime.invariants import describe
-    from .validate import check_graph
+    from ..format.validate import check_graph
+    from ..interpreter.invariants import describe
 
     limits = load_limits()
     ports = manifest["stages"][stage]
@@ -175,7 +175,7 @@ def read_stage(store, manifest: dict, stage: int, device: torch.device, device_t
 def _check_outputs(nodes, values, ports, part: str, stage: int) -> None:
     """The graph returns what the ports say: the forward its outputs then its saved tensors, the
     backward one gradient (or None) per input, a tensor exactly for those with ``grad``."""
-    from .serialize import Ref
+    from ..format.serialize import Ref
 
     out = nodes[-1].args[0] if nodes and nodes[-1].op == "output" else None
     if not isinstance(out, (list, tuple)):

@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..format.contracts import check_call
+from .contracts import check_call
 
 __all__ = ["FUSED_STEPS", "standin", "registered"]
 
