@@ -30,12 +30,15 @@ from .runtime import teardown  # noqa: E402  (registers what a job's end must do
 from .options import ParallelOptions, RunOptions
 from .schema import Comm, Schema
 from .spmd import SPMD
+from .parallel.pipeline_parallel import Pipeline
+from .runtime.pipeline_schedule import PipelineStep, compile_pipeline
 
 __all__ = [
     "Job", "build", "compile", "load_target", "Override", "register_fingerprint", "SPMD", "ParallelOptions", "RunOptions", "Schema", "Comm",
     "BuildResult", "CacheInfo", "CompiledStep", "Plan", "MixedPrecisionPolicy",
     "SpmdAotError", "TargetError", "UnsupportedError", "CacheMissError", "ArtifactMismatchError",
     "CorruptArtifactError", "UnsafeArtifactError", "OpNotAllowedError", "LockTimeoutError",
+    "Pipeline", "build_pipeline", "compile_pipeline", "PipelineStep",
 ]
 del teardown  # imported for the exit handler it registers, not part of the API
 
@@ -47,4 +50,8 @@ def __getattr__(name: str):
         from .building import builder
 
         return getattr(builder, name)
+    if name == "build_pipeline":
+        from .building.pipeline_build import build_pipeline
+
+        return build_pipeline
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -253,7 +253,7 @@ def _forward_backward(pieces, trainable: set[str]) -> list[StageGraphs]:
 
         def capture(name):
             def compiler(g, _example):
-                from functorch.compile import make_boxed_func
+                from torch._functorch.aot_autograd import make_boxed_func
 
                 captured[name] = g
                 return make_boxed_func(g)
