@@ -25,7 +25,7 @@ from .parallel.dims import PLACEMENT_NAMES
 from .parallel.mixed_precision import DTYPES, MixedPrecisionPolicy
 from .parallel.plan import Plan
 
-__all__ = ["ParallelOptions", "RunOptions", "Flag", "option_doc", "split_options"]
+__all__ = ["Flag", "ParallelOptions", "RunOptions", "option_doc", "split_options"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,12 @@ class Flag:
     with_axes: bool = False
     takes_mesh_dim: bool = False
     help: str | None = None  # the --help line when the flag is not the field's first sentence (a switch off)
+
+    def __post_init__(self):
+        if self.kind not in ("value", "repeat", "switch"):
+            raise ValueError(f"Flag {self.flag}: kind must be 'value', 'repeat' or 'switch', got {self.kind!r}")
+        if not self.flag.startswith("--"):
+            raise ValueError(f"Flag {self.flag}: a long flag starting with '--'")
 
     def words(self, value) -> list[str]:
         """``value`` as command-line words (empty when the flag cannot say it: a switch off)."""
@@ -245,7 +251,7 @@ class ParallelOptions:
         return Plan(world_size, device_type=device_type, mixed_precision=self.mixed_precision, **values)
 
     @classmethod
-    def from_plan(cls, plan: Plan) -> "ParallelOptions":
+    def from_plan(cls, plan: Plan) -> ParallelOptions:
         """The options that give ``plan`` (at its world size and device type)."""
         policy = plan.mixed_precision or MixedPrecisionPolicy()
         mesh = plan.mesh_shape if len(plan.mesh_shape) > 1 else None
@@ -254,8 +260,8 @@ class ParallelOptions:
         return cls(mesh_shape=mesh, **values, **{f: getattr(policy, f) for f in _POLICY_FIELDS})
 
     @classmethod
-    def of(cls, options: "ParallelOptions | None" = None, *, comm=None, mixed_precision=None,
-           **fields) -> "ParallelOptions":
+    def of(cls, options: ParallelOptions | None = None, *, comm=None, mixed_precision=None,
+           **fields) -> ParallelOptions:
         """``options``, or options made from keywords: this class's fields, and the spellings
         ``comm=Comm(...)`` (its communication fields) and ``mixed_precision=`` (a policy, ours or
         FSDP2's, or a mapping) for the four mixed-precision fields."""
@@ -281,7 +287,7 @@ class ParallelOptions:
         return cls(**fields)
 
     @classmethod
-    def for_placement(cls, placement: str, **fields) -> "ParallelOptions":
+    def for_placement(cls, placement: str, **fields) -> ParallelOptions:
         """Options for ``placement`` from ``fields``, leaving out those only other placements read
         (``Flag.placements``): what the CLI builds when one command names several placements."""
         axes = any(f.metadata["flag"].takes_mesh_dim and fields.get(f.name, f.default) != f.default

@@ -12,7 +12,7 @@ import dataclasses
 
 from .options import ParallelOptions
 
-__all__ = ["Schema", "Comm", "COMM_FIELDS"]
+__all__ = ["COMM_FIELDS", "Comm", "Schema"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Comm:
 COMM_FIELDS = tuple(f.name for f in dataclasses.fields(Comm))
 
 
-def Schema(placement: str = "replicate", *, comm: Comm | None = None, mixed_precision=None,  # noqa: N802
+def Schema(placement: str = "replicate", *, comm: Comm | None = None, mixed_precision=None,
            **options) -> ParallelOptions:
     """The ``ParallelOptions`` for ``placement`` and ``options`` (its fields), ``comm`` (a
     ``Comm``) and ``mixed_precision`` (a ``MixedPrecisionPolicy``, ours or FSDP2's, or a mapping)."""

@@ -16,8 +16,17 @@ import re
 from ..errors import SpmdAotError
 from ..options import ParallelOptions, RunOptions
 
-__all__ = ["OPTION_CLASSES", "reference_table", "write_reference", "add_option_flags", "flag_fields", "first_sentence", "given", "parallel_from_args",
-           "run_from_args"]
+__all__ = [
+    "OPTION_CLASSES",
+    "add_option_flags",
+    "first_sentence",
+    "flag_fields",
+    "given",
+    "parallel_from_args",
+    "reference_table",
+    "run_from_args",
+    "write_reference",
+]
 
 #: The classes whose fields are command-line options, in ``--help`` order.
 OPTION_CLASSES = (ParallelOptions, RunOptions)
@@ -25,7 +34,7 @@ OPTION_CLASSES = (ParallelOptions, RunOptions)
 
 def first_sentence(doc: str) -> str:
     """The first sentence of an option's documentation: its ``--help`` line."""
-    match = re.match(r"(.+?(?<!e\.g)(?<!i\.e)[.!?])(?=\s|$)", doc, re.S)
+    match = re.match(r"(.+?(?<!e\.g)(?<!i\.e)[.!?])(?=\s|$)", doc, re.DOTALL)
     return match.group(1) if match else doc
 
 
@@ -52,7 +61,7 @@ def add_option_flags(p: argparse.ArgumentParser, command: str, *, groups: dict |
         if group is None:
             group = groups[flag.group] = p.add_argument_group(flag.group)
         names = [flag.short, flag.flag] if flag.short else [flag.flag]
-        kwargs = dict(dest=f.name, help=_help(f, matrix))
+        kwargs = {"dest": f.name, "help": _help(f, matrix)}
         if flag.kind == "switch":
             kwargs.update(action="store_true")
         else:

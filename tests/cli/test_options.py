@@ -16,9 +16,9 @@ import shlex
 
 import pytest
 import torch
+from support.jobs import MLP_JOB_FILE as JOB_FILE
 
 import spmd_aot
-from support.jobs import MLP_JOB_FILE as JOB_FILE
 from spmd_aot import ParallelOptions, RunOptions
 from spmd_aot.cli import option_flags
 from spmd_aot.cli.app import main
