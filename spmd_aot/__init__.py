@@ -34,7 +34,8 @@ from .parallel.pipeline_parallel import Pipeline
 from .runtime.pipeline_schedule import PipelineStep, compile_pipeline
 
 __all__ = [
-    "Job", "build", "compile", "load_target", "Override", "register_fingerprint", "SPMD", "ParallelOptions", "RunOptions", "Schema", "Comm",
+    "Job", "build", "compile", "load_target", "Override", "register_fingerprint", "SPMD",
+    "ParallelOptions", "RunOptions", "Schema", "Comm",
     "BuildResult", "CacheInfo", "CompiledStep", "Plan", "MixedPrecisionPolicy",
     "SpmdAotError", "TargetError", "UnsupportedError", "CacheMissError", "ArtifactMismatchError",
     "CorruptArtifactError", "UnsafeArtifactError", "OpNotAllowedError", "LockTimeoutError",
