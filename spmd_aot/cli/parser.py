@@ -34,7 +34,7 @@ def _add_common(p, groups: dict | None = None) -> None:
     """How much to log, and the options fields every command reads (where the cache is, what to
     trust: ``RunOptions``, generated)."""
     p.add_argument("-v", "--verbose", action="store_true",
-                   help="also log INFO lines (keys, hits, misses, timings) to stderr")
+                   help="Also log INFO lines (keys, hits, misses, timings) to stderr.")
     add_option_flags(p, "*", groups=groups, common=True)
 
 

@@ -294,9 +294,10 @@ class CompiledStep:
         build_it = (f"Build it ahead of time with `{command}`, where {TARGET_PLACEHOLDER} names your "
                     "spmd_aot.Job ('pkg.module:job' or 'path/to/train.py:job').")
         if self.transforms.identities() or self.extra_sources:  # Python hooks: no CLI flags for them
-            build_it = (f"Build it ahead of time with spmd_aot.build(job, world_size={plan.world_size}, "
-                        f"placement={plan.placement!r}, ...) passing the same module_override, "
-                        "gm_transformation and extra_sources as this compile (the command line cannot).")
+            build_it = (f"Build it ahead of time with spmd_aot.build(job, parallel=..., run=..., "
+                        f"world_size={plan.world_size}) passing the same ParallelOptions and RunOptions as "
+                        "this compile: its module_override, gm_transformation and extra_sources are Python "
+                        "objects the command line cannot pass.")
         if self.require_hit:
             why = (f"The key's entries were traced from other code or values: {found.explain()}."
                    if found is not None and found.misses else explain_miss(store, key))
