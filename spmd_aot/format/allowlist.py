@@ -42,7 +42,7 @@ import re
 import torch
 
 __all__ = ["ALLOWED_OPS", "ListChoice", "choose_list", "chosen_list", "load_list", "PYTHON_CALLABLES", "REFUSED", "TORCH_RELEASE", "TORCH_RELEASES", "running_release", "ENV_ALLOW_OPS", "refusal",
-           "allowed_ops", "is_allowed", "is_opted_in", "opted_in", "opted_in_ops", "opt_in_names", "extra_ops"]
+           "allowed_ops", "is_allowed", "REFUSED_OVERLOADS", "is_opted_in", "opted_in", "opted_in_ops", "opt_in_names", "extra_ops"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,16 @@ REFUSED: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p), why) for p, 
     (r"^(from_file|save|load|_print|_assert_async|_functional_assert_async|_assert_scalar)$|file",
      "opens files, prints or asserts on data"),
 ))
+
+
+#: Single overloads refused where the rest of their op is allowed: "namespace::op.overload" -> why.
+_SCALARS_TENSOR = ("reads the values of its `scalars` tensor in its meta kernel, so the load's check, which runs "
+                   "on meta tensors, cannot run it. torch.optim's foreach optimizers call the `.ScalarList` "
+                   "overload (a list of floats) when traced, which is allowed; write the step's update that way")
+REFUSED_OVERLOADS: dict[str, str] = {
+    "aten::_foreach_addcmul_.Tensor": _SCALARS_TENSOR,
+    "aten::_foreach_addcdiv_.Tensor": _SCALARS_TENSOR,
+}
 
 
 def refusal(opname: str) -> str | None:
@@ -181,7 +191,7 @@ def opt_in_names(names) -> frozenset:
                                "'namespace::op.overload', e.g. 'aten::cumsum.default'")
         namespace, rest = name.split("::")
         op, overload = rest.split(".")
-        why = refusal(op)
+        why = refusal(op) or REFUSED_OVERLOADS.get(name)
         if why:
             raise SpmdAotError(f"allow_ops: {name} can never be allowed: it {why}")
         try:
@@ -202,8 +212,8 @@ def opted_in(names):
 
 
 def is_allowed(name: str) -> bool:
-    """On the list, or opted in by the build or load in progress."""
-    return name in allowed_ops() or name in _OPTED_IN.get()
+    """On the list, or opted in by the build or load in progress (never a refused overload)."""
+    return (name in allowed_ops() or name in _OPTED_IN.get()) and name not in REFUSED_OVERLOADS
 
 
 def opted_in_ops() -> frozenset:

@@ -13,6 +13,29 @@ node's contract is checked against them: the contracts of the ops that read the 
 hold for the real values, and the invariants compare with the real dtype. Each rule is the
 kernel's own (ATen's ``param_scalar_type``: fp32 when a reduced-precision input meets an fp32
 weight or bias, else the input's dtype) and is tested against the kernel on every dtype pair.
+
+The same holds for every other admitted op whose CPU kernel returns other metadata than its meta
+kernel on arguments its contract accepts (found by ``tools/fuzz/fuzz_ops.py``, which compares
+every run's result with what this module derives); each rule restates the CPU kernel's own
+choice and ``tests/format/test_device_results.py`` checks it against the kernel on every
+dtype and flag combination:
+
+* batch norm in eval mode (``native_batch_norm`` and ``_native_batch_norm_legit`` with
+  ``training=False``, ``_native_batch_norm_legit_no_training``) returns empty saved statistics
+  (``[0]``; meta: ``[C]``), and in every mode keeps them in the parameters' dtype as layer norm
+  does (fp32 beside an fp32 weight, bias or running statistic; else the input's dtype);
+* ``native_batch_norm_backward`` returns no gradient its ``output_mask`` does not ask for
+  (meta: ``grad_input`` always);
+* ``_embedding_bag``: ``offset2bag`` is empty on the fast path of sum mode (fp32/fp16/bf16
+  weight with dense rows, no ``padding_idx``, dense per-sample weights), ``bag_size`` has one
+  value per bag and ``max_indices`` is ``[bags, D]`` in max mode, else ``[bags]`` (meta describes
+  CUDA's kernel); the interpreter runs without autograd, so the kernel's ``requires_grad``
+  branch is the one without it;
+* ``threshold_backward`` computes in the promoted dtype of ``grad_output`` and ``self`` (meta:
+  ``grad_output``'s), ``native_dropout_backward`` in that of ``grad_output`` and ``mask`` (the
+  default float dtype when both are integral: it multiplies by a float scale);
+  ``mse_loss_backward`` returns ``self``'s dtype (meta: all three promoted);
+* ``native_dropout`` on an empty input returns a mask of the input's dtype (meta: bool).
 """
 
 from __future__ import annotations
@@ -57,12 +80,112 @@ def _cpu_group_norm(args: tuple, kwargs: dict, value: Any) -> Any:
     return _with_statistics_dtype(value, _statistics_dtype(x, params))
 
 
+def _arg(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
+    """An argument by schema position or keyword (stored graphs may use either)."""
+    return args[position] if len(args) > position else kwargs.get(name, default)
+
+
+def _remade(t: torch.Tensor, dtype: torch.dtype | None = None, shape: tuple | None = None) -> torch.Tensor:
+    """A meta tensor like ``t`` with another dtype (same shape and strides) or another shape (contiguous)."""
+    if shape is not None:
+        return torch.empty(shape, dtype=dtype or t.dtype, device=t.device)
+    return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
+
+
+def _batch_norm(training_at: int | None) -> Callable[[tuple, dict, Any], Any]:
+    """CPU batch norm (``batch_norm_cpu``): saved mean/invstd ``[C]`` when training, ``[0]``
+    in eval mode, in ``param_scalar_type`` of input, weight, bias and running statistics.
+    ``training_at``: the position of the ``training`` argument (None: always eval mode)."""
+    def rule(args: tuple, kwargs: dict, value: Any) -> Any:
+        out, mean, invstd = value
+        x = args[0]
+        training = False if training_at is None else bool(_arg(args, kwargs, training_at, "training"))
+        params = tuple(_arg(args, kwargs, k, n) for k, n in ((1, "weight"), (2, "bias")))
+        if training_at != 3:  # the no_stats overload has no running statistics
+            params += tuple(_arg(args, kwargs, k, n) for k, n in ((3, "running_mean"), (4, "running_var")))
+        dtype = _statistics_dtype(x, params)
+        shape = None if training else (0,)
+        return (out, _remade(mean, dtype, shape), _remade(invstd, dtype, shape))
+    return rule
+
+
+def _batch_norm_backward(args: tuple, kwargs: dict, value: Any) -> Any:
+    """CPU ``batch_norm_backward_cpu`` returns no tensor for a gradient its ``output_mask`` does
+    not ask for; the meta kernel always returns ``grad_input``."""
+    mask = _arg(args, kwargs, 9, "output_mask")
+    if not isinstance(mask, (list, tuple)) or len(mask) != 3 or all(mask):
+        return value
+    return tuple(v if wanted else None for v, wanted in zip(value, mask))
+
+
+def _embedding_bag(args: tuple, kwargs: dict, value: Any) -> Any:
+    """CPU ``_embedding_bag`` (``make_offset2bag_out``, ``make_bag_size_out``, ``make_max_indices_out``)."""
+    out, offset2bag, bag_size, max_indices = value
+    weight, indices, offsets = args[0], args[1], args[2]
+    mode = _arg(args, kwargs, 4, "mode", 0)
+    per_sample = _arg(args, kwargs, 6, "per_sample_weights")
+    last = bool(_arg(args, kwargs, 7, "include_last_offset", False))
+    padding_idx = _arg(args, kwargs, 8, "padding_idx", -1)
+    padding_idx = -1 if padding_idx is None else padding_idx
+    fast_sum = (weight.dtype in (torch.float32, torch.float16, torch.bfloat16) and weight.stride(1) == 1
+                and out.stride(1) == 1 and padding_idx < 0
+                and (not _present(per_sample) or per_sample.stride(0) == 1))
+    bags = offsets.shape[0] - (1 if last else 0)
+    o2b = (indices.shape[0],) if mode in (1, 2) or not fast_sum else (0,)
+    return (out, _remade(offset2bag, shape=o2b), _remade(bag_size, shape=(bags,)),
+            _remade(max_indices, shape=(bags, weight.shape[1]) if mode == 2 else (bags,)))
+
+
+def _promoted(first: str, second: str, at: tuple[int, int]) -> Callable[[tuple, dict, Any], Any]:
+    """A TensorIterator kernel that computes in the promoted dtype of two tensor arguments."""
+    def rule(args: tuple, kwargs: dict, value: Any) -> Any:
+        a, b = _arg(args, kwargs, at[0], first), _arg(args, kwargs, at[1], second)
+        dtype = torch.promote_types(a.dtype, b.dtype)
+        return value if value.dtype == dtype else _remade(value, dtype)
+    return rule
+
+
+def _dropout_backward(args: tuple, kwargs: dict, value: Any) -> Any:
+    """CPU ``native_dropout_backward`` is ``grad_output * mask * scale``: the promoted dtype of
+    the two tensors, and the default float dtype when both are integral (``scale`` is a float)."""
+    grad, mask = _arg(args, kwargs, 0, "grad_output"), _arg(args, kwargs, 1, "mask")
+    dtype = torch.promote_types(grad.dtype, mask.dtype)
+    if not (dtype.is_floating_point or dtype.is_complex):
+        dtype = torch.get_default_dtype()
+    return value if value.dtype == dtype else _remade(value, dtype)
+
+
+def _mse_loss_backward(args: tuple, kwargs: dict, value: Any) -> Any:
+    """CPU ``mse_loss_backward`` writes into ``zeros_like(self)``: ``self``'s dtype."""
+    dtype = _arg(args, kwargs, 1, "self").dtype
+    return value if value.dtype == dtype else _remade(value, dtype)
+
+
+def _native_dropout(args: tuple, kwargs: dict, value: Any) -> Any:
+    """CPU ``native_dropout`` returns ``(input.clone(), empty_like(input))`` for an empty input."""
+    out, mask = value
+    x = args[0]
+    if x.numel() != 0 or mask.dtype == x.dtype:
+        return value
+    return (out, _remade(mask, x.dtype))
+
+
 _aten = torch.ops.aten
 #: device type -> op -> (args, kwargs, meta result) -> what that device's kernel returns
 RULES: dict[str, dict[Any, Callable[[tuple, dict, Any], Any]]] = {
     "cpu": {
         _aten.native_layer_norm.default: _cpu_layer_norm,
         _aten.native_group_norm.default: _cpu_group_norm,
+        _aten.native_batch_norm.default: _batch_norm(5),
+        _aten._native_batch_norm_legit.default: _batch_norm(5),
+        _aten._native_batch_norm_legit.no_stats: _batch_norm(3),
+        _aten._native_batch_norm_legit_no_training.default: _batch_norm(None),
+        _aten.native_batch_norm_backward.default: _batch_norm_backward,
+        _aten._embedding_bag.default: _embedding_bag,
+        _aten.threshold_backward.default: _promoted("grad_output", "self", (0, 1)),
+        _aten.native_dropout_backward.default: _dropout_backward,
+        _aten.mse_loss_backward.default: _mse_loss_backward,
+        _aten.native_dropout.default: _native_dropout,
     },
 }
 

@@ -49,6 +49,24 @@ def test_views_by_contract_are_listed_not_refused():
         resolve_target("aten::as_strided_.default")
 
 
+def test_overloads_whose_meta_kernel_reads_values_are_refused_by_name():
+    """``_foreach_addcmul_.Tensor`` and ``_foreach_addcdiv_.Tensor``: their meta kernels read the
+    ``scalars`` tensor's values, which the load's check (on meta tensors) cannot give them, so no
+    graph calling them could load. They are off the list, an opt-in to them is refused with that
+    reason, and their ``.Scalar`` / ``.ScalarList`` overloads stay listed."""
+    from spmd_aot.errors import SpmdAotError
+
+    assert set(allowlist.REFUSED_OVERLOADS) == {"aten::_foreach_addcmul_.Tensor", "aten::_foreach_addcdiv_.Tensor"}
+    for name in allowlist.REFUSED_OVERLOADS:
+        assert name not in allowlist.allowed_ops() and not allowlist.is_allowed(name)
+        with pytest.raises(SpmdAotError, match="can never be allowed: it reads the values of its `scalars` tensor"):
+            allowlist.opt_in_names([name])
+    assert {"aten::_foreach_addcdiv_.ScalarList", "aten::_foreach_addcmul_.Scalar"} <= allowlist.allowed_ops()
+    xs = [torch.ones(3, device="meta")]
+    with pytest.raises(RuntimeError, match="Expected scalars to be on CPU"):  # why: if torch changes this, re-admit
+        torch.ops.aten._foreach_addcmul_.Tensor(xs, xs, xs, torch.ones(1, device="meta"))
+
+
 def test_every_op_the_suite_needs_is_listed():
     """The communication passes' ops and every functional collective are on the list; the
     ops of every graph the suite traces are checked when it is stored (next test)."""

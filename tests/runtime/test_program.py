@@ -109,9 +109,11 @@ def test_a_repeat_written_in_place_unfolds_the_value_it_repeats_too():
 
 
 # ------------------------------------------------------------------ run-time invariants
-# Ops whose CPU results differ from their meta results (shape or dtype). A crafted graph that
-# reads such a value would run ops whose contracts were checked on the meta value; the program
-# stops at the producer with a typed error instead (interpreter/invariants.py).
+# Ops whose CPU results differ from their meta results (shape or dtype). The load's check derives
+# what CPU returns for each (format/device_results.py), so these graphs run; were that model of
+# the kernel wrong (here: switched off), a crafted graph that reads such a value would run ops
+# whose contracts were checked on the other value, and the program stops at the producer with a
+# typed error instead (interpreter/invariants.py).
 aten = torch.ops.aten
 C = 3
 
@@ -164,8 +166,30 @@ def _checked_program(build, shapes, dtypes, read=lambda g, v: g.call_function(at
     return Program(nodes, {}, expected=[describe(m) for m in metas]), [_real(s, d) for s, d in zip(shapes, dtypes)]
 
 
+@pytest.fixture
+def without_device_corrections(monkeypatch):
+    """The load's check as if it knew nothing of CPU's kernels: the meta results, uncorrected."""
+    from spmd_aot.format import device_results
+
+    monkeypatch.setitem(device_results.RULES, "cpu", {})
+
+
 @pytest.mark.parametrize("case", sorted(DIVERGENT))
-def test_a_value_whose_cpu_metadata_differs_from_meta_is_refused_before_it_is_read(case):
+def test_a_divergent_op_is_checked_as_cpu_computes_it(case):
+    """Each op whose CPU result differs from its meta result: the check derives CPU's metadata,
+    so a graph reading the value runs, with the invariants on, and returns what eager returns."""
+    program, inputs = _checked_program(*DIVERGENT[case])
+    build, shapes, dtypes = DIVERGENT[case]
+    g = torch.fx.Graph()
+    xs = [g.placeholder(f"x{i}") for i in range(len(shapes))]
+    g.output(g.call_function(aten.cat.default, ([build(g, *xs)] * 2,)))
+    eager = torch.fx.GraphModule(torch.nn.Module(), g)(*inputs)
+    got = program(*inputs)
+    assert got.shape == eager.shape and got.dtype == eager.dtype
+
+
+@pytest.mark.parametrize("case", sorted(DIVERGENT))
+def test_a_value_whose_cpu_metadata_differs_from_meta_is_refused_before_it_is_read(case, without_device_corrections):
     program, inputs = _checked_program(*DIVERGENT[case])
     with pytest.raises(DivergedValueError, match=r"node \d+ .*load's meta check derived") as info:
         program(*inputs)
@@ -198,7 +222,7 @@ def test_norm_statistics_are_checked_as_the_cpu_kernel_makes_them(op, x_dtype, w
     assert program(*inputs).dtype == real.dtype
 
 
-def test_a_divergent_value_nobody_reads_costs_nothing_and_breaks_nothing():
+def test_a_divergent_value_nobody_reads_costs_nothing_and_breaks_nothing(without_device_corrections):
     """Eval-mode batch norm's saved statistics ([C] on meta, [0] on CPU) are never read."""
     def read_only_the_input(g, saved_mean):
         return g.call_function(aten.relu.default, (saved_mean.args[0].args[0],))  # relu(x)
@@ -239,6 +263,8 @@ from spmd_aot.interpreter.invariants import DivergedValueError
 
 case = sys.argv[1]
 build, shapes, dtypes = DIVERGENT[case]
+from spmd_aot.format import device_results
+device_results.RULES["cpu"] = {{}}  # the check's model of CPU's kernels wrong: the invariants must hold
 
 def read(g, v):  # the attack: a buffer large on meta and small on CPU, written by a fused step
     big = g.call_function(aten.cat.default, ([v, g.call_function(aten.full.default, ([4096], 1.0))],))
@@ -351,8 +377,15 @@ g.call_function(aten._fused_adam_.default, ([param], [grad], [exp_avg], [sq], []
 g.output(exp_avg)
 shapes = [[2, C, 1], [C], [C], [C], [C], [2 * C], [2 * C], [2 * C], []]
 nodes = decode_graph(encode_graph(g, {}), groups=[], device=torch.device("cpu"))
-metas = check_graph(nodes, {}, [{"local_shape": s, "dtype": "float32"} for s in shapes], device_type="cpu")  # passes
-expected = [describe(m) for m in metas] if sys.argv[1] == "checked" else None
+if sys.argv[1] != "checked":  # the check's model of CPU's batch norm switched off: it passes on meta values
+    from spmd_aot.format import device_results
+    device_results.RULES["cpu"] = {}
+try:
+    metas = check_graph(nodes, {}, [{"local_shape": s, "dtype": "float32"} for s in shapes], device_type="cpu")
+except Exception as exc:
+    print("REFUSED AT LOAD", type(exc).__name__, str(exc)[:200])
+    sys.exit(0)
+expected = [describe(m) for m in metas] if sys.argv[1] != "unchecked" else None
 try:
     Program(nodes, {}, expected=expected, fold=False)(*[torch.rand(s) for s in shapes])
 except DivergedValueError as exc:
@@ -366,7 +399,9 @@ def test_the_fused_adam_write_past_a_short_buffer_is_stopped(tmp_path):
     """The attack in full: a buffer ``[2C]`` on meta and ``[C]`` on CPU (batch norm's saved mean
     catted with C ones) as a fused Adam step's ``exp_avg``, every contract passing on meta. Without
     the run-time expectations the kernel writes 16 KiB past the buffer and glibc aborts the
-    process; with them the step stops at the batch norm, exit 0."""
+    process; with them the step stops at the batch norm, exit 0. With the load's check deriving
+    what CPU's batch norm returns (``[0]``), the graph is refused at load: Adam's contract sees
+    an ``exp_avg`` of C elements beside a parameter of 2C."""
     import os
     import subprocess
     import sys
@@ -379,7 +414,12 @@ def test_the_fused_adam_write_past_a_short_buffer_is_stopped(tmp_path):
         env["LD_PRELOAD"] = debug
     checked = subprocess.run([sys.executable, str(script), "checked"], env=env, capture_output=True, text=True,
                              timeout=300)
-    assert checked.returncode == 0 and checked.stdout.startswith("REFUSED node"), checked.stdout + checked.stderr
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert checked.stdout.startswith("REFUSED AT LOAD UnsafeArtifactError") and "exp_avgs[0]" in checked.stdout
+    uncorrected = subprocess.run([sys.executable, str(script), "uncorrected"], env=env, capture_output=True,
+                                 text=True, timeout=300)
+    assert uncorrected.returncode == 0, uncorrected.stdout + uncorrected.stderr
+    assert uncorrected.stdout.startswith("REFUSED node"), uncorrected.stdout + uncorrected.stderr
     unchecked = subprocess.run([sys.executable, str(script), "unchecked"], env=env, capture_output=True,
                                text=True, timeout=300)
     assert unchecked.returncode < 0 or "RAN" not in unchecked.stdout, (unchecked.returncode, unchecked.stdout)

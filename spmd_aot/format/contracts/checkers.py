@@ -117,12 +117,33 @@ def layer_norm(a: Args, *, backward: bool) -> None:
 def batch_norm(a: Args, *, backward: bool) -> None:
     """Every per-channel vector (weight, bias, running and saved statistics) is 1-d of
     ``C = input.shape[1]`` elements (the kernel indexes them by channel, unchecked); backward:
-    ``grad_out`` has ``input``'s shape and dtype."""
+    ``grad_out`` has ``input``'s shape and dtype.
+
+    Eval mode normalises with the running statistics, which the CPU kernels then read through
+    raw pointers without checking they exist (``training=False`` without them: SIGSEGV, in the
+    forward and in the backward), so eval mode needs both. The backward with ``train=False``
+    never reads the saved statistics, which CPU eval-mode batch norm returns empty (``[0]``,
+    ``device_results``): they may be ``[C]``, ``[0]`` or absent; with ``train=True`` it reads them,
+    so they must be ``[C]``."""
     x = a.tensor("input")
     _need(x.dim() >= 2, "input", f"must have a channel dimension, has shape {_shape(x)}")
     c = x.shape[1]
+    training = bool(a.get("train" if backward else "training"))
+    if "training" in a and "running_mean" not in a:  # _native_batch_norm_legit.no_stats
+        _need(training, "training", "must be True: this overload has no running statistics to normalise with")
+    if not training:
+        for name in ("running_mean", "running_var"):
+            _need(name not in a or a.t(name) is not None, name,
+                  "must be given in eval mode (the kernel normalises with it, unchecked)")
+    if backward and training:
+        for name in ("save_mean", "save_invstd"):
+            _need(a.t(name) is not None, name, "must be given when train=True (the kernel reads it, unchecked)")
+    saved_unread = backward and not training
     for name in ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd"):
         if name in a:
+            t = a.t(name)
+            if saved_unread and name.startswith("save_") and t is not None and t.dim() == 1 and t.shape[0] == 0:
+                continue  # eval-mode saved statistics, empty on CPU: never read
             _norm_param(a, name, [c], x, "[input.shape[1]]")
     for name in ("running_mean", "running_var"):
         t = a.t(name)
@@ -196,6 +217,10 @@ def index_values(a: Args, *, op: str) -> None:
         _need(idx.dtype in (torch.int64, torch.int32) and off.dtype == idx.dtype, "offsets",
               "and indices must be int64 or int32, the same")
         _need(a.get("mode") in (0, 1, 2), "mode", f"= {a.get('mode')!r} must be 0 (sum), 1 (mean) or 2 (max)")
+        last = bool(a.get("include_last_offset"))
+        _need(off.shape[0] >= 1 + last, "offsets",
+              f"has {off.shape[0]} values; must hold at least one bag ({1 + last} values with include_last_offset="
+              f"{last}): the CPU kernel indexes the first bag unchecked (SIGSEGV)")
         psw = a.t("per_sample_weights")
         if psw is not None:
             _shape_eq(psw, idx.shape, "per_sample_weights", "indices.shape")
@@ -258,6 +283,9 @@ def pooling(a: Args, *, kind: str) -> None:
     if kind.startswith("adaptive"):
         _need(x.dim() in (3, 4), "self", f"must be 3-d or 4-d, has shape {_shape(x)}")
         if kind == "adaptive_backward":
+            _need(all(n > 0 for n in x.shape[-3:]), "self",
+                  f"has shape {_shape(x)}; its channel and spatial sizes must be > 0 (the CPU backward "
+                  "divides by them unchecked: SIGSEGV)")
             g = a.tensor("grad_output")
             _need(g.dim() == x.dim() and list(g.shape[:-2]) == list(x.shape[:-2]), "grad_output",
                   f"has shape {_shape(g)}; must be self.shape[:-2] + [oH, oW] for self {_shape(x)}")
@@ -326,6 +354,12 @@ def convolution(a: Args, *, backward: bool) -> None:
         return
     g = a.tensor("grad_output")
     _shape_eq(g, out_shape, "grad_output", "the convolution's output shape")
+    mask = a.get("output_mask")
+    # CPU's oneDNN path (fp32/bf16) returns the weight's gradient whenever the bias's is asked
+    # for, where the meta kernel returns none: the two would not describe the same values
+    _need(not (isinstance(mask, (list, tuple)) and len(mask) == 3 and mask[2] and not mask[1]), "output_mask",
+          f"= {list(mask) if isinstance(mask, (list, tuple)) else mask}: a bias gradient needs the weight's "
+          "too (a trainable bias beside a frozen weight: keep the weight trainable, or leave the bias out)")
     _dtype_eq(g, a.tensor("input"), "grad_output", "input")
     if a.get("bias_sizes") is not None:  # a conv without bias passes [0] and asks no bias gradient
         mask = a.get("output_mask")
@@ -356,6 +390,9 @@ def attention_cpu(a: Args, *, backward: bool) -> None:
     _need(1 <= hk <= h and h % hk == 0, "key", f"has {hk} heads, which must divide query's {h} (grouped-query attention)")
     _shape_eq(k, [b, hk, k.shape[2], e], "key", "[B, Hk, S, E] of query")
     _shape_eq(v, list(k.shape), "value", "key.shape")
+    _need(length >= 1 and k.shape[2] >= 1, "query",
+          f"and key must hold at least one position each (L = {length}, S = {k.shape[2]}): the CPU kernel "
+          "divides by the block count, which is 0 for an empty sequence (SIGFPE)")
     _need(a.get("dropout_p") == 0.0, "dropout_p", f"= {a.get('dropout_p')} must be 0 (no dropout on CPU)")
     mask = a.t("attn_mask")
     if mask is not None:
@@ -378,8 +415,7 @@ def foreach(a: Args, *, lists: tuple = ("self",), scalars: str | None = None,
     """Foreach ops: every list as long as the first; per index the tensors broadcast to the first
     list's shape (CUDA's fused path takes only equal shapes, strides and dtypes and falls back to
     the per-tensor op otherwise, whose iterator checks dtypes); a scalar list one value per
-    tensor; a scalar tensor 0-d (``scalars`` tensor of ``_foreach_addcdiv_.Tensor``: 1-d, one
-    value per tensor)."""
+    tensor; a scalar tensor 0-d (a ``scalars`` tensor: 1-d, one value per tensor)."""
     first = a.tensors(lists[0])
     for name in lists[1:]:
         other = a.tensors(name)

@@ -133,7 +133,7 @@ _RULES: list[tuple[Callable, str]] = [
     (P(foreach, scalars="scalars"), "_foreach_add_.ScalarList"),
     (P(foreach, lists=("self", "tensor1", "tensor2")), "_foreach_addcdiv_.Scalar _foreach_addcmul_.Scalar"),
     (P(foreach, lists=("self", "tensor1", "tensor2"), scalars="scalars"),
-     "_foreach_addcdiv_.ScalarList _foreach_addcdiv_.Tensor _foreach_addcmul_.Tensor"),
+     "_foreach_addcdiv_.ScalarList"),
     (P(foreach, lists=("self", "tensors1")), "_foreach_lerp_.Scalar"),
     (P(foreach, lists=("self", "tensors1", "weights")), "_foreach_lerp_.List"),
     (P(collective, kind="all_gather"), "all_gather_into_tensor.default all_gather_into_tensor_coalesced.default "

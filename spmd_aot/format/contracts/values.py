@@ -1,5 +1,6 @@
 """Run-time value checks: overloads whose kernels write where index values say, without a
-bounds check; ``program`` runs these right before every such call."""
+bounds check, or trap on values (integer division); ``program`` runs these right before every
+such call, and before folding a constant at load."""
 
 from __future__ import annotations
 
@@ -44,6 +45,28 @@ def _embedding_bag_values(args: tuple, kwargs: dict) -> None:
         _index_range(steps, indices.numel() + 1, "_embedding_bag offsets (decreasing)")
 
 
+_INT_MIN = {torch.int64: -(1 << 63), torch.int32: -(1 << 31)}
+
+
+def _trunc_division_values(args: tuple, kwargs: dict) -> None:
+    """Integer division rounding toward zero runs x86's ``idiv``, which traps on the one quotient
+    that does not fit, INT_MIN / -1 (SIGFPE, for int64 and int32; floor division and the other
+    integer types do not trap). Refused before the call, on any device (CUDA wraps instead)."""
+    self, other = args[0], args[1] if len(args) > 1 else kwargs.get("other")
+    if kwargs.get("rounding_mode") != "trunc" or not isinstance(self, torch.Tensor):
+        return
+    dtype = torch.result_type(self, other)
+    low = _INT_MIN.get(dtype)
+    if low is None or self.numel() == 0:
+        return
+    if isinstance(other, torch.Tensor):
+        bad = bool(((self == low) & (other == -1)).any())
+    else:
+        bad = other == -1 and bool((self == low).any())
+    if bad:
+        raise ArithmeticError(f"div(rounding_mode='trunc'): {low} / -1 overflows {dtype} (the CPU kernel traps on it)")
+
+
 #: Overloads whose kernels (CPU or CUDA) write where index values say without checking them:
 #: name -> check(args, kwargs), run before every call (program.py). Embedding's backward counts
 #: ``counts[index]++`` with ``scale_grad_by_freq`` (CPU) and scatters rows by index (CUDA);
@@ -52,4 +75,6 @@ VALUE_CHECKS: dict[str, Callable[[tuple, dict], None]] = {
     "aten::embedding_dense_backward.default": _embedding_backward_values,
     "aten::max_pool2d_with_indices_backward.default": _max_pool_backward_values,
     "aten::_embedding_bag.default": _embedding_bag_values,
+    "aten::div.Tensor_mode": _trunc_division_values,
+    "aten::div.Scalar_mode": _trunc_division_values,
 }
