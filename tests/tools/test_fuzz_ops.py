@@ -7,14 +7,15 @@ from __future__ import annotations
 import fuzz_ops  # a tool: pytest puts tools/ on sys.path (pyproject.toml)
 
 
-def test_fuzz_slice_accepts_no_crashing_case():
+def test_fuzz_slice_accepts_no_crashing_or_diverging_case():
     ops = fuzz_ops.allowed_ops()
     chosen = sorted(set(ops[::3]) | (set(fuzz_ops.REVIEW_OPS) & set(ops)))
     r = fuzz_ops.fuzz(chosen, timeout=30.0)
     print(f"\nfuzz slice: {r['ops']} ops, {r['tried']} argument sets, {r['refused']} refused, {r['run']} run, "
-          f"{len(r['crashes'])} crashes")
-    assert r["crashes"] == []
+          f"{len(r['crashes'])} crashes, {len(r['divergences'])} meta/CPU divergences")
+    assert r["crashes"] == [] and r["divergences"] == []
     assert r["refused"] > 0 and r["run"] > 0
+    assert r["run_ok"] > 4 * r["run_raised"]  # cases really ran (a recipe the child cannot read only raises)
 
 
 def test_the_review_crash_cases_are_refused_by_the_check():
@@ -44,8 +45,7 @@ def test_every_allowed_op_gets_a_valid_sample():
             why = fuzz_ops.check(name, args, kwargs, 16 << 20)
             if why is not None:
                 refused[name] = why
-    # torch's meta kernel of these refuses a scalars tensor on the meta device (not a contract)
-    assert set(refused) <= {"aten::_foreach_addcdiv_.Tensor", "aten::_foreach_addcmul_.Tensor"}, refused
+    assert refused == {}
 
 
 def test_a_spent_budget_runs_nothing_and_says_how_much():
@@ -127,3 +127,85 @@ def test_ops_admitted_by_contract_refuse_every_edge_past_it_and_run_the_rest():
           f"{len(r['crashes'])} crashes, {len(r['divergences'])} meta/real divergences")
     assert r["crashes"] == [] and r["divergences"] == [] and r["valid_samples_refused"] == []
     assert r["not_run"] == 0 and set(r["by_op"]) == set(ops)
+
+
+def test_mutations_break_every_kind_of_argument():
+    """Zero sizes in every dimension, flags and mask entries flipped, the int64 extremes, NaN and
+    infinities, integer tensors holding INT_MIN: the kinds of argument the review's crashes needed."""
+    t = fuzz_ops.t
+    base = [(t(4, 3, 5), t(3, dtype="int64"), [True, False], 1, 0.5, True, "sum"), {}]
+    labels = {label for label, _ in fuzz_ops.mutations(base)}
+    for wanted in ("0.0:empty", "0.0:empty_dim1", "0.0:empty_dim2", "0.0:nan_values", "0.0:inf_values",
+                   "0.1:int_min_values", "0.1:int_max_values", "0.2.0:flip", "0.2.1:flip", "0.5:flip",
+                   f"0.3:int_{-(1 << 63)}", f"0.3:int_{(1 << 63) - 1}", "0.3:int_-1", "0.3:int_0",
+                   "0.4:float_nan", "0.4:float_inf", "0.6:str_trunc", "0.6:str_nonsense"):
+        assert wanted in labels, wanted
+
+
+_CRASHED = {  # each crashed its CPU kernel (a signal) before its contract or value check refused it
+    "aten::div.Tensor_mode": ("int64_min_by_minus_one_trunc", "int32_min_by_minus_one_trunc",
+                              "broadcast_min_by_minus_one_trunc"),
+    "aten::div.Scalar_mode": ("int64_min_by_minus_one_trunc", "int32_min_by_minus_one_trunc"),
+    "aten::_scaled_dot_product_flash_attention_for_cpu.default": ("empty_query", "empty_key", "no_heads"),
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward.default": ("empty_query", "empty_key"),
+    "aten::_embedding_bag.default": ("max_last_offset_single", "no_offsets", "no_offsets_slow_path"),
+    "aten::_adaptive_avg_pool2d_backward.default": ("zero_input_height", "zero_channels"),
+    "aten::native_batch_norm.default": ("eval_without_running_stats",),
+    "aten::_native_batch_norm_legit.no_stats": ("eval",),
+    "aten::native_batch_norm_backward.default": ("eval_without_running_stats", "train_without_saved_stats",
+                                                 "train_saved_stats_empty"),
+}
+_VALUE_REFUSED = {"aten::div.Tensor_mode", "aten::div.Scalar_mode"}  # shapes are fine: the values trap
+
+
+def test_the_crash_edges_are_refused_and_their_neighbours_run():
+    """Each crash found by the extended mutations: refused by its contract at load (shapes), or by
+    its value check right before the call (integer division's INT_MIN / -1); the cases next to
+    them that are fine (eval-mode batch norm's empty saved statistics, floor division of INT_MIN
+    by -1, a batch of 0 for adaptive pooling) are accepted and run."""
+    from spmd_aot.format.contracts import VALUE_CHECKS
+
+    for name, labels in _CRASHED.items():
+        edges = dict(fuzz_ops.EDGES[name])
+        for label in labels:
+            why = fuzz_ops.check(name, *edges[label], 16 << 20)
+            if name in _VALUE_REFUSED:
+                assert why is None, (name, label, why)
+                args, kwargs = fuzz_ops.materialize(*edges[label], "cpu")
+                try:
+                    VALUE_CHECKS[name](tuple(args), dict(kwargs))
+                except ArithmeticError as exc:
+                    assert "overflows" in str(exc)
+                else:
+                    raise AssertionError((name, label, "not refused"))
+            else:
+                assert why is not None, (name, label)
+    fine = {"aten::native_batch_norm_backward.default": "eval_saved_stats_empty",
+            "aten::native_batch_norm.default": "eval", "aten::div.Tensor_mode": "int64_min_by_minus_one_floor",
+            "aten::_adaptive_avg_pool2d_backward.default": "zero_batch",
+            "aten::_embedding_bag.default": "mean_padding_idx"}
+    for name, label in fine.items():
+        assert fuzz_ops.check(name, *dict(fuzz_ops.EDGES[name])[label], 16 << 20) is None, (name, label)
+    r = fuzz_ops.fuzz(sorted(_CRASHED), timeout=30.0)
+    assert r["crashes"] == [] and r["divergences"] == [] and r["valid_samples_refused"] == []
+    assert r["run_ok"] > 0 and r["run_raised"] > 0  # the INT_MIN / -1 divisions raise in the child
+
+
+def test_a_divergence_is_detected_reported_per_op_and_fails_the_run(monkeypatch, capsys):
+    """With CPU's embedding-bag rule taken out of the load's check (``device_results``), the
+    check derives the meta kernel's (CUDA's) offset2bag for a CPU run: the fuzzer sees every such
+    case's real result differ, reports it per op, and exits non-zero."""
+    from spmd_aot.format import device_results
+
+    name = "aten::_embedding_bag.default"
+    monkeypatch.setitem(device_results.RULES, "cpu", {
+        op: rule for op, rule in device_results.RULES["cpu"].items() if op is not fuzz_ops.torch.ops.aten._embedding_bag.default})
+    r = fuzz_ops.fuzz([name], timeout=30.0)
+    assert r["crashes"] == [] and r["divergences"], r
+    assert all(d[0] == name for d in r["divergences"])
+    assert r["by_op"][name]["divergences"] == len(r["divergences"])
+    meta, real = r["divergences"][0][2:]
+    assert meta[1] != real[1]  # offset2bag: [n_indices] on meta, [0] on CPU's fast path
+    assert fuzz_ops.main(["--op", name]) == 1
+    out = capsys.readouterr().out
+    assert f"op {name}: run" in out and "DIVERGES" in out and "meta/real result divergences 0" not in out

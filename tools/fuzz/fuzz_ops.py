@@ -3,9 +3,12 @@ load-time check accepts for real.
 
 For every overload in ``spmd_aot/allowed_ops.txt`` (read at run time) this builds valid argument
 sets (``SAMPLES``, else derived from the schema), then mutates each one: wrong and 1-element
-sizes, stride 0 (expand), non-contiguous, other dtypes, aliased and overlapping tensors, lists
-of the wrong length, dims and sizes out of range, negative and out-of-range index values, huge
-sizes (as stride-0 views and size arguments: refused by the load limits, never allocated).
+sizes, a zero size in every dimension, stride 0 (expand), non-contiguous, other dtypes, aliased
+and overlapping tensors, lists of the wrong length, dims and sizes out of range, every flag and
+mask entry flipped, ints replaced by -1, 0, huge values and the int64 extremes, floats by NaN,
+infinities and 0, mode strings by others, integer tensors holding negative, out-of-range, INT_MIN
+and INT_MAX values, float tensors holding NaN and infinities, huge sizes (as stride-0 views and
+size arguments: refused by the load limits, never allocated).
 Each set first goes through the check a loaded graph goes through (``validate.check_node``: the
 op's contract, its meta kernel, the result checks) on meta tensors; whatever it accepts then runs
 for real on CPU (``--device cuda``: on the GPU, each run synchronized, a CUDA fault counted
@@ -20,9 +23,11 @@ The heap checker: on glibc 2.34 and later ``MALLOC_CHECK_=3`` does nothing unles
 ``/proc/self/maps`` and refuses to run a case unless the checker is mapped (the run then fails);
 before any case, a child writes one byte past a tensor's storage and must die of it.
 
-Every accepted case's result is also compared with what the meta kernel said it would be
-(shape and dtype): a divergence means a contract checked on meta results does not describe
-the values downstream; they are reported per op.
+Every accepted case's result is also compared with what the load's check derives for the
+device (the meta kernel's result as ``format/device_results.py`` corrects it: shape, dtype and
+which outputs are absent): a divergence means a contract checked on that metadata does not
+describe the values downstream. Crashes and divergences are reported per op, and either makes
+the run exit with status 1.
 
 Children run many cases each and log each case's index before running it, so a crash names its
 case and the parent restarts a child from the next one.
@@ -225,8 +230,6 @@ SAMPLES: dict[str, list] = {  # op -> [[args, kwargs], ...]; the rest is derived
     "aten::_fused_sgd_.default": [_sgd(False)], "aten::_fused_sgd_.tensor_lr": [_sgd(True)],
     "aten::_foreach_add_.ScalarList": [[([t(3), t(4)], [1.0, 2.0]), {}]],
     "aten::_foreach_addcdiv_.ScalarList": [[([t(3), t(4)], [t(3), t(4)], [t(3), t(4)], [1.0, 2.0]), {}]],
-    "aten::_foreach_addcdiv_.Tensor": [[([t(3), t(4)], [t(3), t(4)], [t(3), t(4)], t(2)), {}]],
-    "aten::_foreach_addcmul_.Tensor": [[([t(3), t(4)], [t(3), t(4)], [t(3), t(4)], t(2)), {}]],
     "aten::_foreach_pow.ScalarAndTensor": [[(2.0, [t(3), t(4)]), {}]],
     "aten::_fft_r2c.default": [[(t(4, 8), [1], 0, True), {}]],
     "aten::_fft_c2r.default": [[(t(4, 5, dtype="complex64"), [1], 0, 8), {}]],
@@ -274,6 +277,7 @@ SAMPLES: dict[str, list] = {  # op -> [[args, kwargs], ...]; the rest is derived
     "aten::_foreach_mul.Tensor": [[([t(3), t(4)], t()), {}]], "aten::_foreach_mul_.Tensor": [[([t(3), t(4)], t()), {}]],
     "aten::clamp.Tensor": [[(t(3, 4), t(4), t(3, 1)), {}]], "aten::clamp.default": [[(t(3, 4), -1.0, 1.0), {}]],
     "_c10d_functional::broadcast_.default": [[(t(3, 4), 0, G), {}]],
+    "_c10d_functional::all_to_all_single.default": [[(t(4, 3), [4], [4], G), {}]],  # a world of one
     # views by contract (spmd_aot/format/contracts/views.py): at and inside the storage's end
     "aten::as_strided.default": [[(t(4, 4), [4, 4], [4, 1], 0), {}],
                                  [(t(4, 4), [2, 2], [1, 4], 10), {}],  # last element = the storage's last
@@ -285,10 +289,74 @@ SAMPLES: dict[str, list] = {  # op -> [[args, kwargs], ...]; the rest is derived
     "aten::polar.default": [[(t(3, 4), t(4)), {}], [(t(3, dtype="float64"), t(3, dtype="float64")), {}]],
     "aten::_conj.default": [[(t(3, 4, dtype="complex64"),), {}], [(t(3, dtype="complex128"),), {}]],
     "aten::unbind.int": [[(t(3, 4), 0), {}], [(t(3, 4), -1), {}]],
+    "aten::div.Tensor_mode": [[(t(3, 4, dtype=L, fill=("int", -5, 5)), t(3, 4, dtype=L, fill=("int", 1, 5))),
+                               {"rounding_mode": "trunc"}],
+                              [(t(3, 4), t(4)), {"rounding_mode": "floor"}]],
+    "aten::div.Scalar_mode": [[(t(3, 4, dtype=L, fill=("int", -5, 5)), 2), {"rounding_mode": "trunc"}],
+                              [(t(3, 4), 2.0), {"rounding_mode": "floor"}]],
 }
 
 #: Hand-made cases at the edges of a contract: (label, [args, kwargs]); refused or run like mutations.
+_MIN = ("const", -(1 << 63))
+_BN_STATS = (t(4, 3, 5), t(4, 3, 5), t(3))  # grad_out, input, weight of native_batch_norm_backward
 EDGES: dict[str, list] = {
+    # kernels that crashed (a signal) on arguments that pass every shape check
+    "aten::div.Tensor_mode": [
+        ("int64_min_by_minus_one_trunc", [(t(3, dtype=L, fill=_MIN), t(3, dtype=L, fill=("const", -1))),
+                                          {"rounding_mode": "trunc"}]),
+        ("int32_min_by_minus_one_trunc", [(t(3, dtype="int32", fill=("const", -(1 << 31))),
+                                           t(3, dtype="int32", fill=("const", -1))), {"rounding_mode": "trunc"}]),
+        ("broadcast_min_by_minus_one_trunc", [(t(3, 4, dtype=L, fill=_MIN), t(4, dtype=L, fill=("const", -1))),
+                                              {"rounding_mode": "trunc"}]),
+        ("int64_min_by_minus_one_floor", [(t(3, dtype=L, fill=_MIN), t(3, dtype=L, fill=("const", -1))),
+                                          {"rounding_mode": "floor"}]),
+    ],
+    "aten::div.Scalar_mode": [
+        ("int64_min_by_minus_one_trunc", [(t(3, dtype=L, fill=_MIN), -1), {"rounding_mode": "trunc"}]),
+        ("int32_min_by_minus_one_trunc", [(t(3, dtype="int32", fill=("const", -(1 << 31))), -1),
+                                          {"rounding_mode": "trunc"}]),
+    ],
+    "aten::_scaled_dot_product_flash_attention_for_cpu.default": [
+        ("empty_query", [(t(2, 3, 0, 8), t(2, 3, 6, 8), t(2, 3, 6, 8)), {}]),
+        ("empty_key", [(t(2, 3, 5, 8), t(2, 3, 0, 8), t(2, 3, 0, 8)), {}]),
+        ("no_heads", [(t(2, 0, 5, 8), t(2, 0, 6, 8), t(2, 0, 6, 8)), {}]),
+    ],
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward.default": [
+        ("empty_query", [(t(2, 3, 0, 8), t(2, 3, 0, 8), t(2, 3, 6, 8), t(2, 3, 6, 8), t(2, 3, 0, 8), t(2, 3, 0),
+                          0.0, False), {}]),
+        ("empty_key", [(t(2, 3, 5, 8), t(2, 3, 5, 8), t(2, 3, 0, 8), t(2, 3, 0, 8), t(2, 3, 5, 8), t(2, 3, 5),
+                        0.0, False), {}]),
+    ],
+    "aten::_embedding_bag.default": [
+        ("max_last_offset_single", [(t(10, 4), t(6, dtype=L, fill=("int", 0, 10)), t(1, dtype=L, fill=("const", 0)),
+                                     False, 2, False, None, True, -1), {}]),
+        ("no_offsets", [(t(10, 4), t(6, dtype=L, fill=("int", 0, 10)), t(0, dtype=L), False, 0, False, None,
+                         False, -1), {}]),
+        ("no_offsets_slow_path", [(t(10, 4, stride=(1, 10)), t(6, dtype=L, fill=("int", 0, 10)), t(0, dtype=L),
+                                   False, 0, False, None, False, -1), {}]),
+        ("mean_padding_idx", [(t(10, 4), t(6, dtype=L, fill=("int", 0, 10)), t(2, dtype=L, fill=("const", 0)),
+                               False, 1, False, None, False, 3), {}]),
+    ],
+    "aten::_adaptive_avg_pool2d_backward.default": [
+        ("zero_input_height", [(t(1, 2, 3, 3), t(1, 2, 0, 6)), {}]),
+        ("zero_channels", [(t(1, 0, 3, 3), t(1, 0, 6, 6)), {}]),
+        ("zero_batch", [(t(0, 2, 3, 3), t(0, 2, 6, 6)), {}]),
+    ],
+    "aten::native_batch_norm.default": [
+        ("eval_without_running_stats", [(t(4, 3, 5), t(3), t(3), None, None, False, 0.1, 1e-5), {}]),
+        ("eval", [(t(4, 3, 5), t(3), t(3), t(3), t(3), False, 0.1, 1e-5), {}]),
+    ],
+    "aten::_native_batch_norm_legit.no_stats": [("eval", [(t(4, 3, 5), t(3), t(3), False, 0.1, 1e-5), {}])],
+    "aten::native_batch_norm_backward.default": [
+        ("eval_without_running_stats", [_BN_STATS + (None, None, t(3), t(3), False, 1e-5, [True] * 3), {}]),
+        ("train_without_saved_stats", [_BN_STATS + (t(3), t(3), None, None, True, 1e-5, [True] * 3), {}]),
+        ("eval_saved_stats_empty", [_BN_STATS + (t(3), t(3), t(0), t(0), False, 1e-5, [True] * 3), {}]),
+        ("train_saved_stats_empty", [_BN_STATS + (t(3), t(3), t(0), t(0), True, 1e-5, [True] * 3), {}]),
+    ],
+    "aten::convolution_backward.default": [
+        ("bias_grad_without_weight_grad", [(t(1, 6, 6, 6), t(1, 4, 6, 6), t(6, 2, 3, 3), [6], [1, 1], [1, 1], [1, 1],
+                                            False, [0, 0], 2, [True, False, True]), {}]),
+    ],
     "aten::as_strided.default": [
         ("one_past_the_end", [(t(4, 4), [2, 2], [1, 4], 11), {}]),
         ("huge_stride", [(t(4, 4), [2], [1 << 40]), {}]),
@@ -372,6 +440,12 @@ def samples(name: str, op) -> list:
 
 # ------------------------------------------------------------------ mutations
 _OTHER_DTYPES = ("float64", "int64", "bool", "bfloat16", "int32")
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+#: what an int argument is replaced by: small, negative, huge and the int64 extremes
+_INTS = (-1, -7, 1 << 40, 5, 0, 1, _INT64_MIN, _INT64_MAX)
+_FLOATS = (float("nan"), float("inf"), float("-inf"), 0.0, -1.0, 1e30)
+#: what a string argument is replaced by (reduction and rounding modes, and one no kernel knows)
+_STRINGS = ("trunc", "floor", "sum", "mean", "none", "max", "nonsense")
 
 
 def _tensor_mutations(r: T, other: T | None) -> list:
@@ -389,6 +463,8 @@ def _tensor_mutations(r: T, other: T | None) -> list:
         out.append(("drop_dim", dataclasses.replace(r, shape=shape[1:], stride=None)))
         out.append(("huge_view", dataclasses.replace(r, shape=(1 << 22,) + shape, stride=(0,) + r.strides())))
         out.append(("empty", dataclasses.replace(r, shape=(0,) + shape[1:], stride=None)))
+        for k in range(1, len(shape)):  # a zero size in every dimension, not only the first
+            out.append((f"empty_dim{k}", dataclasses.replace(r, shape=shape[:k] + (0,) + shape[k + 1:], stride=None)))
     out.append(("extra_dim", dataclasses.replace(r, shape=(2,) + shape, stride=None)))
     for d in _OTHER_DTYPES:
         if d != r.dtype:
@@ -396,8 +472,15 @@ def _tensor_mutations(r: T, other: T | None) -> list:
             out.append((f"dtype_{d}", dataclasses.replace(r, dtype=d, fill=fill)))
     if r.dtype in ("int64", "int32", "uint8") or isinstance(r.fill, tuple) and r.fill[0] == "int":
         n = max(r.elements(), 1)
-        for v in (-1, -(1 << 30), 1 << 30, n, 1 << 16):
+        for v in (-1, -(1 << 30), 1 << 30, n, 1 << 16, 0):
             out.append((f"index_value_{v}", dataclasses.replace(r, fill=("const", v))))
+        if r.dtype in ("int64", "int32"):  # the integer's extremes (INT_MIN / -1 traps in x86 division)
+            info = torch.iinfo(getattr(torch, r.dtype))
+            out.append(("int_min_values", dataclasses.replace(r, fill=("const", info.min))))
+            out.append(("int_max_values", dataclasses.replace(r, fill=("const", info.max))))
+    elif r.dtype not in ("bool",):  # floating: values no kernel should index or size anything by
+        for label, v in (("nan", float("nan")), ("inf", float("inf")), ("neg_inf", float("-inf"))):
+            out.append((f"{label}_values", dataclasses.replace(r, fill=("const", v))))
     if other is not None:  # alias: the same memory as another tensor argument
         out.append(("alias_identical", dataclasses.replace(other, storage=900)))
         out.append(("alias_shifted", dataclasses.replace(other, storage=900, offset=1)))
@@ -449,15 +532,28 @@ def mutations(base) -> list:
                 mutated = _set(mutated, q, dataclasses.replace(other, storage=900))
             out.append((f"{'.'.join(map(str, p))}:{label}", mutated))
     for p, v in _paths(base):
-        if isinstance(v, bool) or v is None or isinstance(v, T):
+        where = '.'.join(map(str, p))
+        if isinstance(v, bool):  # every flag flipped (and each entry of a mask: its leaves come here too)
+            out.append((f"{where}:flip", _set(base, p, not v)))
+            continue
+        if v is None or isinstance(v, T):
             continue
         if isinstance(v, int):
-            for w in (-1, -7, 1 << 40, 5):
-                out.append((f"{'.'.join(map(str, p))}:int_{w}", _set(base, p, w)))
+            for w in _INTS:
+                if w != v:
+                    out.append((f"{where}:int_{w}", _set(base, p, w)))
+        elif isinstance(v, float):
+            for w in _FLOATS:
+                out.append((f"{where}:float_{w}", _set(base, p, w)))
+        elif isinstance(v, str):
+            for w in _STRINGS:
+                if w != v:
+                    out.append((f"{where}:str_{w}", _set(base, p, w)))
         elif isinstance(v, (list, tuple)) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
             for label, w in (("huge", [1 << 40] * len(v)), ("negative", [-3] * len(v)), ("short", list(v[:-1])),
-                             ("long", list(v) + [1]), ("zeros", [0] * len(v))):
-                out.append((f"{'.'.join(map(str, p))}:ints_{label}", _set(base, p, w)))
+                             ("long", list(v) + [1]), ("zeros", [0] * len(v)), ("minus_one", [-1] * len(v)),
+                             ("int_min", [_INT64_MIN] * len(v))):
+                out.append((f"{where}:ints_{label}", _set(base, p, w)))
         elif isinstance(v, (list, tuple)) and v and any(isinstance(x, T) for x in v):
             out.append((f"{'.'.join(map(str, p))}:list_short", _set(base, p, list(v[:-1]))))
             out.append((f"{'.'.join(map(str, p))}:list_dup", _set(base, p, [v[0], v[0]] + list(v[2:]))))
@@ -770,8 +866,12 @@ def main(argv=None) -> int:
             print(f"op {name}: run {counts['run']}, crashes {counts['crashes']}, divergences {counts['divergences']}")
     for name, why in r["valid_samples_refused"]:
         print("VALID SAMPLE REFUSED", name, why)
-    return 1 if r["crashes"] else 0
+    return 1 if r["crashes"] or r["divergences"] else 0
 
 
 if __name__ == "__main__":
+    # One recipe class whoever pickled the cases: a parent that imported this file as ``fuzz_ops``
+    # (the tests) pickles ``fuzz_ops.T``, which must unpickle as this process's ``T``, or no case
+    # would materialize and every one would merely raise.
+    sys.modules.setdefault("fuzz_ops", sys.modules[__name__])
     sys.exit(main())
