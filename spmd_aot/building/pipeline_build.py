@@ -44,14 +44,17 @@ class PipelineBuild:
 
 
 def pipeline_plan(pipeline: Pipeline, world_size: int, device_type: str, split_points) -> dict:
-    """The entry's plan: world size, the ``pp`` mesh dimension (pipeline-only meshes), device,
-    the resolved split points."""
-    if world_size != pipeline.stages:
+    """The entry's plan: world size, the mesh ``(pp,)`` or ``(pp, dp_replicate)`` (each stage
+    replicated over ``world_size / stages`` ranks that see different batches, their gradients
+    averaged after the last micro-batch, as DDP under pipelining), device, the split points."""
+    if world_size % pipeline.stages:
         raise SpmdAotError(
-            f"a pipeline of {pipeline.stages} stages runs on {pipeline.stages} ranks (one stage each; pp composed "
-            f"with data or tensor parallelism is not built yet), got world size {world_size}")
-    return {"world_size": world_size, "mesh_shape": [pipeline.stages], "mesh_roles": ["pp"],
-            "device_type": device_type, "split_points": list(split_points)}
+            f"a pipeline of {pipeline.stages} stages runs on a multiple of {pipeline.stages} ranks (each stage "
+            f"on world_size / {pipeline.stages} data-parallel replicas), got world size {world_size}")
+    dp = world_size // pipeline.stages
+    mesh, roles = ([pipeline.stages, dp], ["pp", "dp_replicate"]) if dp > 1 else ([pipeline.stages], ["pp"])
+    return {"world_size": world_size, "mesh_shape": mesh, "mesh_roles": roles, "device_type": device_type,
+            "split_points": list(split_points)}
 
 
 def resolve_split(model, pipeline: Pipeline) -> tuple[str, ...]:

@@ -98,6 +98,7 @@ class PipelineStep:
         rank = dist.get_rank() if dist.is_initialized() else 0
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         plan = pipeline_plan(self.pipeline, world, device_type, resolve_split(model, self.pipeline))
+        groups = _replica_groups(plan)  # collective: every rank makes every stage's group
         key = pipeline_key(model, self.loss_fn, batch, self.pipeline, plan)
         ranks.check_ranks_agree(key, world)
         status, payload, hit, traced, error = "ok", "", False, False, None
@@ -120,14 +121,16 @@ class PipelineStep:
                     raise CorruptArtifactError(f"ref {key.key[:12]} points to pipeline entry {digest[:12]} of another key")
                 device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
                     else torch.device(device_type)
-                loaded = read_stage(self.store, manifest, rank, device, device_type)
-            bound = _BoundStage(model, loaded, manifest, rank, world, device)
+                loaded = read_stage(self.store, manifest, rank // _replicas(plan), device, device_type)
+            bound = _BoundStage(model, loaded, manifest, rank, _replicas(plan), device,
+                                groups[rank // _replicas(plan)] if groups else None)
         except Exception as exc:
             failure = exc
         ranks.all_ranks_ok(failure, world)
         seconds = time.perf_counter() - start
         log.info("pipeline step: cache %s on rank %d (stage %d), key %s, digest %s, %.2f s",
-                 "hit" if hit else "miss, traced by rank 0", rank, rank, key.key[:12], digest[:12], seconds)
+                 "hit" if hit else "miss, traced by rank 0", rank, rank // _replicas(plan), key.key[:12], digest[:12],
+                 seconds)
         self.cache_info = CacheInfo(hit, key.key, digest, "trace" if traced else "cache", seconds,
                                     float(manifest["stats"].get("trace_seconds", 0.0)), self._traces)
         bound.signature = _signature(*pytree.tree_flatten(tuple(batch)))
@@ -172,6 +175,20 @@ def _nearest(store, key, limit: int = 64) -> str:
     return f"; the nearest stored pipeline entry differs in: {', '.join(best)}" if best else ""
 
 
+def _replicas(plan: dict) -> int:
+    """Data-parallel replicas of each stage (1 on a ``(pp,)`` mesh)."""
+    return plan["world_size"] // plan["mesh_shape"][0]
+
+
+def _replica_groups(plan: dict) -> list:
+    """One process group per stage over its data-parallel replicas (ranks ``s * dp .. s * dp + dp - 1``:
+    the mesh ``(pp, dp_replicate)`` in row-major order); none without replicas."""
+    dp = _replicas(plan)
+    if dp == 1:
+        return []
+    return [dist.new_group(list(range(s * dp, (s + 1) * dp))) for s in range(plan["mesh_shape"][0])]
+
+
 def _signature(leaves, spec):
     return spec, [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in leaves]
 
@@ -179,19 +196,21 @@ def _signature(leaves, spec):
 class _BoundStage:
     """One rank's stage: its programs, the live tensors behind its ports, its actions."""
 
-    def __init__(self, model, loaded, manifest: dict, rank: int, world: int, device):
-        self.model, self.rank, self.world, self.device = model, rank, world, device
+    def __init__(self, model, loaded, manifest: dict, rank: int, replicas: int, device, replica_group=None):
+        self.model, self.rank, self.device = model, rank, device
+        self.replicas, self.replica_group = replicas, replica_group
         self.signature = None
         ports = loaded.ports
         self.inputs, self.outputs = ports["inputs"], ports["outputs"]
-        self.last = rank == world - 1
-        self.first = rank == 0
+        self.pipeline = Pipeline.from_dict(manifest["pipeline"])
+        self.stage = loaded.index
+        self.last = self.stage == self.pipeline.stages - 1
+        self.first = self.stage == 0
+        # the same replica of the neighbouring stages: rank -/+ the replica count
+        self.previous, self.next = rank - replicas, rank + replicas
         self.forward = Program(loaded.forward, loaded.constants, expected=loaded.forward_expected)
         self.backward = Program(loaded.backward, loaded.constants, expected=loaded.backward_expected)
-        self.n_saved = len(ports["saved"])
-        self.n_tangents = len(backward_inputs(ports)) - self.n_saved
-        self.pipeline = Pipeline.from_dict(manifest["pipeline"])
-        self.actions = schedule_actions(self.pipeline)[rank]
+        self.actions = schedule_actions(self.pipeline)[self.stage]
         self.state = [self._live(p["name"]) for p in self.inputs]  # None for activations and batch leaves
         self.grad_params = [(i, self.state[i]) for i, p in enumerate(self.inputs)
                             if p["name"].startswith("param:") and p["grad"]]
@@ -219,7 +238,7 @@ class _BoundStage:
                     if self.last:
                         step_losses.append(outs[0])
                     else:
-                        sends += [dist.isend(t, self.rank + 1, tag=2 * m) for t in outs[:len(self.outputs)]]
+                        sends += [dist.isend(t, self.next, tag=2 * m) for t in outs[:len(self.outputs)]]
                     del outs  # the saved tensors live in ``saved`` only: freed by their backward
                 else:
                     grads = self.backward(*saved.pop(m), *self._output_grads(m))
@@ -230,13 +249,15 @@ class _BoundStage:
                         else:
                             accumulated[i] = g
                     if not self.first:
-                        sends += [dist.isend(grads[i].contiguous(), self.rank - 1, tag=2 * m + 1)
+                        sends += [dist.isend(grads[i].contiguous(), self.previous, tag=2 * m + 1)
                                   for i, p in enumerate(self.inputs) if p["name"].startswith("act:") and p["grad"]]
                     del grads
             for work in sends:
                 work.wait()
             for i, param in self.grad_params:
                 param.grad = accumulated[i].div_(n) if i in accumulated else None
+            if self.replica_group is not None:
+                self._average_over_replicas()
         if optim is not None:
             optim.step()
             optim.zero_grad()
@@ -245,6 +266,19 @@ class _BoundStage:
         if losses is not None:
             losses.extend(step_losses)
         return torch.stack(step_losses).mean()
+
+    def _average_over_replicas(self) -> None:
+        """The stage's gradients averaged over its data-parallel replicas, as DDP averages them:
+        one flat all_reduce of every gradient divided by the replica count."""
+        grads = [param.grad for _, param in self.grad_params if param.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.replicas)
+        dist.all_reduce(flat, group=self.replica_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def _forward_inputs(self, mbs, m: int) -> list:
         values, receives = [], []
@@ -256,7 +290,7 @@ class _BoundStage:
                 values.append(mbs[int(name.split(":")[1])][m])
             else:
                 buf = torch.empty(port["shape"], dtype=getattr(torch, port["dtype"]), device=self.device)
-                receives.append(dist.irecv(buf, self.rank - 1, tag=2 * m))
+                receives.append(dist.irecv(buf, self.previous, tag=2 * m))
                 values.append(buf)
         for work in receives:
             work.wait()
@@ -267,7 +301,7 @@ class _BoundStage:
             return [torch.ones((), dtype=getattr(torch, self.outputs[0]["dtype"]), device=self.device)]
         bufs = [torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]), device=self.device)
                 for p in self.outputs if p["grad"]]
-        works = [dist.irecv(b, self.rank + 1, tag=2 * m + 1) for b in bufs]
+        works = [dist.irecv(b, self.next, tag=2 * m + 1) for b in bufs]
         for work in works:
             work.wait()
         return bufs

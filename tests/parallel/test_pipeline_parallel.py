@@ -343,3 +343,61 @@ def test_stage_memory_estimate_matches_eager_pipelining_within_10_percent(tmp_pa
             assert 0.9 <= estimate / eager <= 1.1, (rank, schedule, estimate, eager)
     # 1F1B keeps at most S - s micro-batches in flight, GPipe all of them
     assert out[0]["1f1b"][1] < 0.7 * out[0]["gpipe"][1]
+
+
+# ---------------------------------------------------------------------------- pp x data parallel
+def _pp_dp_worker(rank, world, cache_dir, schedule, steps=3):
+    """pp 2 x dp_replicate 2: mesh (pp, dp) in row-major order, each replica's pipeline a torch
+    ``PipelineStage`` over its own pp group, its stage gradients averaged over the stage's
+    replicas before AdamW steps (what DDP does under pipelining)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stages, dp = 2, world // 2
+    stage, replica = divmod(rank, dp)
+    pipeline = Pipeline(stages, MICRO, schedule, SPLIT)
+    if rank == 0:
+        build_pipeline(make_job(), pipeline, world_size=world, cache_dir=cache_dir)
+    pp_groups = [dist.new_group([d + s * dp for s in range(stages)]) for d in range(dp)]
+    dp_groups = [dist.new_group([s * dp + d for d in range(dp)]) for s in range(stages)]
+    dist.barrier()
+    torch.manual_seed(0)
+    model = LM()
+    ref = stage_module(copy.deepcopy(model), stage, [2])
+    ref_schedule = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(
+        PipelineStage(ref, stage, stages, torch.device("cpu"), group=pp_groups[replica]), MICRO, loss_fn=loss_fn)
+    ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = compile_pipeline(loss_fn, pipeline=pipeline, cache_dir=cache_dir, require_hit=True)
+    loss_diff = 0.0
+    for i in range(steps):
+        x, y = make_batch(i + 50 * replica)  # each replica its own batch
+        ref_losses, losses = [], []
+        ref_schedule.step(x) if stage == 0 else ref_schedule.step(target=y, losses=ref_losses)
+        for p in ref.parameters():
+            p.grad.div_(dp)
+            dist.all_reduce(p.grad, group=dp_groups[stage])
+        ref_optim.step()
+        ref_optim.zero_grad()
+        step(model, optim, (x, y), losses=losses)
+        if losses:
+            loss_diff = max(loss_diff, max(abs(float(a) - float(b)) for a, b in zip(ref_losses, losses)))
+    param_diff = max((ref_p - model.get_parameter(name)).abs().max().item() for name, ref_p in ref.named_parameters())
+    # the replicas of a stage hold the same parameters
+    mine = torch.cat([model.get_parameter(n).detach().reshape(-1) for n in step.stage_parameters])
+    others = [torch.empty_like(mine) for _ in range(dp)]
+    dist.all_gather(others, mine, group=dp_groups[stage])
+    return {"loss_diff": loss_diff, "param_diff": param_diff, "traces": step.cache_info.traces,
+            "hit": step.cache_info.hit, "replicas_equal": all(torch.equal(o, others[0]) for o in others)}
+
+
+def test_pp2_x_dp2_matches_torch_pipelining_with_averaged_gradients(tmp_path):
+    out = run_ranks(_pp_dp_worker, 4, str(tmp_path), "1f1b", timeout=600)
+    for rank, r in enumerate(out):
+        assert r["hit"] and r["traces"] == 0 and r["replicas_equal"], (rank, r)
+        assert r["param_diff"] < 1e-4 and r["loss_diff"] < 1e-4, (rank, r)
+
+
+def test_world_size_must_be_a_multiple_of_the_stages(tmp_path):
+    with pytest.raises(SpmdAotError, match="multiple of 2"):
+        build_pipeline(make_job(), Pipeline(2, MICRO, "gpipe", SPLIT), world_size=3, cache_dir=tmp_path)
