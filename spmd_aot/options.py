@@ -290,11 +290,17 @@ class ParallelOptions:
     def for_placement(cls, placement: str, **fields) -> ParallelOptions:
         """Options for ``placement`` from ``fields``, leaving out those only other placements read
         (``Flag.placements``): what the CLI builds when one command names several placements."""
+        read = cls.read_by(placement, fields)
+        return cls(placement=placement, **{name: value for name, value in fields.items() if name in read})
+
+    @classmethod
+    def read_by(cls, placement: str, fields: Mapping) -> set[str]:
+        """The names among ``fields`` (field values) that ``placement`` reads (``Flag.placements``;
+        ``Flag.with_axes`` ones too when another axis takes a mesh dimension)."""
         axes = any(f.metadata["flag"].takes_mesh_dim and fields.get(f.name, f.default) != f.default
                    for f in dataclasses.fields(cls))
-        kept = {f.name: fields[f.name] for f in dataclasses.fields(cls)
+        return {f.name for f in dataclasses.fields(cls)
                 if f.name in fields and applies(f.metadata["flag"], placement, axes)}
-        return cls(placement=placement, **kept)
 
     def words(self, skip: tuple[str, ...] = ()) -> list[str]:
         """The command-line words that give these options: fields not at their default that

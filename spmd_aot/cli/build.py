@@ -9,7 +9,7 @@ import traceback
 from typing import Iterable
 
 from ..errors import SpmdAotError, TargetError
-from .option_flags import parallel_from_args, run_from_args
+from .option_flags import check_read, parallel_from_args, run_from_args
 from .report import EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, Failed, error, print_table
 from .stores import cache_root, store_at
 
@@ -25,6 +25,7 @@ def cmd_build(args) -> int:
     from ..building.builder import build
     from .progress import Progress
 
+    check_read(args, _unique(args.placement or ["replicate"]))
     plans = _unique(plan_for(args, w, p) for w in args.world_size for p in (args.placement or ["replicate"]))
     run = run_from_args(args)
     job = load_job(args.target)
@@ -100,6 +101,7 @@ def cmd_explain(args) -> int:
     from ..keying.explain import explain_miss
     from ..hints import build_command
 
+    check_read(args, [args.placement or "replicate"])
     plan = plan_for(args, args.world_size, args.placement or "replicate")
     job = load_job(args.target)
     from ..building.builder import job_key

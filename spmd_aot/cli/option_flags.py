@@ -19,6 +19,7 @@ from ..options import ParallelOptions, RunOptions
 __all__ = [
     "OPTION_CLASSES",
     "add_option_flags",
+    "check_read",
     "first_sentence",
     "flag_fields",
     "given",
@@ -123,6 +124,21 @@ def parallel_from_args(args: argparse.Namespace, placement: str | None = None) -
     if placement is None:
         return ParallelOptions(**given(args, ParallelOptions))
     return ParallelOptions.for_placement(placement, **given(args, ParallelOptions, skip=("placement",)))
+
+
+def check_read(args: argparse.Namespace, placements) -> None:
+    """Refuse an option that none of ``placements`` reads (``--mesh-shape`` for 'replicate' alone):
+    building without it would store something else than the command line says."""
+    fields = given(args, ParallelOptions, skip=("placement",))
+    read = set().union(*(ParallelOptions.read_by(p, fields) for p in placements))
+    flags = {f.name: f.metadata["flag"] for f in dataclasses.fields(ParallelOptions)}
+    for name in sorted(set(fields) - read, key=list(flags).index):
+        flag = flags[name]
+        also = " (or with another axis, e.g. --tp-plan)" if flag.with_axes else ""
+        raise SpmdAotError(
+            f"{flag.flag} applies to placement {' or '.join(map(repr, flag.placements))}{also} only, and this "
+            f"command's placement is {' and '.join(map(repr, placements))}: add -p {flag.placements[0]} or drop "
+            f"{flag.flag}")
 
 
 def run_from_args(args: argparse.Namespace) -> RunOptions:

@@ -91,6 +91,17 @@ def test_a_build_naming_several_placements_gives_each_only_the_options_it_reads(
     assert plan_for(with_tp, 4, "replicate").mesh_roles == ("dp_replicate", "tp")  # another axis: every placement's
 
 
+@pytest.mark.parametrize("command", ["build", "explain"])
+def test_an_option_no_named_placement_reads_is_refused_with_the_fix(command, capsys):
+    """``--mesh-shape 2x2`` for 'replicate' alone would build a 1-D mesh: not what was asked."""
+    assert main([command, "x:job", "-w", "4", "--mesh-shape", "2x2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --mesh-shape applies to placement 'shard' (or with another axis, e.g. --tp-plan) only, and this "
+        "command's placement is 'replicate': add -p shard or drop --mesh-shape")
+    assert main([command, "x:job", "-w", "4", "-p", "replicate", "--keep-params-after-forward"]) == 2
+    assert "--keep-params-after-forward applies to placement 'shard' only" in capsys.readouterr().err
+
+
 def test_every_field_prints_as_a_hint_that_parses_back_to_the_same_plan():
     options = ParallelOptions("shard", mesh_shape=(2, 2, 2), param_placements={"*.bias": "replicate"},
                               bucket_cap_mb=12.5, first_bucket_cap_mb=0.5, shard_groups=("blocks.*",),
