@@ -15,7 +15,9 @@ os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="spmd-aot-tests-state-")
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers
 def pytest_collection_modifyitems(config, items):
-    """``multiproc`` on every test that starts processes (``support.markers``: read from the code)."""
-    from support.markers import mark_multiproc
+    """``multiproc`` on every test that starts processes (read from the code), ``slow`` on the tests
+    ``tests/slow.txt`` lists (measured): see ``support.markers``."""
+    from support.markers import mark_multiproc, mark_slow
 
     mark_multiproc(items)
+    mark_slow(items)

@@ -1,5 +1,7 @@
-"""The ``multiproc`` marker, set by reading the code: a test that starts processes through
-``support.multiproc`` (gloo ranks, or a pool of processes) is marked without anyone remembering to.
+"""The markers the suite sets by itself: ``multiproc`` from the code, ``slow`` from a measurement.
+
+``multiproc``: a test that starts processes through ``support.multiproc`` (gloo ranks, or a pool
+of processes) is marked without anyone remembering to.
 
 Why by reading and not by hand: a mark someone must remember is a mark someone forgets, and a
 forgotten one puts a minute of rank processes into the fast tier (``docs/testing.md``). The
@@ -7,6 +9,10 @@ test's function, the fixtures it requests and every function those reach (in its
 conftest files and ``tests/support/``) are followed by name; reaching a launcher marks it.
 Names are matched without their module, so a helper that merely shares a launcher's name marks
 a test too: the error is always towards ``multiproc``, never away from it.
+
+``slow``: the tests ``tests/slow.txt`` lists, each measured (CPU seconds, ``support.cpu_time``)
+over the fast tier's limit. A list and not decorators: one measurement rewrites one file, and
+the test files stay as their owners wrote them.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import pytest
 LAUNCHERS = frozenset({"run_ranks", "start_ranks", "run_launches", "run_processes", "preloaded_context"})
 
 SUPPORT = pathlib.Path(__file__).resolve().parent
+TESTS = SUPPORT.parent
+SLOW_LIST = TESTS / "slow.txt"
 
 
 @functools.cache
@@ -75,7 +83,7 @@ def starts_processes(item: pytest.Item) -> bool:
         conftest = folder / "conftest.py"
         if conftest.is_file():
             tables.append(_references(str(conftest)))
-        if folder == SUPPORT.parent:
+        if folder == TESTS:
             break
     tables.append(_support_references())
     return _reaches_launcher({function.__name__, *getattr(item, "fixturenames", ())}, tables)
@@ -86,3 +94,23 @@ def mark_multiproc(items: list[pytest.Item]) -> None:
     for item in items:
         if starts_processes(item):
             item.add_marker(pytest.mark.multiproc)
+
+
+def slow_ids(path: pathlib.Path = SLOW_LIST) -> list[str]:
+    """The node ids ``path`` lists (relative to the repository root), comments and blanks skipped."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text(encoding="utf-8").splitlines())
+    return [line for line in lines if line]
+
+
+def _listed(nodeid: str, listed: frozenset[str]) -> bool:
+    """``nodeid`` or, for a parametrized test, the id without its ``[parameters]``."""
+    return nodeid in listed or nodeid.split("[", 1)[0] in listed
+
+
+def mark_slow(items: list[pytest.Item]) -> None:
+    """Add the ``slow`` marker to every item ``tests/slow.txt`` lists (node ids are relative to the
+    rootdir, the repository root where ``pyproject.toml`` is, from whatever directory pytest runs)."""
+    listed = frozenset(slow_ids())
+    for item in items:
+        if _listed(item.nodeid, listed):
+            item.add_marker(pytest.mark.slow)
