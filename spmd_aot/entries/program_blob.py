@@ -52,7 +52,7 @@ __all__ = ["MAGIC", "GROUP_PREFIX", "WORLD", "PART", "encode", "program", "check
 log = logging.getLogger(__name__)
 
 PART = "program"
-MAGIC = b"spmd-aot program 1\n"
+MAGIC = b"spmd-aot program 2\n"
 #: Placeholder group names in a stored table (a NUL byte: no process group is named so).
 GROUP_PREFIX = "\0spmd-aot mesh dim "
 WORLD = "\0spmd-aot world group"
@@ -164,8 +164,8 @@ def _table(data: bytes, artifact, groups: list[str], device: torch.device):
     if doc["mesh_dims"] != len(groups):
         raise CorruptArtifactError(f"{where} is for {doc['mesh_dims']} mesh dimensions, the job has {len(groups)}")
     plain = doc["table"]
-    if type(plain) is not tuple or len(plain) != 8:
-        raise CorruptArtifactError(f"{where}: the table is not the 8 fields of a ProgramTable")
+    if type(plain) is not tuple or len(plain) != 9:
+        raise CorruptArtifactError(f"{where}: the table is not the 9 fields of a stored ProgramTable")
     _check_structure(plain, artifact, where)
     if groups:
         import torch.distributed as dist
@@ -174,7 +174,7 @@ def _table(data: bytes, artifact, groups: list[str], device: torch.device):
         live[WORLD] = dist.group.WORLD.group_name if dist.is_initialized() else groups[0]
     else:
         live = {}
-    n_nodes, n_inputs, n_ops, constants, folds, output, steps, inputs = plain
+    n_nodes, n_inputs, n_ops, constants, folds, output, steps, inputs, expects = plain
     folds, steps = list(folds), list(steps)
     for entry in doc["bind"]:
         if type(entry) is not tuple or len(entry) != 2 or entry[0] not in ("s", "f") or type(entry[1]) is not int:
@@ -185,7 +185,8 @@ def _table(data: bytes, artifact, groups: list[str], device: torch.device):
             raise CorruptArtifactError(f"{where}: bind entry {entry} names no call")
         item = seq[k]
         seq[k] = (*item[:2], _bound(item[2], live, device, where), _bound(item[3], live, device, where), *item[4:])
-    return table_from_stored((n_nodes, n_inputs, n_ops, constants, tuple(folds), output, tuple(steps), inputs))
+    return table_from_stored((n_nodes, n_inputs, n_ops, constants, tuple(folds), output, tuple(steps), inputs,
+                              expects))
 
 
 def _bound(value: Any, live: dict[str, str], device: torch.device, where: str) -> Any:
@@ -207,10 +208,11 @@ def _bound(value: Any, live: dict[str, str], device: torch.device, where: str) -
 
 def _check_structure(plain: tuple, artifact, where: str) -> None:
     """The cheap structural checks: counts within the load limits and the layout, every index a
-    step writes or frees inside the value table, every constant stored."""
+    step writes or frees inside the value table, every constant stored, every expectation a
+    position in the table of expectations."""
     from ..format.limits import load_limits
 
-    n_nodes, n_inputs, n_ops, constants, folds, output, steps, inputs = plain
+    n_nodes, n_inputs, n_ops, constants, folds, output, steps, inputs, expects = plain
 
     def bad(why):
         raise CorruptArtifactError(f"{where}: {why}")
@@ -223,6 +225,16 @@ def _check_structure(plain: tuple, artifact, where: str) -> None:
         bad(f"{n_inputs} inputs where the layout lists {len(artifact.slots)}")
     if type(inputs) is not tuple or len(inputs) not in (0, n_inputs):
         bad("the inputs' expected metadata does not match the input count")
+    if type(expects) is not tuple:
+        bad("the expectations are not a table")
+    n_expects = len(expects)
+
+    def expectation(k):
+        if k is not None and (type(k) is not int or not 0 <= k < n_expects):
+            bad(f"expectation {str(k)[:20]} outside the table of {n_expects}")
+
+    for k in inputs:
+        expectation(k)
 
     def index(i):
         if type(i) is not int or not 0 <= i < n_nodes:
@@ -236,14 +248,18 @@ def _check_structure(plain: tuple, artifact, where: str) -> None:
         if type(f) is not tuple or len(f) not in (2, 5):
             bad("a fold is malformed")
         index(f[0])
+        if len(f) == 5:
+            expectation(f[4])
     for s in steps:
         if type(s) is not tuple or len(s) != 7 or type(s[4]) is not tuple or type(s[5]) is not tuple:
             bad("a step is malformed")
         index(s[1])
+        expectation(s[6])
         for u in s[4]:
             if type(u) is not tuple or len(u) != 3:
                 bad("an unpacked item is malformed")
             index(u[0])
+            expectation(u[2])
         for f in s[5]:
             index(f)
     if not all(type(r) is Ref and r.index < n_nodes for r in _refs(output)):

@@ -5,9 +5,13 @@ data: msgpack's own types for None, bools, ints, floats, strings and tuples (arr
 with one key for everything else (``{"r": 3}`` a ``Ref``, ``{"L": [...]}`` a list,
 ``{"k": [[key, value], ...]}`` a dict, ``{"s": [start, stop, step]}`` a slice, ``{"d":
 "float32"}`` a dtype, ``{"m": ...}`` a memory format, ``{"l": ...}`` a layout, ``{"v": "cpu"}``
-a device). Reading rebuilds those by name from fixed tables as the bounded decoder meets them
+a device; ``{"T": [3, 4]}`` and ``{"R": [3, 4]}`` a tuple and a list of ``Ref``s, the commonest
+arguments, in one map instead of one per reference). Reading rebuilds those by name from fixed tables as the bounded decoder meets them
 (``bounded.py``: limits set before anything is allocated, no ext types; its map hook, so no
 second pass in Python): nothing is unpickled, imported or called by a name the file holds.
+The decoder calls Python once per map, so a format that holds many repeated descriptions of
+tensors (``(shape, strides, dtype)``: one dtype map each) stores them once and refers to them by
+position (``interned`` / ``expanded``).
 
 Why not pickle, even restricted: a record stands in for checks the job ran itself, so reading it
 must never be able to do more than building these values, whatever its bytes. The sha256 tells
@@ -30,7 +34,7 @@ from . import bounded
 from .limits import load_limits
 from .serialize import Ref
 
-__all__ = ["encode", "decode", "read", "write", "remove", "trim"]
+__all__ = ["encode", "decode", "read", "write", "remove", "trim", "interned", "expanded"]
 
 _DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 _FORMATS = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.memory_format)}
@@ -38,15 +42,27 @@ _LAYOUTS = {str(v).removeprefix("torch."): v for v in vars(torch).values() if is
 _NAMED = {"d": _DTYPES, "m": _FORMATS, "l": _LAYOUTS}
 
 
+_PLAIN = frozenset((type(None), bool, int, float, str))
+
+
 def _tagged(v: Any) -> Any:
-    if v is None or type(v) in (bool, int, float, str):
-        return v
     kind = type(v)
+    if kind in _PLAIN:
+        return v
     if kind is tuple:
+        if not v:
+            return v
+        first = type(v[0])
+        if first is int and all(type(x) is int for x in v):  # shapes and strides: as they are
+            return v
+        if first is Ref and all(type(x) is Ref for x in v):
+            return {"T": [x.index for x in v]}
         return [_tagged(x) for x in v]
     if kind is Ref:
         return {"r": v.index}
     if kind is list:
+        if v and all(type(x) is Ref for x in v):
+            return {"R": [x.index for x in v]}
         return {"L": [_tagged(x) for x in v]}
     if kind is dict:
         if not all(type(k) is str for k in v):
@@ -65,10 +81,14 @@ def _tagged(v: Any) -> Any:
     raise TypeError(f"a {kind.__name__} has no stored form")
 
 
+def _indices(x: Any) -> bool:
+    return type(x) is tuple and all(type(i) is int and i >= 0 for i in x)
+
+
 def _untag(m: dict) -> Any:
     """One tagged map back to its value (the decoder calls it on every map, innermost first,
     so what it holds is rebuilt already; arrays arrive as tuples)."""
-    x = m.get("r")  # the commonest two first: value references, then dtypes
+    x = m.get("r")  # the commonest first: value references, then dtypes
     if x is not None and type(x) is int and x >= 0 and len(m) == 1:
         return Ref(x)
     x = m.get("d")
@@ -77,6 +97,10 @@ def _untag(m: dict) -> Any:
     if len(m) != 1:
         raise ValueError("a tagged value with other than one tag")
     (tag, x), = m.items()
+    if tag == "T" and _indices(x):
+        return tuple(map(Ref, x))
+    if tag == "R" and _indices(x):
+        return list(map(Ref, x))
     if tag == "L" and type(x) is tuple:
         return list(x)
     if tag == "k" and type(x) is tuple and all(type(p) is tuple and len(p) == 2 and type(p[0]) is str for p in x):
@@ -89,6 +113,34 @@ def _untag(m: dict) -> Any:
     if tag == "v" and type(x) is str and len(x) < 64:
         return torch.device(x)
     raise ValueError(f"a record holds an unknown value {str(m)[:80]}")
+
+
+def interned(values) -> tuple[tuple, tuple]:
+    """``values`` as (distinct values, the position of each value's among them): tensor
+    descriptions ``(shape, strides, dtype)`` are stored once however often they repeat (layers
+    repeat them); any other value gets a position of its own. ``expanded`` inverts it."""
+    table: list = []
+    ids: list = []
+    seen: dict = {}
+    dtype = torch.dtype
+    for v in values:
+        if type(v) is tuple and len(v) == 3 and type(v[2]) is dtype:  # of ints: hashes by value, no bools
+            k = seen.get(v)
+            if k is None:
+                k = seen[v] = len(table)
+                table.append(v)
+        else:
+            k = len(table)
+            table.append(v)
+        ids.append(k)
+    return tuple(table), tuple(ids)
+
+
+def expanded(table: Any, ids: Any, what: str) -> list:
+    """``interned``'s input back; ``ValueError`` naming ``what`` if a position is out of range."""
+    if type(table) is not tuple or not _indices(ids) or (ids and max(ids) >= len(table)):
+        raise ValueError(f"{what}: positions outside its table of values")
+    return [table[i] for i in ids]
 
 
 def encode(value: Any) -> bytes:

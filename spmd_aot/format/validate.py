@@ -87,8 +87,19 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
     # may list a million tensors: the meta work is bounded in units of a memo hit, charged
     # before each call runs (``_Work``).
     work = _Work(limits.meta_work)
+    # id(meta tensor) -> (its metadata, its storage): every tensor a signature meets is held by
+    # ``env`` until the check returns (so ids are not reused), and no node may change the
+    # geometry or storage size of a tensor (``check_node``), so its metadata is read once.
+    described: dict[int, tuple] = {}
 
-    def meta(v):
+    def meta(v):  # decoded values are of these exact types; the isinstance tests are a fallback
+        kind = type(v)
+        if kind is Ref:
+            return env[v.index]
+        if kind is tuple or kind is list:
+            return kind([meta(x) for x in v])
+        if kind in _SCALARS:
+            return v
         if isinstance(v, Ref):
             return env[v.index]
         if isinstance(v, torch.device):
@@ -116,13 +127,18 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
             args, kwargs = meta(node.args), meta(node.kwargs)
             if kwargs.get("device") is None and _makes_tensors_on_a_device(node.target):
                 kwargs["device"] = _META  # no device: the default (CPU) would allocate for real
+            elements = _elements(node.target, args, kwargs) if _per_index(node.target) else None
+            if elements is not None:
+                env[i] = _check_foreach(node, args, kwargs, elements, memo, work, limit, described)
+                continue
             tensors: list[torch.Tensor] = []
             storages: dict[int, int] = {}  # storage id -> index of the first tensor on it
             if any(isinstance(a, (list, tuple)) and len(a) > 16 for a in args):
                 key = None  # a foreach op over every parameter: unique in its graph, never a memo hit
             else:
                 try:
-                    key = (node.target, _signature(args, tensors, storages), _signature(kwargs, tensors, storages))
+                    key = (node.target, _signature(args, tensors, storages, described),
+                           _signature(kwargs, tensors, storages, described))
                 except TypeError:  # an unhashable argument: no memo, run it
                     key = None
             known = memo.get(key) if key is not None else None
@@ -179,10 +195,11 @@ def _run_cost(node: DecodedNode, args: tuple, tensors: list | None) -> int:
     return RUN_COST + TENSOR_COST * n
 
 
-def check_node(node: DecodedNode, args: tuple, kwargs: dict, limit: int) -> Any:
+def check_node(node: DecodedNode, args: tuple, kwargs: dict, limit: int, *, contract: bool = True) -> Any:
     """One call on meta arguments: its op's contract, then its meta kernel, then every result
-    (plain strided, inside its storage, within ``limit`` bytes); returns the meta result."""
-    if node.target is not operator.getitem:
+    (plain strided, inside its storage, within ``limit`` bytes); returns the meta result.
+    ``contract=False``: one index of a foreach op whose whole call's contract was checked."""
+    if contract and node.target is not operator.getitem:
         _check_contract(node, args, kwargs)
     written = [(t, _geometry(t)) for t in _written_tensors(node.target, args, kwargs)]
     try:
@@ -201,6 +218,99 @@ def check_node(node: DecodedNode, args: tuple, kwargs: dict, limit: int) -> Any:
     return value
 
 
+# Foreach ops. Their meta kernel (and their CPU kernel) is the per-tensor op called once per
+# index of their lists, each a Python meta kernel of ~0.2 ms: an AdamW step's foreach ops over
+# every parameter were most of a first load's check (~100 ms of ~160 for a 12-layer LM). The
+# same call on one-element lists gives index i's result, and parameters repeat their shapes
+# layer after layer, so the check runs the op per index through the memo: the contract still
+# checks the whole call (list lengths, broadcasting per index), the meta kernel runs once per
+# distinct index signature, and every index's result is checked as any op's result is.
+
+
+@functools.lru_cache(maxsize=None)
+def _per_index(op) -> tuple | None:
+    """A foreach op's (per-index list argument positions and names, whether it returns
+    tensors); None for any other op."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or not schema.name.startswith("aten::_foreach_"):
+        return None
+    lists = tuple((pos, a.name) for pos, a in enumerate(schema.arguments)
+                  if str(a.type) in ("List[Tensor]", "List[number]"))
+    return (lists, bool(schema.returns)) if lists else None
+
+
+def _elements(op, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]] | None:
+    """The per-index calls (args, kwargs) of a foreach call, each with one-element lists; None
+    for other ops and for calls that do not split evenly (lists of different or zero length,
+    a tensor argument of one value per index), which run whole."""
+    spec = _per_index(op)
+    if spec is None:
+        return None
+    lists, _ = spec
+    found = []
+    for pos, name in lists:
+        where = ("a", pos) if pos < len(args) else ("k", name)
+        value = args[pos] if pos < len(args) else kwargs.get(name)
+        if not isinstance(value, (list, tuple)):
+            return None
+        found.append((where, value))
+    n = len(found[0][1])
+    if n == 0 or any(len(v) != n for _, v in found):
+        return None
+    positions = {pos for (kind, pos), _ in found if kind == "a"}
+    names = {name for (kind, name), _ in found if kind == "k"}
+    for pos, a in enumerate(args):
+        if pos not in positions and isinstance(a, torch.Tensor) and a.dim() != 0:
+            return None
+    for name, a in kwargs.items():
+        if name not in names and isinstance(a, torch.Tensor) and a.dim() != 0:
+            return None
+    out = []
+    for k in range(n):
+        eargs, ekwargs = list(args), dict(kwargs)
+        for (kind, where), value in found:
+            if kind == "a":
+                eargs[where] = [value[k]]
+            else:
+                ekwargs[where] = [value[k]]
+        out.append((tuple(eargs), ekwargs))
+    return out
+
+
+def _check_foreach(node: DecodedNode, args: tuple, kwargs: dict, elements: list, memo: dict, work: "_Work",
+                   limit: int, described: dict) -> Any:
+    """A foreach call: its contract on the whole call, then each index's call through the memo
+    (see above); the whole call's result (None for an in-place op, else the list of results).
+    Charged as a run over all its tensors up front, then 1 per index the memo answers and a
+    run per index it does not."""
+    n_tensors = sum(isinstance(x, torch.Tensor) for a in (*args, *kwargs.values())
+                    for x in (a if isinstance(a, (list, tuple)) else (a,)))
+    work.spend(node, RUN_COST + TENSOR_COST * n_tensors)
+    _check_contract(node, args, kwargs)
+    results = []
+    for eargs, ekwargs in elements:
+        tensors: list[torch.Tensor] = []
+        storages: dict[int, int] = {}
+        try:
+            key = (node.target, _signature(eargs, tensors, storages, described),
+                   _signature(ekwargs, tensors, storages, described))
+        except TypeError:
+            key = None
+        known = memo.get(key) if key is not None else None
+        if known is not None:
+            work.spend(node, 1)
+            value = _rebuild(known, tensors)
+        else:
+            work.spend(node, RUN_COST)
+            value = check_node(node, eargs, ekwargs, limit, contract=False)
+            if key is not None:
+                memo[key] = _describe(value, storages)
+        results.append(value)
+    if not _per_index(node.target)[1]:
+        return None
+    return [v for value in results for v in value]
+
+
 def _check_contract(node: DecodedNode, args: tuple, kwargs: dict) -> None:
     """The node's arguments against its op's contract, before its meta kernel runs (memo hits
     skip this: same op on the same metadata, already checked)."""
@@ -214,7 +324,7 @@ def _check_contract(node: DecodedNode, args: tuple, kwargs: dict) -> None:
 
 
 def _geometry(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), t.stride(), t.storage_offset()
+    return tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage().nbytes()
 
 
 def _written_tensors(op, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -244,23 +354,37 @@ def _makes_tensors_on_a_device(op) -> bool:
 _STANDINS = {op: standin(op) for op in FUSED_STEPS}
 
 
-def _signature(v, tensors: list, storages: dict[int, int]) -> Any:
+_SCALARS = frozenset((int, float, bool, str, type(None), torch.dtype))
+_TENSOR = torch.Tensor
+
+
+def _signature(v, tensors: list, storages: dict[int, int], described: dict[int, tuple]) -> Any:
     """A hashable description of an argument's metadata; tensors are collected in order, and
     ``storages`` maps each storage to the first collected tensor on it (aliasing is part of
-    the key)."""
-    if isinstance(v, torch.Tensor):
+    the key). ``described``: id(tensor) -> (metadata, storage id), filled as tensors are met."""
+    kind = type(v)
+    if kind is _TENSOR or (kind not in _SCALARS and isinstance(v, _TENSOR)):
         tensors.append(v)
-        storage = v.untyped_storage()
-        first = storages.setdefault(storage._cdata, len(tensors) - 1)
-        return ("T", tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, storage.nbytes(), first)
+        known = described.get(id(v))
+        if known is None:
+            storage = v.untyped_storage()
+            known = described[id(v)] = ((tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, storage.nbytes()),
+                                        storage._cdata)
+        return ("T", known[0], storages.setdefault(known[1], len(tensors) - 1))
+    if kind is tuple or kind is list:
+        return (kind.__name__, tuple([_signature(x, tensors, storages, described) for x in v]))
+    if kind is float:
+        return ("F", v.hex())  # -0.0, nan: exact
+    if kind in _SCALARS:
+        return (kind.__name__, v)
     if isinstance(v, (list, tuple)):
-        return (type(v).__name__, tuple(_signature(x, tensors, storages) for x in v))
+        return (type(v).__name__, tuple(_signature(x, tensors, storages, described) for x in v))
     if isinstance(v, dict):
-        return ("D", tuple((k, _signature(x, tensors, storages)) for k, x in v.items()))
+        return ("D", tuple((k, _signature(x, tensors, storages, described)) for k, x in v.items()))
     if isinstance(v, slice):
         return ("S", v.start, v.stop, v.step)
     if isinstance(v, float):
-        return ("F", v.hex())  # -0.0, nan: exact
+        return ("F", v.hex())
     hash(v)
     return (type(v).__name__, v)
 

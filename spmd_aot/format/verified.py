@@ -43,7 +43,7 @@ __all__ = ["known", "recall", "remember", "record_dir", "entry_name", "private_d
            "MAX_RECORDS"]
 
 MAX_RECORDS = 256
-_MAGIC = b"spmd-aot verified 2\n"
+_MAGIC = b"spmd-aot verified 3\n"
 _MAX_BYTES = 256 << 20
 
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
@@ -149,10 +149,12 @@ def recall(digest: str) -> list | None:
             return None
         try:
             body = records.read(fd, name, _MAGIC, _MAX_BYTES)
-            expected = None if body is None else records.decode(body, "verified record")
-            if body is not None and type(expected) is not list:
-                raise ValueError("not a list of expected results")
-            return expected
+            if body is None:
+                return None
+            doc = records.decode(body, "verified record")  # (distinct results, each node's position)
+            if type(doc) is not tuple or len(doc) != 2:
+                raise ValueError("not a table of expected results")
+            return records.expanded(doc[0], doc[1], "verified record")
         except Exception:  # damaged (a crash mid-write): as if never checked; it is checked again
             records.remove(fd, name)
             return None
@@ -169,7 +171,7 @@ def remember(digest: str, expected: list) -> None:
     from . import records
 
     try:
-        body = records.encode(expected)
+        body = records.encode(records.interned(expected))  # layers repeat their results' metadata
         if len(body) > _MAX_BYTES:
             return
         with private_dir(record_dir(), create=True) as fd:

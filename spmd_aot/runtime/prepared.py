@@ -50,7 +50,7 @@ __all__ = ["program_for", "load", "save", "record_dir", "MAX_RECORDS"]
 log = logging.getLogger(__name__)
 
 MAX_RECORDS = 64
-_MAGIC = b"spmd-aot prepared 2\n"
+_MAGIC = b"spmd-aot prepared 3\n"
 _MAX_BYTES = 256 << 20  # as much as a graph blob may be (LoadLimits.graph_bytes)
 
 
