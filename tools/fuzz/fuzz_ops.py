@@ -435,7 +435,18 @@ def derived(op) -> list:
 
 
 def samples(name: str, op) -> list:
-    return SAMPLES.get(name) or derived(op)
+    """The valid argument sets of ``name``, each with every flag the schema defaults spelled out
+    (as a keyword, at its default), so the mutations flip every flag of every op."""
+    return [_with_flags(op, args, kwargs) for args, kwargs in (SAMPLES.get(name) or derived(op))]
+
+
+def _with_flags(op, args, kwargs) -> list:
+    kwargs = dict(kwargs)
+    for position, a in enumerate(op._schema.arguments):
+        if (str(a.type) == "bool" and a.has_default_value() and position >= len(args)
+                and a.name not in kwargs and isinstance(a.default_value, bool)):
+            kwargs[a.name] = a.default_value
+    return [args, kwargs]
 
 
 # ------------------------------------------------------------------ mutations
