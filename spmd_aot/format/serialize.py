@@ -27,7 +27,7 @@ import msgpack
 import torch
 
 from . import bounded
-from .allowlist import ENV_ALLOW_OPS, is_allowed, refusal
+from .allowlist import ENV_ALLOW_OPS, REFUSED_OVERLOADS, is_allowed, refusal
 from ..errors import CorruptArtifactError, OpNotAllowedError, UnsafeArtifactError
 from .limits import LoadLimits, load_limits
 
@@ -71,7 +71,7 @@ def _target_name(node: torch.fx.Node) -> str:
     t = node.target
     if isinstance(t, torch._ops.OpOverload):
         name = f"{t.namespace}::{t._opname}.{t._overloadname}"
-        why = refusal(t._opname)
+        why = refusal(t._opname) or REFUSED_OVERLOADS.get(name)
         if why:  # no opt-in admits a refused family: offering one would be a dead end
             raise UnsafeArtifactError(
                 f"node {node.name} calls {name}, which loading refuses and no opt-in can allow: it {why}. "
@@ -511,7 +511,7 @@ def resolve_target(name) -> Callable:
     for part in (namespace, opname, overload):
         if not _NAME.match(part) or part.startswith("__"):
             raise UnsafeArtifactError(f"graph calls {name[:80]!r}, which is not an operator name")
-    why = refusal(opname)
+    why = refusal(opname) or REFUSED_OVERLOADS.get(name)
     if why:
         raise UnsafeArtifactError(f"graph calls {name!r}, which is refused: it {why}")
     if not is_allowed(name):

@@ -65,6 +65,14 @@ def test_overloads_whose_meta_kernel_reads_values_are_refused_by_name():
     xs = [torch.ones(3, device="meta")]
     with pytest.raises(RuntimeError, match="Expected scalars to be on CPU"):  # why: if torch changes this, re-admit
         torch.ops.aten._foreach_addcmul_.Tensor(xs, xs, xs, torch.ones(1, device="meta"))
+    graph = torch.fx.Graph()
+    ps = [graph.placeholder(f"p{i}") for i in range(3)]
+    graph.call_function(torch.ops.aten._foreach_addcmul_.Tensor, ([ps[0]], [ps[1]], [ps[2]], ps[0]))
+    graph.output(None)
+    with pytest.raises(UnsafeArtifactError, match="no opt-in can allow: it reads the values of its `scalars`"):
+        encode_graph(graph, {})  # the build names it
+    with pytest.raises(UnsafeArtifactError, match="is refused: it reads the values of its `scalars`"):
+        resolve_target("aten::_foreach_addcdiv_.Tensor")  # and so does a load of a crafted entry
 
 
 def test_every_op_the_suite_needs_is_listed():
