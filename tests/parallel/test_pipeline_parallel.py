@@ -402,3 +402,41 @@ def test_pp2_x_dp2_matches_torch_pipelining_with_averaged_gradients(tmp_path):
 def test_world_size_must_be_a_multiple_of_the_stages(tmp_path):
     with pytest.raises(SpmdAotError, match="multiple of 2"):
         build_pipeline(make_job(), Pipeline(2, MICRO, "gpipe", SPLIT), world_size=3, cache_dir=tmp_path)
+
+
+def test_a_rank_reads_only_its_stage_and_a_changed_stage_graph_is_refused(built, tmp_path):
+    import shutil
+
+    from spmd_aot.entries.pipeline_artifact import check_pipeline_entry, read_pipeline_manifest, read_stage
+    from spmd_aot.errors import CorruptArtifactError
+    from spmd_aot.store import open_store
+
+    cache, results = built
+    store = open_store(cache)
+    digest = results["gpipe"].digest
+    manifest = read_pipeline_manifest(store, digest)
+
+    class Counting:
+        def __init__(self):
+            self.read = []
+
+        def get(self, d, limit=None):
+            self.read.append(d)
+            return store.get(d, limit=limit)
+
+    counting = Counting()
+    loaded = read_stage(counting, manifest, 1, torch.device("cpu"))
+    stage1 = {d for name, d in manifest["blobs"].items() if name.startswith("stage1.")}
+    stage0_only = {d for name, d in manifest["blobs"].items() if name.startswith("stage0.")} - stage1
+    assert set(counting.read) <= stage1 and not set(counting.read) & stage0_only
+    assert loaded.ports["outputs"][0]["name"] == "loss"
+
+    copy_dir = tmp_path / "copy"
+    shutil.copytree(cache, copy_dir)
+    target = manifest["blobs"]["stage1.backward"]
+    path = next(p for p in copy_dir.rglob("*") if p.is_file() and (p.parent.name + p.name) == target)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptArtifactError):
+        check_pipeline_entry(open_store(copy_dir), digest)
