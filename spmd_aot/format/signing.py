@@ -7,7 +7,7 @@ A manifest blob is one header line, then the manifest's msgpack bytes (the body)
 
 The signature sits beside the bytes it signs, so checking it decodes nothing an attacker
 wrote: the header has a fixed grammar (``split``), and the MAC is computed over the body's
-exact stored bytes. Only a body whose MAC verifies is ever decoded (``artifact.read_manifest``).
+exact stored bytes. Only a body whose MAC verifies is ever decoded (``manifest.decode_manifest``).
 
 With ``SPMD_AOT_SIGNING_KEY`` set (any non-empty string; its UTF-8 bytes are the HMAC key),
 ``store_artifact`` signs every manifest it writes and ``verified_body`` refuses one that is

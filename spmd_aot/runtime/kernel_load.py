@@ -4,7 +4,7 @@ Compiled kernels are code: the stored library is native code that ``dlopen`` run
 against an allowlist, so kernels need a stronger reason to run than the cache's directory
 permissions (which any copy into the cache, a shared filesystem or a remote layer bypasses):
 
-* a **signed entry**: with ``SPMD_AOT_SIGNING_KEY`` set, ``artifact.read_manifest`` refused any
+* a **signed entry**: with ``SPMD_AOT_SIGNING_KEY`` set, ``entries.read_manifest`` refused any
   manifest whose HMAC does not verify, and the manifest names the kernels blob by sha256; or
 * a cache the user **explicitly trusts**: ``SPMD_AOT_TRUST_CACHE=1`` / ``trust_cache=True``
   (``store/trust.py``), which says "I trust everyone who can write this cache".

@@ -25,7 +25,7 @@ ENV_CRASH_AT = "SPMD_AOT_CRASH_AT"
 
 #: Every stage a crash can be injected at, in the order a build reaches them.
 #: ``blob.*`` fire in ``LocalStore.put`` (each blob actually written), ``ref.*`` in
-#: ``LocalStore.set_ref``; ``artifact.*`` in ``artifact.store_artifact``.
+#: ``LocalStore.set_ref``; ``artifact.*`` in ``entries.store_artifact``.
 STAGES = (
     "lock.acquired",  # LocalStore.lock: just after taking the inter-process lock (builder holds it)
     "blob.partial",  # temp file created and half of the bytes written, not fsync'ed

@@ -2,7 +2,7 @@
 
 A store is bytes in, bytes out: blobs named by the sha256 of their content, and refs that map
 an opaque key to a blob's digest. It knows nothing about torch or the artifact format (the
-order writers follow, parts then manifest then ref, is ``artifact.store_artifact``'s business).
+order writers follow, parts then manifest then ref, is ``entries.store_artifact``'s business).
 Names follow ``names`` (one rule for every backend: no path can be spelled as a key or digest).
 
 Every store has the required members of ``Store``. Beyond them a store declares, in its

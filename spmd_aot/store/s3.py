@@ -12,7 +12,7 @@ capability) with LocalStore's layout, flat instead of fanned out::
   shared and read-only to us). ``put`` replaces a stored copy whose ETag (the MD5 of a
   single-part upload) does not match the bytes, so re-pushing or rebuilding repairs it.
 * A PUT is atomic on S3: readers see the old object or the whole new one. Writers store parts
-  first and the ref last (``artifact.store_artifact``), so a reader that finds a ref finds
+  first and the ref last (``entries.store_artifact``), so a reader that finds a ref finds
   every blob, as with LocalStore.
 * The endpoint is ``$SPMD_AOT_S3_ENDPOINT``, else ``$AWS_ENDPOINT_URL`` (boto3 also reads the
   latter, and the rest of its usual configuration: credentials, region, profiles).

@@ -79,7 +79,7 @@ def main() -> None:
     store = open_store(cache)
     key = compute_key(train_step, real, plan)
     assert key.key == built.key, "build and job start computed different keys"
-    manifest = spmd_aot.format.artifact.read_manifest(store, built.digest)
+    manifest = spmd_aot.entries.read_manifest(store, built.digest)
     recorded = manifest["guards"]
     fingerprint._DIGESTS.clear()
     start = time.perf_counter()
