@@ -46,7 +46,7 @@ def _current_rss() -> int:
 def child(path: str) -> dict:
     import torch
 
-    from spmd_aot.format.artifact import _gc_paused
+    from spmd_aot.runtime.gc_pause import paused as _gc_paused
     from spmd_aot.format.serialize import decode_graph
     from spmd_aot.format.validate import check_graph
 
@@ -55,7 +55,7 @@ def child(path: str) -> dict:
     n = blob.count(b"aten::add.Tensor")
     torch.empty(1, device="meta") + 1  # load torch's lazily initialised parts before measuring
     base = _current_rss()  # the blob is already in memory: growth is what loading adds
-    with _gc_paused():  # as Artifact.check runs them
+    with _gc_paused():  # as a job's load runs them
         t0 = time.perf_counter()
         nodes = decode_graph(blob, groups=[], device=torch.device("cpu"))
         t1 = time.perf_counter()
