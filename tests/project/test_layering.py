@@ -124,6 +124,22 @@ def test_every_import_points_down_the_documented_stages():
     assert not upward, "imports that point up the stages:\n" + "\n".join(map(str, upward))
 
 
+#: What the store may use of the package: it knows bytes only (and runs without torch), so of the
+#: stages below it only the exceptions and the format's byte codecs, which import no torch either.
+STORE_USES = {"spmd_aot.errors", "spmd_aot.format", "spmd_aot.format.bounded", "spmd_aot.format.digests",
+              "spmd_aot.format.limits", "spmd_aot.format.signing"}
+
+
+def test_the_store_uses_only_the_byte_codecs_of_the_format():
+    modules = module_names(ROOT, PACKAGE)
+    used = {(name, line, target) for name, path in modules.items() if name.startswith(f"{PACKAGE}.store")
+            for line, target in imports_of(name, path, set(modules))
+            if target.startswith(PACKAGE) and not target.startswith(f"{PACKAGE}.store")}
+    other = sorted(f"{name.replace('.', '/')}.py:{line} imports {target}" for name, line, target in used
+                   if target not in STORE_USES)
+    assert not other, "the store uses more than bytes:\n" + "\n".join(other)
+
+
 def test_the_table_names_what_exists():
     """A stage entry for a folder or module that is gone would let a new one of that name in unchecked."""
     for stage in stages_from_doc(DOC.read_text()):
