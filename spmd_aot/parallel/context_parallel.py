@@ -74,7 +74,7 @@ class ContextParallel(TorchFunctionMode):
     whole sequence (``attention``); ``batch`` cuts the batch to this rank's tokens first.
     ``budget()`` is the most collectives the calls added."""
 
-    def __init__(self, plan, model, mesh):
+    def __init__(self, plan, mesh):
         super().__init__()
         dim = plan.mesh_dim("cp")
         self.group = mesh.get_group(dim).group_name
@@ -159,8 +159,10 @@ class ContextParallel(TorchFunctionMode):
         if mask is None:
             keys = load_balanced_keys(self.seq, self.size, self.positions.device)
             allowed = self.positions.unsqueeze(-1) >= keys.unsqueeze(0)
-            mask = self._causal[dtype] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-                allowed.logical_not(), float("-inf"))
+            # one [queries, keys] tensor at once (zeros then masked_fill would hold two)
+            zero = torch.zeros((), dtype=dtype, device=allowed.device)
+            mask = self._causal[dtype] = torch.where(allowed, zero, torch.full((), float("-inf"), dtype=dtype,
+                                                                               device=allowed.device))
         return mask
 
     def _mask_kind(self, mask: torch.Tensor, local: int) -> str:
@@ -335,7 +337,7 @@ class ContextParallelAxis(Axis):
     roles = ("cp",)
 
     def tracing(self, plan, model, mesh):
-        return _Tracing(ContextParallel(plan, model, mesh))
+        return _Tracing(ContextParallel(plan, mesh))
 
 
 class _Tracing:
