@@ -29,8 +29,7 @@ dtype and flag combination:
 * ``_embedding_bag``: ``offset2bag`` is empty on the fast path of sum mode (fp32/fp16/bf16
   weight with dense rows, no ``padding_idx``, dense per-sample weights), ``bag_size`` has one
   value per bag and ``max_indices`` is ``[bags, D]`` in max mode, else ``[bags]`` (meta describes
-  CUDA's kernel); the interpreter runs without autograd, so the kernel's ``requires_grad``
-  branch is the one without it;
+  CUDA's kernel), whether or not the weight requires grad;
 * ``threshold_backward`` computes in the promoted dtype of ``grad_output`` and ``self`` (meta:
   ``grad_output``'s), ``native_dropout_backward`` in that of ``grad_output`` and ``mask`` (the
   default float dtype when both are integral: it multiplies by a float scale);

@@ -106,26 +106,26 @@ def test_batch_norm_backward_returns_only_the_gradients_its_mask_asks_for():
 
 
 def _embedding_bag_cases():
-    for dtype, index_dtype, mode, per_sample, last, padding_idx, layout, (n_idx, n_off) in itertools.product(
+    for dtype, index_dtype, mode, per_sample, last, padding_idx, layout, (n_idx, n_off), grad in itertools.product(
             FLOATS, (torch.int64, torch.int32), (0, 1, 2), (False, True, "strided"), (False, True), (-1, 3, None),
-            ("contiguous", "transposed", "expanded", "wide"), ((6, 2), (0, 2), (6, 3), (6, 1), (1, 2))):
+            ("contiguous", "transposed", "expanded", "wide"), ((6, 2), (0, 2), (6, 3), (6, 1), (1, 2)), (False, True)):
         if per_sample and mode != 0 or n_off < 1 + last:
             continue  # per-sample weights are sum-only; no bag at all is refused by the contract
         w = {"contiguous": lambda: torch.randn(10, 4), "transposed": lambda: torch.randn(4, 10).t(),
              "expanded": lambda: torch.randn(1, 4).expand(10, 4),
-             "wide": lambda: torch.randn(10, 8)[:, ::2]}[layout]().to(dtype)
+             "wide": lambda: torch.randn(10, 8)[:, ::2]}[layout]().to(dtype).requires_grad_(grad)
         idx = torch.randint(0, 10, (n_idx,), dtype=index_dtype)
         off = torch.tensor([0, 2, 4][:n_off], dtype=index_dtype).clamp(max=n_idx)
         psw = None if not per_sample else torch.rand(n_idx).to(dtype) if per_sample is True else \
             torch.rand(2 * n_idx).to(dtype)[::2]
         args = (w, idx, off, False, mode, False, psw, last, padding_idx)
-        yield (str(dtype), str(index_dtype), mode, per_sample, last, padding_idx, layout, n_idx, n_off), \
+        yield (str(dtype), str(index_dtype), mode, per_sample, last, padding_idx, layout, n_idx, n_off, grad), \
             aten._embedding_bag.default, args, {}
 
 
 def test_embedding_bag_outputs_as_cpu_returns_them():
     """offset2bag empty on sum mode's fast path, bag_size one value per bag, max_indices [bags, D]
-    in max mode else [bags]: meta describes CUDA's kernel."""
+    in max mode else [bags], whether or not the weight requires grad: meta describes CUDA's kernel."""
     assert _check_all(_embedding_bag_cases()) > 1000
 
 
