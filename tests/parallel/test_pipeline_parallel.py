@@ -440,3 +440,26 @@ def test_a_rank_reads_only_its_stage_and_a_changed_stage_graph_is_refused(built,
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptArtifactError):
         check_pipeline_entry(open_store(copy_dir), digest)
+
+
+def _miss_worker(rank, world, cache_dir):
+    """No entry: rank 0 traces every stage at the first call and stores the entry, every rank
+    loads its stage from it; a second compiled step then hits."""
+    torch.manual_seed(0)
+    model = LM()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    pipeline = Pipeline(world, MICRO, "gpipe", SPLIT)
+    first = compile_pipeline(loss_fn, pipeline=pipeline, cache_dir=cache_dir)
+    losses = []
+    first(model, optim, make_batch(0), losses=losses)
+    second = compile_pipeline(loss_fn, pipeline=pipeline, cache_dir=cache_dir)
+    second(model, optim, make_batch(1))
+    return {"first": (first.cache_info.hit, first.cache_info.traces, first.cache_info.source),
+            "second": (second.cache_info.hit, second.cache_info.traces), "losses": [float(v) for v in losses]}
+
+
+def test_a_miss_is_traced_by_rank_0_and_stored(tmp_path):
+    out = run_ranks(_miss_worker, 2, str(tmp_path), timeout=600)
+    assert out[0]["first"] == (False, 1, "trace") and out[1]["first"] == (False, 0, "trace")
+    assert out[0]["second"] == (True, 0) and out[1]["second"] == (True, 0)
+    assert len(out[1]["losses"]) == MICRO and out[0]["losses"] == []
