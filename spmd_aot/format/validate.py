@@ -91,6 +91,10 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
     # ``env`` until the check returns (so ids are not reused), and no node may change the
     # geometry or storage size of a tensor (``check_node``), so its metadata is read once.
     described: dict[int, tuple] = {}
+    # id(op) -> (whether it makes tensors on a device, its per-index lists if a foreach op): an
+    # op overload hashes in Python, so what is asked of every node is looked up by id (the
+    # nodes hold every op until the check returns), the memo's key included.
+    facts: dict[int, tuple] = {}
 
     def meta(v):  # decoded values are of these exact types; the isinstance tests are a fallback
         kind = type(v)
@@ -100,6 +104,8 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
             return kind([meta(x) for x in v])
         if kind in _SCALARS:
             return v
+        if kind is dict:
+            return {k: meta(x) for k, x in v.items()}
         if isinstance(v, Ref):
             return env[v.index]
         if isinstance(v, torch.device):
@@ -125,9 +131,20 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
             env[i] = constants[node.target].to(_META)
         elif node.op == "call_function":
             args, kwargs = meta(node.args), meta(node.kwargs)
-            if kwargs.get("device") is None and _makes_tensors_on_a_device(node.target):
+            target = node.target
+            if target is operator.getitem and not kwargs and len(args) == 2:
+                seq, k = args
+                if type(seq) in (list, tuple) and type(k) is int and -len(seq) <= k < len(seq):
+                    # an item of a multi-output op's result, checked when that op ran: itself
+                    work.spend(node, 1)
+                    env[i] = seq[k]
+                    continue
+            fact = facts.get(id(target))
+            if fact is None:
+                fact = facts[id(target)] = (_makes_tensors_on_a_device(target), _per_index(target))
+            if fact[0] and kwargs.get("device") is None:
                 kwargs["device"] = _META  # no device: the default (CPU) would allocate for real
-            elements = _elements(node.target, args, kwargs) if _per_index(node.target) else None
+            elements = _elements(target, args, kwargs) if fact[1] else None
             if elements is not None:
                 env[i] = _check_foreach(node, args, kwargs, elements, memo, work, limit, described)
                 continue
@@ -137,7 +154,7 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
                 key = None  # a foreach op over every parameter: unique in its graph, never a memo hit
             else:
                 try:
-                    key = (node.target, _signature(args, tensors, storages, described),
+                    key = (id(target), _signature(args, tensors, storages, described),
                            _signature(kwargs, tensors, storages, described))
                 except TypeError:  # an unhashable argument: no memo, run it
                     key = None
@@ -292,7 +309,7 @@ def _check_foreach(node: DecodedNode, args: tuple, kwargs: dict, elements: list,
         tensors: list[torch.Tensor] = []
         storages: dict[int, int] = {}
         try:
-            key = (node.target, _signature(eargs, tensors, storages, described),
+            key = (id(node.target), _signature(eargs, tensors, storages, described),
                    _signature(ekwargs, tensors, storages, described))
         except TypeError:
             key = None
@@ -406,8 +423,20 @@ def _rebuild(desc: Any, tensors: list) -> Any:
     if desc[0] != "tensor":
         return desc[0](_rebuild(d, tensors) for d in desc[1])
     _, source, nbytes, dtype, shape, stride, offset = desc
-    storage = (tensors[source].untyped_storage() if source is not None
-               else torch.UntypedStorage(nbytes, device=_META))
+    # the same tensor two ways, the cheaper first (half the cost; thousands of memo hits a load)
+    if source is None:
+        fresh = torch.empty_strided(shape, stride, dtype=dtype, device=_META)
+        if offset == 0 and fresh.untyped_storage().nbytes() == nbytes:
+            return fresh
+        storage = torch.UntypedStorage(nbytes, device=_META)
+    else:
+        base = tensors[source]
+        if base.dtype == dtype:
+            try:
+                return base.as_strided(shape, stride, offset)  # a view of the same storage
+            except RuntimeError:  # what as_strided refuses, set_ builds as the kernel did
+                pass
+        storage = base.untyped_storage()
     return torch.empty(0, dtype=dtype, device=_META).set_(storage, offset, shape, stride)
 
 
