@@ -3,8 +3,10 @@
 ``write`` stores an entry's blobs in the order a reader can trust (parts, manifest, ref) with
 crash points between; ``read`` fetches them within the load limits, re-hashes and validates them
 into an ``Artifact`` (``artifact``), which ``check``s its graph as a load does and becomes the
-interpreter's ``Program``; ``program_blob`` is a signed entry's stored program. The bytes'
-format is ``format/``'s, the places they live are ``store/``'s; this layer joins the two.
+interpreter's ``Program``; ``verified`` remembers passed checks per user, outside every cache;
+``program_blob`` is a signed entry's stored program, ``pipeline_artifact`` a pipeline-parallel
+entry. The bytes' format is ``format/``'s, the places they live are ``store/``'s; this layer
+joins the two.
 """
 
 from .artifact import Artifact

@@ -78,7 +78,7 @@ class Artifact:
         """``check``'s work: the decoded nodes, and what the meta check derived for every node
         (``invariants.describe`` of its meta result), from the run or from its record.
         ``world``: the name a world group is bound to (``decode_graph``)."""
-        from ..format import verified
+        from . import verified
         from ..interpreter.invariants import describe
 
         if groups is None:

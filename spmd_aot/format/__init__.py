@@ -6,7 +6,7 @@ is the manifest (parts, guards, packing, the check of a read one); ``artifact`` 
 into an entry's blobs and checks a layout read back; ``signing`` the manifest's signature header;
 ``allowlist`` (with ``allowed_ops.txt``) and ``contracts`` say which ops a graph may call and what
 each assumes of its arguments; ``limits`` bounds sizes; ``validate`` runs a decoded graph on meta
-tensors against its layout (with ``fused_meta`` and ``device_results``); ``verified`` remembers
-passed checks per user, outside every cache. Everything here takes the bytes a caller hands it:
-``entries/`` reads and writes them in a store.
+tensors against its layout (with ``fused_meta`` and ``device_results``); ``records`` is the
+per-user records' file format. Everything here takes the bytes a caller hands it and writes
+nothing: ``entries/`` reads and writes entries in a store and remembers passed checks per user.
 """

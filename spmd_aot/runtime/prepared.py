@@ -41,7 +41,8 @@ import sys
 
 import torch
 
-from ..format import records, verified
+from ..entries import verified
+from ..format import records
 from ..interpreter.program import Program, ProgramTable
 from ..interpreter.program_form import builder_code, stored_form, table_from_stored
 

@@ -11,7 +11,7 @@ import torch
 
 from support.jobs import build_unsigned
 from spmd_aot.format import validate
-from spmd_aot.format import verified
+from spmd_aot.entries import verified
 from spmd_aot.entries import read_artifact
 from spmd_aot.cli.app import main as cli
 from spmd_aot.format.limits import ENV_LOAD_LIMITS

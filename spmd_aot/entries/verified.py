@@ -52,7 +52,7 @@ _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLL
 # (and the allowlist file this process chose: allowlist.chosen_list)
 _CHECKER_FILES = ("format/validate.py", "format/contracts", "format/allowlist.py",
                   "format/limits.py", "format/fused_meta.py", "format/serialize.py", "format/bounded.py",
-                  "format/verified.py", "format/records.py", "interpreter/invariants.py",
+                  "entries/verified.py", "format/records.py", "interpreter/invariants.py",
                   "format/device_results.py")
 
 
@@ -69,7 +69,7 @@ def _checker_code() -> str:
         path = here / name
         for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
             h.update(b"\0" + f.relative_to(here).as_posix().encode() + b"\0" + f.read_bytes())
-    from .allowlist import chosen_list
+    from ..format.allowlist import chosen_list
     h.update(b"\0" + chosen_list().identity())
     return h.hexdigest()
 
@@ -77,8 +77,8 @@ def _checker_code() -> str:
 def entry_name(digest: str) -> str:
     """The record's name for artifact ``digest`` under this checker (also the base of
     ``runtime/prepared.py``'s names)."""
-    from .allowlist import opted_in_ops
-    from .limits import load_limits
+    from ..format.allowlist import opted_in_ops
+    from ..format.limits import load_limits
 
     ident = f"{digest}\0{_checker_code()}\0{load_limits()!r}\0{sorted(opted_in_ops())!r}"
     return hashlib.sha256(ident.encode()).hexdigest()
@@ -141,7 +141,7 @@ def private_folder(folder: pathlib.Path) -> bool:
 def recall(digest: str) -> list | None:
     """What this checker derived for artifact ``digest`` (its manifest digest) when it passed it
     before (``invariants.describe`` of every node's meta result), or None."""
-    from . import records
+    from ..format import records
 
     name = entry_name(digest)
     with private_dir(record_dir()) as fd:
@@ -168,7 +168,7 @@ def known(digest: str) -> bool:
 def remember(digest: str, expected: list) -> None:
     """Record that artifact ``digest`` passed this checker, with what it derived (best effort: a
     read-only home or a folder others can write means nothing is recorded)."""
-    from . import records
+    from ..format import records
 
     try:
         body = records.encode(records.interned(expected))  # layers repeat their results' metadata
