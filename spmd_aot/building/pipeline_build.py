@@ -46,13 +46,16 @@ class PipelineBuild:
 def pipeline_plan(pipeline: Pipeline, world_size: int, device_type: str, split_points) -> dict:
     """The entry's plan: world size, the mesh ``(pp,)`` or ``(pp, dp_replicate)`` (each stage
     replicated over ``world_size / stages`` ranks that see different batches, their gradients
-    averaged after the last micro-batch, as DDP under pipelining), device, the split points."""
+    averaged after the last micro-batch, as DDP under pipelining) or ``(pp, dp_shard)`` (the
+    same with the stage's parameters sharded, as FSDP2), device, the split points. The stage
+    graphs are the same for every mesh: they compute on a micro-batch of one replica's batch."""
     if world_size % pipeline.stages:
         raise SpmdAotError(
             f"a pipeline of {pipeline.stages} stages runs on a multiple of {pipeline.stages} ranks (each stage "
             f"on world_size / {pipeline.stages} data-parallel replicas), got world size {world_size}")
     dp = world_size // pipeline.stages
-    mesh, roles = ([pipeline.stages, dp], ["pp", "dp_replicate"]) if dp > 1 else ([pipeline.stages], ["pp"])
+    dp_role = "dp_shard" if pipeline.placement == "shard" else "dp_replicate"
+    mesh, roles = ([pipeline.stages, dp], ["pp", dp_role]) if dp > 1 else ([pipeline.stages], ["pp"])
     return {"world_size": world_size, "mesh_shape": mesh, "mesh_roles": roles, "device_type": device_type,
             "split_points": list(split_points)}
 

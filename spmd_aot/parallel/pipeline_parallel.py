@@ -39,12 +39,18 @@ SCHEDULES = ("gpipe", "1f1b")
 class Pipeline:
     """``stages`` pipeline stages, one per rank of the ``pp`` mesh dimension; ``microbatches``
     per step; ``schedule`` one of ``SCHEDULES``; ``split_points`` the FQNs of the modules that
-    begin stages 1.. (``stages - 1`` of them), or empty for an even split by parameter count."""
+    begin stages 1.. (``stages - 1`` of them), or empty for an even split by parameter count;
+    ``placement`` how each stage lies over its data-parallel replicas when the world size is a
+    multiple of ``stages``."""
 
     stages: int = 2
     microbatches: int = 2
     schedule: str = "gpipe"
     split_points: tuple[str, ...] = ()
+    # how a stage lies over its data-parallel replicas (world size / stages ranks):
+    # "replicate" (DDP: whole parameters, gradients averaged) or "shard" (FSDP2: parameters
+    # Shard(0) DTensors, gathered for the step, gradients reduce-scattered)
+    placement: str = "replicate"
 
     def __post_init__(self):
         for name in ("stages", "microbatches"):
@@ -63,21 +69,26 @@ class Pipeline:
                 f"Pipeline(split_points={points!r}) names {len(points)} split point(s) for {self.stages} stages; "
                 f"name {self.stages - 1} (each the first module of a stage after the first) or none for an even split")
         object.__setattr__(self, "split_points", points)
+        if self.placement not in ("replicate", "shard"):
+            raise SpmdAotError(f"Pipeline(placement={self.placement!r}): expected 'replicate' (DDP over a stage's "
+                               "replicas) or 'shard' (FSDP2)")
 
     def to_dict(self) -> dict:
         """The text form stored in the manifest and hashed into the key (the schedule itself too)."""
         return {"stages": self.stages, "microbatches": self.microbatches, "schedule": self.schedule,
-                "split_points": list(self.split_points),
+                "split_points": list(self.split_points), "placement": self.placement,
                 "actions": [[f"{a}{m}" for a, m in acts] for acts in schedule_actions(self)]}
 
     @classmethod
     def from_dict(cls, d) -> "Pipeline":
         if not isinstance(d, dict) or not isinstance(d.get("split_points"), list):
             raise SpmdAotError("a stored pipeline is a map with stages, microbatches, schedule and split_points")
-        return cls(d.get("stages"), d.get("microbatches"), d.get("schedule"), tuple(d["split_points"]))
+        return cls(d.get("stages"), d.get("microbatches"), d.get("schedule"), tuple(d["split_points"]),
+                   d.get("placement"))
 
     def describe(self) -> str:
-        return f"pp={self.stages} {self.schedule} x{self.microbatches} micro-batches"
+        shard = " (stages sharded over their replicas)" if self.placement == "shard" else ""
+        return f"pp={self.stages} {self.schedule} x{self.microbatches} micro-batches{shard}"
 
 
 def schedule_actions(pipeline: Pipeline) -> list[list[tuple[str, int]]]:

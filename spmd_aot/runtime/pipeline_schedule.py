@@ -41,6 +41,7 @@ from ..parallel.pipeline_parallel import Pipeline, schedule_actions
 from ..store import open_store
 from ..store.leases import reading
 from ..interpreter.program import Program
+from .pipeline_replicas import Replicas
 from .step import CacheInfo
 
 __all__ = ["compile_pipeline", "PipelineStep"]
@@ -98,7 +99,7 @@ class PipelineStep:
         rank = dist.get_rank() if dist.is_initialized() else 0
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         plan = pipeline_plan(self.pipeline, world, device_type, resolve_split(model, self.pipeline))
-        groups = _replica_groups(plan)  # collective: every rank makes every stage's group
+        replicas = Replicas(plan, device_type)  # collective with replicas: every rank makes the mesh
         key = pipeline_key(model, self.loss_fn, batch, self.pipeline, plan)
         ranks.check_ranks_agree(key, world)
         status, payload, hit, traced, error = "ok", "", False, False, None
@@ -122,8 +123,7 @@ class PipelineStep:
                 device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
                     else torch.device(device_type)
                 loaded = read_stage(self.store, manifest, rank // _replicas(plan), device, device_type)
-            bound = _BoundStage(model, loaded, manifest, rank, _replicas(plan), device,
-                                groups[rank // _replicas(plan)] if groups else None)
+            bound = _BoundStage(model, loaded, manifest, rank, replicas, device)
         except Exception as exc:
             failure = exc
         ranks.all_ranks_ok(failure, world)
@@ -180,15 +180,6 @@ def _replicas(plan: dict) -> int:
     return plan["world_size"] // plan["mesh_shape"][0]
 
 
-def _replica_groups(plan: dict) -> list:
-    """One process group per stage over its data-parallel replicas (ranks ``s * dp .. s * dp + dp - 1``:
-    the mesh ``(pp, dp_replicate)`` in row-major order); none without replicas."""
-    dp = _replicas(plan)
-    if dp == 1:
-        return []
-    return [dist.new_group(list(range(s * dp, (s + 1) * dp))) for s in range(plan["mesh_shape"][0])]
-
-
 def _signature(leaves, spec):
     return spec, [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in leaves]
 
@@ -196,9 +187,8 @@ def _signature(leaves, spec):
 class _BoundStage:
     """One rank's stage: its programs, the live tensors behind its ports, its actions."""
 
-    def __init__(self, model, loaded, manifest: dict, rank: int, replicas: int, device, replica_group=None):
-        self.model, self.rank, self.device = model, rank, device
-        self.replicas, self.replica_group = replicas, replica_group
+    def __init__(self, model, loaded, manifest: dict, rank: int, replicas: Replicas, device):
+        self.model, self.rank, self.device, self.replicas = model, rank, device, replicas
         self.signature = None
         ports = loaded.ports
         self.inputs, self.outputs = ports["inputs"], ports["outputs"]
@@ -207,10 +197,13 @@ class _BoundStage:
         self.last = self.stage == self.pipeline.stages - 1
         self.first = self.stage == 0
         # the same replica of the neighbouring stages: rank -/+ the replica count
-        self.previous, self.next = rank - replicas, rank + replicas
+        self.previous, self.next = rank - replicas.dp, rank + replicas.dp
         self.forward = Program(loaded.forward, loaded.constants, expected=loaded.forward_expected)
         self.backward = Program(loaded.backward, loaded.constants, expected=loaded.backward_expected)
         self.actions = schedule_actions(self.pipeline)[self.stage]
+        self._bind_live()
+
+    def _bind_live(self) -> None:
         self.state = [self._live(p["name"]) for p in self.inputs]  # None for activations and batch leaves
         self.grad_params = [(i, self.state[i]) for i, p in enumerate(self.inputs)
                             if p["name"].startswith("param:") and p["grad"]]
@@ -225,12 +218,16 @@ class _BoundStage:
 
     def run(self, optim, leaves, losses):
         n = self.pipeline.microbatches
+        if self.replicas.sharded:  # the stage's parameters become Shard(0) DTensors (once, in place)
+            self.replicas.shard(self.model, optim, [p["name"][6:] for p in self.inputs if p["name"].startswith("param:")])
+            self._bind_live()
         mbs = [leaf.chunk(n) for leaf in leaves]
         saved: dict[int, list] = {}
         accumulated: dict[int, torch.Tensor] = {}
         step_losses: list[torch.Tensor] = []
         sends: list = []
         with torch.no_grad():
+            self.whole = [self.replicas.whole(live) if live is not None else None for live in self.state]
             for action, m in self.actions:
                 if action == "F":
                     outs = self.forward(*self._forward_inputs(mbs, m))
@@ -254,10 +251,9 @@ class _BoundStage:
                     del grads
             for work in sends:
                 work.wait()
-            for i, param in self.grad_params:
-                param.grad = accumulated[i].div_(n) if i in accumulated else None
-            if self.replica_group is not None:
-                self._average_over_replicas()
+            self.whole = None  # gathered parameters are freed
+            self.replicas.set_gradients([(param, accumulated[i].div_(n)) for i, param in self.grad_params
+                                         if i in accumulated])
         if optim is not None:
             optim.step()
             optim.zero_grad()
@@ -267,22 +263,9 @@ class _BoundStage:
             losses.extend(step_losses)
         return torch.stack(step_losses).mean()
 
-    def _average_over_replicas(self) -> None:
-        """The stage's gradients averaged over its data-parallel replicas, as DDP averages them:
-        one flat all_reduce of every gradient divided by the replica count."""
-        grads = [param.grad for _, param in self.grad_params if param.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.replicas)
-        dist.all_reduce(flat, group=self.replica_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
     def _forward_inputs(self, mbs, m: int) -> list:
         values, receives = [], []
-        for port, live in zip(self.inputs, self.state):
+        for port, live in zip(self.inputs, self.whole):
             name = port["name"]
             if live is not None:
                 values.append(live)

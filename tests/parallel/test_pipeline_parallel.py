@@ -347,26 +347,33 @@ def test_stage_memory_estimate_matches_eager_pipelining_within_10_percent(tmp_pa
 
 
 # ---------------------------------------------------------------------------- pp x data parallel
-def _pp_dp_worker(rank, world, cache_dir, schedule, steps=3):
-    """pp 2 x dp_replicate 2: mesh (pp, dp) in row-major order, each replica's pipeline a torch
-    ``PipelineStage`` over its own pp group, its stage gradients averaged over the stage's
-    replicas before AdamW steps (what DDP does under pipelining)."""
+def _pp_dp_worker(rank, world, cache_dir, schedule, placement, steps=3):
+    """pp 2 x dp 2: mesh (pp, dp) in row-major order, each replica's pipeline a torch
+    ``PipelineStage`` over its own pp group. ``replicate``: the stage gradients averaged over the
+    stage's replicas before AdamW steps (what DDP does under pipelining); ``shard``: the stage
+    module under ``fully_shard`` (each block, then the root) over the replicas, FSDP2 reducing."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.tensor import DTensor
 
     stages, dp = 2, world // 2
     stage, replica = divmod(rank, dp)
-    pipeline = Pipeline(stages, MICRO, schedule, SPLIT)
+    pipeline = Pipeline(stages, MICRO, schedule, SPLIT, placement)
     if rank == 0:
         build_pipeline(make_job(), pipeline, world_size=world, cache_dir=cache_dir)
-    pp_groups = [dist.new_group([d + s * dp for s in range(stages)]) for d in range(dp)]
-    dp_groups = [dist.new_group([s * dp + d for d in range(dp)]) for s in range(stages)]
+    mesh = init_device_mesh("cpu", (stages, dp), mesh_dim_names=("pp", "dp"))
     dist.barrier()
     torch.manual_seed(0)
     model = LM()
     ref = stage_module(copy.deepcopy(model), stage, [2])
+    if placement == "shard":
+        for block in ref.blocks.values():
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(ref, mesh=mesh["dp"])
     ref_schedule = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(
-        PipelineStage(ref, stage, stages, torch.device("cpu"), group=pp_groups[replica]), MICRO, loss_fn=loss_fn)
+        PipelineStage(ref, stage, stages, torch.device("cpu"), group=mesh.get_group("pp")), MICRO, loss_fn=loss_fn)
     ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = compile_pipeline(loss_fn, pipeline=pipeline, cache_dir=cache_dir, require_hit=True)
@@ -375,28 +382,37 @@ def _pp_dp_worker(rank, world, cache_dir, schedule, steps=3):
         x, y = make_batch(i + 50 * replica)  # each replica its own batch
         ref_losses, losses = [], []
         ref_schedule.step(x) if stage == 0 else ref_schedule.step(target=y, losses=ref_losses)
-        for p in ref.parameters():
-            p.grad.div_(dp)
-            dist.all_reduce(p.grad, group=dp_groups[stage])
+        if placement == "replicate":
+            for p in ref.parameters():
+                p.grad.div_(dp)
+                dist.all_reduce(p.grad, group=mesh.get_group("dp"))
         ref_optim.step()
         ref_optim.zero_grad()
         step(model, optim, (x, y), losses=losses)
         if losses:
             loss_diff = max(loss_diff, max(abs(float(a) - float(b)) for a, b in zip(ref_losses, losses)))
-    param_diff = max((ref_p - model.get_parameter(name)).abs().max().item() for name, ref_p in ref.named_parameters())
-    # the replicas of a stage hold the same parameters
-    mine = torch.cat([model.get_parameter(n).detach().reshape(-1) for n in step.stage_parameters])
+
+    def whole(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+    param_diff = max((whole(ref_p) - whole(model.get_parameter(name))).abs().max().item()
+                     for name, ref_p in ref.named_parameters())
+    own = [model.get_parameter(n) for n in step.stage_parameters]
+    sharded = all(isinstance(p, DTensor) and p.to_local().shape[0] == -(-p.shape[0] // dp) for p in own)
+    mine = torch.cat([whole(p).detach().reshape(-1) for p in own])
     others = [torch.empty_like(mine) for _ in range(dp)]
-    dist.all_gather(others, mine, group=dp_groups[stage])
+    dist.all_gather(others, mine, group=mesh.get_group("dp"))
     return {"loss_diff": loss_diff, "param_diff": param_diff, "traces": step.cache_info.traces,
-            "hit": step.cache_info.hit, "replicas_equal": all(torch.equal(o, others[0]) for o in others)}
+            "hit": step.cache_info.hit, "replicas_equal": all(torch.equal(o, others[0]) for o in others),
+            "sharded": sharded}
 
 
-def test_pp2_x_dp2_matches_torch_pipelining_with_averaged_gradients(tmp_path):
-    out = run_ranks(_pp_dp_worker, 4, str(tmp_path), "1f1b", timeout=600)
+@pytest.mark.parametrize("placement", ["replicate", "shard"])
+def test_pp2_x_dp2_matches_torch_pipelining_over_ddp_and_fsdp2(tmp_path, placement):
+    out = run_ranks(_pp_dp_worker, 4, str(tmp_path), "1f1b", placement, timeout=600)
     for rank, r in enumerate(out):
         assert r["hit"] and r["traces"] == 0 and r["replicas_equal"], (rank, r)
         assert r["param_diff"] < 1e-4 and r["loss_diff"] < 1e-4, (rank, r)
+        assert r["sharded"] == (placement == "shard"), (rank, r)
 
 
 def test_world_size_must_be_a_multiple_of_the_stages(tmp_path):
