@@ -209,6 +209,11 @@ class ParallelOptions:
         computed over the whole sequence (docs/context_parallel.md); its size is that dimension's, e.g. mesh_shape
         DPxCPxTP.""",
         Flag("--context-parallel", "context parallel", "switch", takes_mesh_dim=True))
+    context_parallel_buffers: tuple[str, ...] = option((), """Context parallel: buffers whose dim 0 is the
+        sequence, cut as the batch is. FQN patterns (fnmatch) of read-only buffers the model slices by its
+        input's length, e.g. a RoPE table 'freqs_cis' of exactly the batch's sequence length, as torch's
+        context_parallel(buffers=...) shards them.""",
+        Flag("--context-parallel-buffer", "context parallel", "repeat", "PATTERN"))
     param_dtype: Any = option(None, """Mixed precision: the dtype parameters compute in (bf16, fp16, fp32).
         The parameters the optimizer updates keep their own dtype, as FSDP2's param_dtype.""",
         Flag("--param-dtype", _MP, metavar="DTYPE", choices=tuple(DTYPES), text=_dtype_text))
@@ -233,7 +238,8 @@ class ParallelOptions:
         # the checks that need no world size run now; a plan over the mesh's own ranks normalizes
         checked = self.plan(math.prod(mesh) if mesh else 1, mesh_shape=mesh)
         object.__setattr__(self, "mesh_shape", mesh)
-        for name in ("param_placements", "bucket_cap_mb", "first_bucket_cap_mb", "shard_groups"):
+        for name in ("param_placements", "bucket_cap_mb", "first_bucket_cap_mb", "shard_groups",
+                     "context_parallel_buffers"):
             object.__setattr__(self, name, getattr(checked, name))
         if not isinstance(self.tp_plan, str):  # a string names the model's own plan, bound per model
             object.__setattr__(self, "tp_plan", checked.tp_plan)

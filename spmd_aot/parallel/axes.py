@@ -53,6 +53,14 @@ class Tracing:
                 leaves = context.batch(leaves)
         return leaves
 
+    def buffers(self, names: list[list[str]], buffers: list) -> list:
+        """The buffers (each with its module attribute names) as the step sees them: each context
+        with a ``buffers`` method applied in turn (context parallel: sequence buffers cut)."""
+        for context in self.contexts:
+            if hasattr(context, "buffers"):
+                buffers = context.buffers(names, buffers)
+        return buffers
+
     def budget(self) -> dict[str, int]:
         total: dict[str, int] = {}
         for context in self.contexts:

@@ -25,7 +25,8 @@ class Axis:
         """A context manager the step is traced in (with a ``budget()`` of the collectives its
         calls added), or None. It may also have ``batch(leaves) -> leaves``: the batch's
         flattened leaves as the step sees them (context parallel cuts them to the rank's tokens),
-        called before the step runs."""
+        called before the step runs, and ``buffers(names, buffers) -> buffers``: the buffers
+        (each with its attribute names) as the step sees them, called after ``batch``."""
         return None
 
     def traced_buffers(self, plan, buffers: list, mesh) -> list:

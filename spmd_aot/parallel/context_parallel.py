@@ -13,7 +13,10 @@ What a rank computes:
   (exact), and the tokens are taken with ``index_select``. Everything a model reads from the
   batch follows the split, position ids included: positions given in the batch are the global
   ones (RoPE stays right); a model that builds its positions from ``arange`` of its input's
-  length would see local ones (see "Limits").
+  length would see local ones (see "Limits"). Buffers whose dim 0 is the sequence (a RoPE table
+  the model slices by its input's length, as torchtitan's ``freqs_cis``) are cut the same way
+  when ``context_parallel_buffers`` names them, as torch's ``context_parallel(buffers=...)``
+  shards them.
 - **Attention.** Every ``scaled_dot_product_attention`` call of the step runs on the rank's
   queries against the keys and values of the whole sequence: keys and values are all_gathered
   over ``cp`` (one ``all_gather_into_tensor`` of both per call, inside the traced step; its
@@ -76,6 +79,7 @@ class ContextParallel(TorchFunctionMode):
 
     def __init__(self, plan, mesh):
         super().__init__()
+        self.buffer_patterns = plan.context_parallel_buffers
         dim = plan.mesh_dim("cp")
         self.group = mesh.get_group(dim).group_name
         self.size = mesh.size(dim)
@@ -109,6 +113,35 @@ class ContextParallel(TorchFunctionMode):
         device = tensors[0].device
         self.positions = load_balanced_positions(seq, self.size, self._rank_index(device), device)
         return [t.index_select(1, self.positions) if isinstance(t, torch.Tensor) else t for t in leaves]
+
+    def buffers(self, names: list[list[str]], buffers: list) -> list:
+        """The buffers ``context_parallel_buffers`` names (FQN patterns; dim 0 the sequence, as
+        torch's ``context_parallel(buffers=..., buffer_seq_dims=...)`` takes them) cut to this
+        rank's positions, so a model slicing one by its input's length (``freqs_cis[:t]``) reads
+        the rows of its tokens; the others as they are."""
+        if not self.buffer_patterns:
+            return buffers
+        import fnmatch
+
+        used, out = set(), []
+        for fqns, buf in zip(names, buffers):
+            match = next((p for p in self.buffer_patterns for f in fqns if fnmatch.fnmatchcase(f, p)), None)
+            if match is None or self.positions is None:
+                out.append(buf)
+                continue
+            used.add(match)
+            if buf.dim() < 1 or buf.shape[0] != self.seq:
+                raise UnsupportedError(
+                    f"context_parallel_buffers names buffer {fqns[0]} of shape {list(buf.shape)}, but its dim 0 "
+                    f"must be the batch's sequence length {self.seq} (it is cut to each rank's positions as "
+                    "the batch is); make the table exactly the training sequence length")
+            out.append(buf.index_select(0, self.positions))
+        unused = [p for p in self.buffer_patterns if p not in used]
+        if unused and self.positions is not None:
+            raise UnsupportedError(
+                f"context_parallel_buffers pattern(s) {unused} match no buffer of the model; patterns match "
+                "buffer FQNs (fnmatch), e.g. 'freqs_cis' or 'layers.*.rope.table' (see model.named_buffers())")
+        return out
 
     def _rank_index(self, device) -> torch.Tensor:
         """This rank's index along ``cp`` (one-element int64): one graph serves every rank, so it
@@ -349,6 +382,9 @@ class _Tracing:
 
     def batch(self, leaves: list) -> list:
         return self.cp.batch(leaves)
+
+    def buffers(self, names: list[list[str]], buffers: list) -> list:
+        return self.cp.buffers(names, buffers)
 
     def budget(self) -> dict[str, int]:
         return self.cp.budget()

@@ -34,7 +34,9 @@ class Plan:
 
     ``context_parallel`` splits the batch's sequence (dim 1 of every batch tensor) over a ``cp``
     mesh dimension after the data-parallel ones and before TP (``context_parallel.py``), e.g.
-    ``(cp,)``, ``(dp_shard, cp)`` or ``(dp_shard, cp, tp)``; its size is that dimension's."""
+    ``(cp,)``, ``(dp_shard, cp)`` or ``(dp_shard, cp, tp)``; its size is that dimension's.
+    ``context_parallel_buffers`` are FQN patterns of buffers whose dim 0 is the sequence (a RoPE
+    table sliced by the model), cut as the batch is."""
 
     world_size: int
     placement: str = "replicate"
@@ -58,6 +60,7 @@ class Plan:
     mixed_precision: MixedPrecisionPolicy | None = None
     # the batch's sequence split over a ``cp`` mesh dimension (``context_parallel.py``)
     context_parallel: bool = False
+    context_parallel_buffers: tuple[str, ...] = ()
     # derived: the role of each mesh dimension (``parallel/dims.py``), e.g. ("dp_shard", "tp")
     mesh_roles: tuple[str, ...] = dataclasses.field(init=False, repr=False, compare=False, default=())
     # derived by ``for_model``: patterns of the model's own tp_plan ("hf") that name modules it
@@ -97,6 +100,14 @@ class Plan:
         object.__setattr__(self, "tp_plan", tp_plan)
         if not isinstance(self.context_parallel, bool):
             raise SpmdAotError(f"context_parallel must be True or False, got {self.context_parallel!r}")
+        cp_buffers = self.context_parallel_buffers
+        cp_buffers = (cp_buffers,) if isinstance(cp_buffers, str) else tuple(cp_buffers)
+        if not all(isinstance(b, str) and b for b in cp_buffers):
+            raise SpmdAotError(f"context_parallel_buffers holds buffer FQN patterns, got {cp_buffers!r}")
+        if cp_buffers and not self.context_parallel:
+            raise SpmdAotError("context_parallel_buffers is set without context_parallel; set context_parallel=True "
+                               "or drop the buffers")
+        object.__setattr__(self, "context_parallel_buffers", cp_buffers)
         others = (("cp",) if self.context_parallel else ()) + (("tp",) if tp_plan else ())
         roles = mesh_roles(self.placement, mesh, others if self.world_size > 1 else ())
         if isinstance(roles, str):
@@ -219,12 +230,14 @@ class Plan:
                 # only when set: plans without TP keep the text (and keys) they always had
                 **({"tp_plan": [list(p) for p in self.tp_plan]} if self.tp_plan else {}),
                 **({"mixed_precision": self.mixed_precision.to_dict()} if self.mixed_precision else {}),
-                **({"context_parallel": True} if self.context_parallel else {})}
+                **({"context_parallel": True} if self.context_parallel else {}),
+                **({"context_parallel_buffers": list(self.context_parallel_buffers)}
+                   if self.context_parallel_buffers else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Plan":
         """Inverse of ``to_dict``; raises ``SpmdAotError`` on anything it would not have written."""
-        optional = {"tp_plan", "mixed_precision", "context_parallel"}
+        optional = {"tp_plan", "mixed_precision", "context_parallel", "context_parallel_buffers"}
         if not isinstance(d, Mapping) or set(d) - optional != set(_FIELDS) - optional or \
                 d.get("tp_plan", True) == [] or d.get("context_parallel", True) is not True:
             raise SpmdAotError(f"a plan has exactly the fields {', '.join(_FIELDS)} (tp_plan, "
@@ -239,7 +252,8 @@ class Plan:
                    d["first_bucket_cap_mb"], tuple(d["shard_groups"]), d["reshard_after_forward"],
                    tuple(tuple(p) for p in d.get("tp_plan", [])),
                    MixedPrecisionPolicy.from_dict(d["mixed_precision"]) if "mixed_precision" in d else None,
-                   context_parallel="context_parallel" in d)
+                   context_parallel="context_parallel" in d,
+                   context_parallel_buffers=_patterns(d.get("context_parallel_buffers", [])))
 
     def describe(self) -> str:
         mesh = "x".join(map(str, self.mesh_shape))
@@ -248,6 +262,13 @@ class Plan:
         extra += f" tp={self.tp}" if self.tp else ""
         extra += f" {self.mixed_precision.describe()}" if self.mixed_precision else ""
         return f"world={self.world_size} mesh={mesh} {self.placement}{extra} {self.device_type}"
+
+
+def _patterns(value) -> tuple[str, ...]:
+    """A stored list of FQN patterns."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SpmdAotError("a plan's context_parallel_buffers is a list of buffer FQN patterns")
+    return tuple(value)
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Plan) if f.init)

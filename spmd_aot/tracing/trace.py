@@ -162,9 +162,11 @@ class _StepTracer:
         state, forward_only = self.state, self.forward_only
         take = lambda kind: [flat[i] for i in self.by_kind.get(kind, [])]  # noqa: E731
         leaves = self._leaves(take("param"))
+        batch_leaves = self.axis_contexts.batch(take("batch"))  # first: buffers may follow its split
         buffers = take("buffer")
         if self.plan.world_size > 1 and self.mesh is not None:
             buffers = axes.traced_buffers(self.plan, buffers, self.mesh)
+        buffers = self.axis_contexts.buffers([names for names, _ in state.buffers], buffers)
         bindings = {}
         for (names, _), leaf in zip(state.params, leaves):
             bindings.update(dict.fromkeys(names, leaf))
@@ -173,7 +175,7 @@ class _StepTracer:
         by_real = {id(real): leaf for (_, real), leaf in zip(state.params, leaves)}
         traced_state = self._optimizer_state(by_real, take("optim_state"))
         hypers = {} if forward_only else traced_hyperparameters(state.optim, state.hyper_inputs(), take("hyper"))
-        batch = pytree.tree_unflatten(self.axis_contexts.batch(take("batch")), state.batch_spec)
+        batch = pytree.tree_unflatten(batch_leaves, state.batch_spec)
         gathers = self._gathers(leaves)
         computes = _ComputeOnAccess(leaves, [s.layout for s in self.param_slots], self.expander, gathers)
         optimizer = contextlib.nullcontext() if forward_only else \

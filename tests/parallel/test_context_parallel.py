@@ -30,18 +30,26 @@ SEQ = 16  # 4 chunks of 2 per rank at cp=2 (the sequence is 4x a chunk), 8 chunk
 
 # ---------------------------------------------------------------------------- our model
 class Attention(nn.Module):
-    """RoPE on positions from the batch, then SDPA (causal or not); local heads from ``q``."""
+    """RoPE on positions from the batch (or, with ``table``, from a buffer of angles per position
+    sliced by the input's length, as torchtitan slices ``freqs_cis[:seqlen]``), then SDPA (causal
+    or not); local heads from ``q``."""
 
-    def __init__(self, causal: bool):
+    def __init__(self, causal: bool, table: bool = False):
         super().__init__()
-        self.causal = causal
+        self.causal, self.table = causal, table
         self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
         inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if table:
+            self.register_buffer("angles", torch.arange(SEQ).float()[:, None] * inv_freq, persistent=False)
 
     def rope(self, x, pos):
-        freqs = pos[..., None].float() * self.inv_freq  # [b, t, head_dim / 2]
-        cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]
+        if self.table:
+            freqs = self.angles[:x.shape[-2]]  # [t, head_dim / 2]
+            cos, sin = freqs.cos(), freqs.sin()
+        else:
+            freqs = pos[..., None].float() * self.inv_freq  # [b, t, head_dim / 2]
+            cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
 
@@ -56,10 +64,10 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, causal: bool):
+    def __init__(self, causal: bool, table: bool = False):
         super().__init__()
         self.ln1, self.ln2 = nn.RMSNorm(D), nn.RMSNorm(D)
-        self.attn = Attention(causal)
+        self.attn = Attention(causal, table)
         self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
 
     def forward(self, x, pos):
@@ -68,10 +76,10 @@ class Block(nn.Module):
 
 
 class CPNet(nn.Module):
-    def __init__(self, causal: bool = True):
+    def __init__(self, causal: bool = True, table: bool = False):
         super().__init__()
         self.tok = nn.Embedding(VOCAB, D)
-        self.blocks = nn.ModuleList([Block(causal) for _ in range(2)])
+        self.blocks = nn.ModuleList([Block(causal, table) for _ in range(2)])
         self.ln_f = nn.RMSNorm(D)
         self.head = nn.Linear(D, VOCAB)
 
@@ -117,13 +125,15 @@ def _llama():
 
 
 MODELS = {"causal": (lambda: CPNet(True), own_step), "full": (lambda: CPNet(False), own_step),
-          "llama": (_llama, llama_step)}
+          "llama": (_llama, llama_step), "rope_table": (lambda: CPNet(True, table=True), own_step)}
+# options a model needs beyond its configuration's
+MODEL_OPTIONS = {"rope_table": {"context_parallel_buffers": ("blocks.*.attn.angles",)}}
 TP_PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
            "blocks.*.attn.o": "rowwise", "blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
 # world -> config -> (placement, mesh shape, tp plan, models)
 CONFIGS = {
-    2: {"cp": ("replicate", (2,), None, ("causal", "full", "llama"))},
-    4: {"fsdp_cp": ("shard", (2, 2), None, ("causal", "full", "llama")),
+    2: {"cp": ("replicate", (2,), None, ("causal", "full", "llama", "rope_table"))},
+    4: {"fsdp_cp": ("shard", (2, 2), None, ("causal", "full", "llama", "rope_table")),
         "cp4": ("replicate", (4,), None, ("causal", "full")),
         "ddp_cp": ("replicate", (2, 2), None, ("causal",))},
     8: {"fsdp_cp_tp": ("shard", (2, 2, 2), TP_PLAN, ("causal", "full")),
@@ -135,10 +145,10 @@ def optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _options(world, config):
+def _options(world, config, model_name=None):
     placement, shape, tp_plan, _ = CONFIGS[world][config]
     return {"placement": placement, "mesh_shape": shape if len(shape) > 1 else None,
-            "tp_plan": tp_plan or (), "context_parallel": True}
+            "tp_plan": tp_plan or (), "context_parallel": True, **MODEL_OPTIONS.get(model_name, {})}
 
 
 def _roles(world, config):
@@ -184,7 +194,7 @@ def _compiled(world, config, model_name, rank, cache):
     torch.manual_seed(0)
     model = make()
     optim = optimizer(model)
-    fn = spmd_aot.compile(step, cache_dir=cache, require_hit=True, **_options(world, config))
+    fn = spmd_aot.compile(step, cache_dir=cache, require_hit=True, **_options(world, config, model_name))
     share = _share(world, config, rank)
     return model, optim, [fn(model, optim, make_batch(share, s)).detach() for s in range(STEPS)], fn.cache_info
 
@@ -226,7 +236,7 @@ def built(tmp_path_factory):
                     make, step = MODELS[name]
                     job = spmd_aot.Job(step=step, model=make, optimizer=optimizer, batch=make_batch)
                     out[world][config, name] = cache, spmd_aot.build(job, world_size=world, cache_dir=cache,
-                                                                     **_options(world, config))
+                                                                     **_options(world, config, name))
         return out[world]
 
     return world_builds
@@ -340,6 +350,17 @@ def test_what_context_parallel_cannot_split_is_refused_at_build(tmp_path, model,
     job = spmd_aot.Job(step=step, model=model, optimizer=optimizer, batch=batch)
     with pytest.raises(spmd_aot.UnsupportedError, match=message):
         spmd_aot.build(job, world_size=2, cache_dir=str(tmp_path), context_parallel=True)
+
+
+@pytest.mark.parametrize("buffers,message", [
+    (("blocks.*.attn.table",), r"pattern\(s\) \['blocks.\*.attn.table'\] match no buffer"),
+    (("blocks.*.attn.inv_freq",), "dim 0 must be the batch's sequence length 16"),
+], ids=["no-such-buffer", "not-a-sequence"])
+def test_sequence_buffers_that_cannot_be_cut_are_refused(tmp_path, buffers, message):
+    job = spmd_aot.Job(step=own_step, model=lambda: CPNet(True, table=True), optimizer=optimizer, batch=make_batch)
+    with pytest.raises(spmd_aot.UnsupportedError, match=message):
+        spmd_aot.build(job, world_size=2, cache_dir=str(tmp_path), context_parallel=True,
+                       context_parallel_buffers=buffers)
 
 
 def test_plan_names_the_cp_dimension_and_keeps_other_plans_text():
