@@ -479,3 +479,29 @@ def test_a_miss_is_traced_by_rank_0_and_stored(tmp_path):
     assert out[0]["first"] == (False, 1, "trace") and out[1]["first"] == (False, 0, "trace")
     assert out[0]["second"] == (True, 0) and out[1]["second"] == (True, 0)
     assert len(out[1]["losses"]) == MICRO and out[0]["losses"] == []
+
+
+def test_key_holds_the_split_the_micro_batches_the_placement_and_the_loss():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from spmd_aot.building.pipeline_build import pipeline_plan
+    from spmd_aot.keying.pipeline_key import pipeline_key
+    from spmd_aot.tracing.fake_factories import fake_factories
+
+    with fake_factories(FakeTensorMode()):
+        model, batch = LM(), make_batch()
+
+    def key(pipeline, world=2, loss=loss_fn):
+        plan = pipeline_plan(pipeline, world, "cpu", pipeline.split_points or ("blocks.2",))
+        return pipeline_key(model, loss, batch, pipeline, plan)
+
+    base = key(Pipeline(2, 4, "gpipe", SPLIT))
+    assert key(Pipeline(2, 4, "gpipe", SPLIT)).key == base.key
+    for changed, ingredient in ((key(Pipeline(2, 4, "gpipe", ("blocks.1",))), "pipeline"),
+                                (key(Pipeline(2, 2, "gpipe", SPLIT)), "pipeline"),
+                                (key(Pipeline(2, 4, "1f1b", SPLIT)), "pipeline"),
+                                (key(Pipeline(2, 4, "gpipe", SPLIT, "shard"), world=4), "pipeline"),
+                                (key(Pipeline(2, 4, "gpipe", SPLIT), world=4), "parallel"),
+                                (key(Pipeline(2, 4, "gpipe", SPLIT), loss=hf_loss), "loss_code")):
+        assert changed.key != base.key
+        assert changed.ingredients[ingredient] != base.ingredients[ingredient]
