@@ -48,6 +48,7 @@ shifts within the local tokens): pass targets shifted before the step.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -121,8 +122,6 @@ class ContextParallel(TorchFunctionMode):
         the rows of its tokens; the others as they are."""
         if not self.buffer_patterns:
             return buffers
-        import fnmatch
-
         used, out = set(), []
         for fqns, buf in zip(names, buffers):
             match = next((p for p in self.buffer_patterns for f in fqns if fnmatch.fnmatchcase(f, p)), None)

@@ -98,16 +98,7 @@ class Plan:
                     raise SpmdAotError(f"tp_plan entries are (module FQN pattern, style) pairs, got {entry!r}")
             tp_plan = tuple((pattern, style_name(pattern, style)) for pattern, style in tp_plan)
         object.__setattr__(self, "tp_plan", tp_plan)
-        if not isinstance(self.context_parallel, bool):
-            raise SpmdAotError(f"context_parallel must be True or False, got {self.context_parallel!r}")
-        cp_buffers = self.context_parallel_buffers
-        cp_buffers = (cp_buffers,) if isinstance(cp_buffers, str) else tuple(cp_buffers)
-        if not all(isinstance(b, str) and b for b in cp_buffers):
-            raise SpmdAotError(f"context_parallel_buffers holds buffer FQN patterns, got {cp_buffers!r}")
-        if cp_buffers and not self.context_parallel:
-            raise SpmdAotError("context_parallel_buffers is set without context_parallel; set context_parallel=True "
-                               "or drop the buffers")
-        object.__setattr__(self, "context_parallel_buffers", cp_buffers)
+        object.__setattr__(self, "context_parallel_buffers", _checked_context_parallel(self))
         others = (("cp",) if self.context_parallel else ()) + (("tp",) if tp_plan else ())
         roles = mesh_roles(self.placement, mesh, others if self.world_size > 1 else ())
         if isinstance(roles, str):
@@ -262,6 +253,20 @@ class Plan:
         extra += f" tp={self.tp}" if self.tp else ""
         extra += f" {self.mixed_precision.describe()}" if self.mixed_precision else ""
         return f"world={self.world_size} mesh={mesh} {self.placement}{extra} {self.device_type}"
+
+
+def _checked_context_parallel(plan) -> tuple[str, ...]:
+    """``plan.context_parallel`` checked; its ``context_parallel_buffers`` as a tuple of patterns."""
+    if not isinstance(plan.context_parallel, bool):
+        raise SpmdAotError(f"context_parallel must be True or False, got {plan.context_parallel!r}")
+    buffers = plan.context_parallel_buffers
+    buffers = (buffers,) if isinstance(buffers, str) else tuple(buffers)
+    if not all(isinstance(b, str) and b for b in buffers):
+        raise SpmdAotError(f"context_parallel_buffers holds buffer FQN patterns, got {buffers!r}")
+    if buffers and not plan.context_parallel:
+        raise SpmdAotError("context_parallel_buffers is set without context_parallel; set context_parallel=True "
+                           "or drop the buffers")
+    return buffers
 
 
 def _patterns(value) -> tuple[str, ...]:
