@@ -187,7 +187,8 @@ def _check_outputs(nodes, values, ports, part: str, stage: int) -> None:
         want = list(ports["inputs"])
         grads = [p["grad"] for p in want]
     if len(out) != len(want):
-        raise CorruptArtifactError(f"pipeline stage {stage} {part} graph returns {len(out)} values for {len(want)} ports")
+        raise CorruptArtifactError(
+            f"pipeline stage {stage} {part} graph returns {len(out)} values for {len(want)} ports")
     for o, p, has in zip(out, want, grads):
         value = values[o.index] if isinstance(o, Ref) else None
         if not has:

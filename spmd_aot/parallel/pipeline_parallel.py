@@ -25,7 +25,7 @@ stages hold about equal parameter counts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..errors import SpmdAotError
 
@@ -80,7 +80,7 @@ class Pipeline:
                 "actions": [[f"{a}{m}" for a, m in acts] for acts in schedule_actions(self)]}
 
     @classmethod
-    def from_dict(cls, d) -> "Pipeline":
+    def from_dict(cls, d) -> Pipeline:
         if not isinstance(d, dict) or not isinstance(d.get("split_points"), list):
             raise SpmdAotError("a stored pipeline is a map with stages, microbatches, schedule and split_points")
         return cls(d.get("stages"), d.get("microbatches"), d.get("schedule"), tuple(d["split_points"]),

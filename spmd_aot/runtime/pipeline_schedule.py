@@ -35,7 +35,7 @@ import torch.utils._pytree as pytree
 from . import ranks
 from ..errors import CacheMissError, CorruptArtifactError
 from ..entries import store_artifact
-from ..entries.pipeline_artifact import backward_inputs, read_pipeline_manifest, read_stage
+from ..entries.pipeline_artifact import read_pipeline_manifest, read_stage
 from ..keying.pipeline_key import pipeline_key
 from ..parallel.pipeline_parallel import Pipeline, schedule_actions
 from ..store import open_store
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 
 def compile_pipeline(loss_fn, *, pipeline: Pipeline, cache_dir=None, store=None, require_hit: bool = False,
-                     trust_cache=None) -> "PipelineStep":
+                     trust_cache=None) -> PipelineStep:
     """A pipeline-parallel train step: ``step(model, optim, batch)`` with ``batch = (inputs...,
     target)``, the whole step's batch on every rank. Pass the same ``loss_fn`` and pipeline as
     ``build_pipeline``. Returns the mean micro-batch loss on the last stage's ranks, None on the
@@ -91,7 +91,7 @@ class PipelineStep:
             bound = self._bound = self._prepare(model, batch)
         return bound.run(optim, leaves, losses)
 
-    def _prepare(self, model, batch) -> "_BoundStage":
+    def _prepare(self, model, batch) -> _BoundStage:
         from ..building.pipeline_build import pipeline_plan, resolve_split
 
         start = time.perf_counter()
@@ -119,7 +119,8 @@ class PipelineStep:
             with reading(self.store, digest):
                 manifest = read_pipeline_manifest(self.store, digest)
                 if manifest["key"] != key.key:
-                    raise CorruptArtifactError(f"ref {key.key[:12]} points to pipeline entry {digest[:12]} of another key")
+                    raise CorruptArtifactError(
+                        f"ref {key.key[:12]} points to pipeline entry {digest[:12]} of another key")
                 device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
                     else torch.device(device_type)
                 loaded = read_stage(self.store, manifest, rank // _replicas(plan), device, device_type)
@@ -219,7 +220,8 @@ class _BoundStage:
     def run(self, optim, leaves, losses):
         n = self.pipeline.microbatches
         if self.replicas.sharded:  # the stage's parameters become Shard(0) DTensors (once, in place)
-            self.replicas.shard(self.model, optim, [p["name"][6:] for p in self.inputs if p["name"].startswith("param:")])
+            own = [p["name"][6:] for p in self.inputs if p["name"].startswith("param:")]
+            self.replicas.shard(self.model, optim, own)
             self._bind_live()
         mbs = [leaf.chunk(n) for leaf in leaves]
         saved: dict[int, list] = {}
@@ -239,7 +241,7 @@ class _BoundStage:
                     del outs  # the saved tensors live in ``saved`` only: freed by their backward
                 else:
                     grads = self.backward(*saved.pop(m), *self._output_grads(m))
-                    for i, param in self.grad_params:
+                    for i, _ in self.grad_params:
                         g = grads[i]
                         if i in accumulated:
                             accumulated[i].add_(g)

@@ -20,7 +20,8 @@ pipelining.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch._guards
@@ -58,7 +59,8 @@ class StageGraphs:
     stats: dict = dataclasses.field(default_factory=dict)  # filled by the build (nodes, bytes)
 
 
-def trace_stages(model: torch.nn.Module, loss_fn: Callable, batch: tuple, split_points: tuple[str, ...]) -> list[StageGraphs]:
+def trace_stages(model: torch.nn.Module, loss_fn: Callable, batch: tuple,
+                 split_points: tuple[str, ...]) -> list[StageGraphs]:
     """``model(*batch[:-1])`` then ``loss_fn(output, batch[-1])``, on one micro-batch of fake
     tensors, as ``len(split_points) + 1`` stages."""
     params = _unique(model.named_parameters(remove_duplicate=False))
@@ -129,7 +131,8 @@ def _whole_trace(model, loss_fn, params, buffers, spec, flat, split_points):
     traced_marks = [marks.get(p) for p in split_points]
     for p, m in zip(split_points, traced_marks):
         if m is None:
-            raise UnsupportedError(f"split point {p!r} never ran in the model's forward; name a module the forward calls")
+            raise UnsupportedError(
+                f"split point {p!r} never ran in the model's forward; name a module the forward calls")
     positions = [order[m] for m in traced_marks]
     if positions != sorted(positions):
         raise UnsupportedError(f"split points {list(split_points)} run in another order in the forward; list "
@@ -179,7 +182,8 @@ def _cut(gm, marks: list[int], names: list[str], params) -> list[StageGraphs]:
 
 def _refuse_mutated_inputs(nodes, name_of) -> None:
     for node in nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
             for arg in node.all_input_nodes:
                 if arg in name_of:
                     raise UnsupportedError(
@@ -210,7 +214,7 @@ def _stage_graphs(gm, nodes, stage_of, name_of, readers, crossing, loss, n_stage
             inputs.append(p)
         for node in nodes:
             if stage_of.get(node) == s:
-                env[node] = graph.node_copy(node, lambda n: env[n])
+                env[node] = graph.node_copy(node, env.__getitem__)
         if s == n_stages - 1:
             results = [loss]
         else:
@@ -227,7 +231,8 @@ def _stage_graphs(gm, nodes, stage_of, name_of, readers, crossing, loss, n_stage
             meta = node.meta["val"]
             name = name_of.get(node, f"act:{node.name}")
             ports_in.append((name, meta))
-        out.append((stage_gm, ports_in, [(f"act:{n.name}" if s < n_stages - 1 else "loss", n.meta["val"]) for n in results]))
+        ports_out = [(f"act:{n.name}" if s < n_stages - 1 else "loss", n.meta["val"]) for n in results]
+        out.append((stage_gm, ports_in, ports_out))
     return _forward_backward(out, trainable)
 
 
@@ -251,7 +256,7 @@ def _forward_backward(pieces, trainable: set[str]) -> list[StageGraphs]:
     for s, (stage_gm, ports_in, ports_out) in enumerate(pieces):
         captured: dict[str, torch.fx.GraphModule] = {}
 
-        def capture(name):
+        def capture(name, captured=captured):
             def compiler(g, _example):
                 from torch._functorch.aot_autograd import make_boxed_func
 

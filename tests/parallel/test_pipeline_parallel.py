@@ -327,7 +327,7 @@ def _memory_worker(rank, world, cache_dir):
         ref = stage_module(LM(), rank, [2])
         schedule_ = cls(PipelineStage(ref, rank, world, torch.device("cpu")), MICRO, loss_fn=loss_fn)
 
-        def run():
+        def run(schedule_=schedule_):
             schedule_.step(x) if rank == 0 else schedule_.step(target=y, losses=[])
         run()  # the first step sets up the stage's buffers
         ref.zero_grad(set_to_none=True)

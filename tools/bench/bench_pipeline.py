@@ -106,12 +106,12 @@ def _rank(rank, world, port, cache, args, queue):
         sched = cls(PipelineStage(ref, rank, world, torch.device("cpu")), args["micro"], loss_fn=loss_fn)
         ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-3)
 
-        def eager():
+        def eager(sched=sched, ref_optim=ref_optim):
             sched.step(x) if rank == 0 else sched.step(target=y, losses=[])
             ref_optim.step()
             ref_optim.zero_grad()
 
-        def loaded():
+        def loaded(step=step, model=model, optim=optim):
             step(model, optim, (x, y))
         variants = {"loaded": loaded, "eager": eager}
         for fn in variants.values():  # warm-up
