@@ -146,7 +146,8 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
                 kwargs["device"] = _META  # no device: the default (CPU) would allocate for real
             elements = _elements(target, args, kwargs) if fact[1] else None
             if elements is not None:
-                env[i] = _check_foreach(node, args, kwargs, elements, memo, work, limit, described)
+                env[i] = corrected(device_type, target, args, kwargs,
+                                   _check_foreach(node, args, kwargs, elements, memo, work, limit, described))
                 continue
             tensors: list[torch.Tensor] = []
             storages: dict[int, int] = {}  # storage id -> index of the first tensor on it
