@@ -11,6 +11,7 @@ Messages are bytes, never pickle: a rank trusts rank 0's decision, not code.
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from .device_check import DeviceMismatchError
 from ..errors import ArtifactMismatchError, SpmdAotError
 
 __all__ = ["ERRORS", "error_from_rank0", "comm_device", "broadcast_model_once", "check_ranks_agree",
-           "broadcast_decision", "needs_blobs", "broadcast_blobs", "all_ranks_ok", "all_ranks_allow",
+           "Decision", "broadcast_decision", "needs_blobs", "broadcast_blobs", "all_ranks_ok", "all_ranks_allow",
            "live_groups"]
 
 # Rank 0's failure reaches the other ranks by class name; the error types the other ranks raise
@@ -92,14 +93,23 @@ def check_ranks_agree(key, world: int) -> None:
                 f"{', '.join(differ)}. Every rank must run the same code, model and batch shapes.")
 
 
-def broadcast_decision(decision, world: int):
+class Decision(NamedTuple):
+    """What rank 0 settled for a step, as every rank receives it."""
+
+    status: str  # "ok", or the class name of the error rank 0 met (every rank raises it)
+    payload: str  # the manifest digest, or that error's message
+    hit: bool  # served from the cache
+    traced: bool  # traced by this job (a miss)
+
+
+def broadcast_decision(decision, world: int) -> Decision:
     """Rank 0's (status, payload, hit, traced) to every rank: mixed hit/miss would hang a job."""
     if world == 1:
-        return decision
+        return Decision(*decision)
     status, payload, hit, traced = decision
     data = f"{status}\n{int(hit)}{int(traced)}\n{payload}".encode() if dist.get_rank() == 0 else None
     status, flags, payload = _broadcast_bytes(data).decode().split("\n", 2)
-    return status, payload, flags[0] == "1", flags[1] == "1"
+    return Decision(status, payload, flags[0] == "1", flags[1] == "1")
 
 
 def needs_blobs(have_artifact: bool, world: int) -> bool:

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,15 @@ from ..parallel.mesh import device_mesh
 __all__ = ["compile", "CompiledStep", "CacheInfo"]
 
 log = logging.getLogger(__name__)
+
+
+class Resolution(NamedTuple):
+    """Rank 0's answer for a step's key: which entry, and how it came to be."""
+
+    digest: str  # the manifest digest of the entry every rank loads
+    hit: bool  # found in the cache
+    traced: bool  # traced by this job
+    artifact: Any  # the entry, read and verified by rank 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,8 +276,8 @@ class CompiledStep:
         log.info("rank %d read artifact %s from rank 0 (%s)", dist.get_rank(), digest[:12], problem)
         return read_artifact(MemoryStore(received, root="<blobs received from rank 0>"), digest)
 
-    def _resolve_on_rank0(self, state, plan, key, mesh, leases) -> tuple[str, bool, bool, Any]:
-        """Rank 0's decision: (manifest digest, hit, traced here, verified artifact).
+    def _resolve_on_rank0(self, state, plan, key, mesh, leases) -> Resolution:
+        """Rank 0's decision: which entry serves ``key``, found or traced.
 
         A hit needs an entry for the key whose guards hold here (``lookup``); on a miss rank 0
         traces, unless another process stored a serving entry while it waited for the lock.
@@ -309,7 +318,7 @@ class CompiledStep:
         with gc_pause.resumed():  # a trace builds cyclic garbage (FX graphs, fake tensors)
             return self._trace_on_rank0(store, state, plan, key, mesh, leases)
 
-    def _trace_on_rank0(self, store, state, plan, key, mesh, leases) -> tuple[str, bool, bool, Any]:
+    def _trace_on_rank0(self, store, state, plan, key, mesh, leases) -> Resolution:
         """Rank 0 traces and stores the step; when the cache cannot take it, the job trains from
         the trace held in memory (the other ranks get it from here)."""
         # imported here: a job that hits never loads the tracer and the build passes
@@ -321,7 +330,7 @@ class CompiledStep:
             digest, traced = trace_and_store(store, self.fn, state, plan, key, mesh, state.graph_inputs(),
                                              self.transforms, _STORE_FAILURES)
             leases.enter_context(reading(store, digest))
-            return digest, False, traced, read_artifact(store, digest)
+            return Resolution(digest, False, traced, read_artifact(store, digest))
         except UnstoredTrace as exc:
             blobs, cause = exc.blobs, exc.cause
         except _STORE_FAILURES as exc:
@@ -333,7 +342,7 @@ class CompiledStep:
         if blobs is None:  # the store failed before tracing (its lock), or when reading back
             blobs = trace_to_blobs(self.fn, state, plan, key, mesh, state.graph_inputs(), self.transforms)
         digest, self._unstored = artifact_in_memory(blobs)
-        return digest, False, True, read_artifact(self._unstored, digest)
+        return Resolution(digest, False, True, read_artifact(self._unstored, digest))
 
     def _lookup(self, store, key, leases, attempts: int = 3):
         """(lookup, (digest, True, False, artifact)) for the serving entry of ``key`` under a
@@ -360,7 +369,7 @@ class CompiledStep:
                 raise CorruptArtifactError(
                     f"ref {key.key[:12]} points to manifest {digest[:12]} of key "
                     f"{artifact.manifest['key'][:12]}")
-            return found, (digest, True, False, artifact)
+            return found, Resolution(digest, True, False, artifact)
         return found, None
 
 
