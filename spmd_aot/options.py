@@ -139,6 +139,13 @@ def _tp_plan(entries: list) -> tuple | str:
     return named[0] if named else tuple(entries)
 
 
+def _expert_modules(entries: list) -> tuple | str:
+    """Repeated ``--expert-parallel`` entries: module FQN patterns, or ``auto`` alone."""
+    if "auto" in entries and len(entries) > 1:
+        raise ValueError("--expert-parallel auto finds every expert module; it cannot be combined with patterns")
+    return "auto" if entries == ["auto"] else tuple(entries)
+
+
 def _pair_text(pair) -> str:
     return f"{pair[0]}={pair[1]}"
 
@@ -214,6 +221,18 @@ class ParallelOptions:
         input's length, e.g. a RoPE table 'freqs_cis' of exactly the batch's sequence length, as torch's
         context_parallel(buffers=...) shards them.""",
         Flag("--context-parallel-buffer", "context parallel", "repeat", "PATTERN"))
+    expert_parallel: tuple[str, ...] | str = option((), """Expert parallel: the mixture-of-experts modules whose
+        experts split over an 'ep' mesh dimension. The 'ep' dimension comes after the data-parallel ones and before
+        TP, tokens exchanged with all-to-all (docs/expert_parallel.md): module FQN patterns, or 'auto' (every module
+        with a num_experts whose parameters are stacked per expert, as transformers' MoE experts); its size is that
+        dimension's, e.g. mesh_shape DPxEPxTP.""",
+        Flag("--expert-parallel", "expert parallel", "repeat", "PATTERN", collect=_expert_modules,
+             takes_mesh_dim=True))
+    expert_capacity_factor: float | None = option(None, """Expert parallel: a capacity factor that bounds each
+        expert's tokens. Each expert takes at most ceil(factor * tokens * top_k / experts) of a rank's (token,
+        choice) pairs per step and drops the rest, as Switch Transformer and GShard do; default: capacity for every
+        pair, so no token is dropped and results equal the unsplit model's.""",
+        Flag("--expert-capacity-factor", "expert parallel", metavar="FACTOR", parse=_positive_float, text=repr))
     param_dtype: Any = option(None, """Mixed precision: the dtype parameters compute in (bf16, fp16, fp32).
         The parameters the optimizer updates keep their own dtype, as FSDP2's param_dtype.""",
         Flag("--param-dtype", _MP, metavar="DTYPE", choices=tuple(DTYPES), text=_dtype_text))

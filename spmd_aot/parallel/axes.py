@@ -12,6 +12,7 @@ import contextlib
 
 from . import context_parallel
 from . import data_parallel
+from . import expert_parallel
 from . import tensor_parallel
 
 __all__ = ["AXES", "active_axes", "Tracing", "traced_buffers", "graph_passes", "collective_limits",
@@ -20,6 +21,7 @@ __all__ = ["AXES", "active_axes", "Tracing", "traced_buffers", "graph_passes", "
 AXES = (
     tensor_parallel.AXIS,
     context_parallel.AXIS,
+    expert_parallel.AXIS,
     data_parallel.AXIS,
 )
 

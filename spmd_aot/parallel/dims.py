@@ -11,11 +11,15 @@ value imports this module, the axes' mechanics (``axes.py``) import it too.
 
 from __future__ import annotations
 
-__all__ = ["ROLES", "DATA_PARALLEL_ROLES", "PLACEMENT_NAMES", "mesh_roles"]
+__all__ = ["ROLES", "DATA_PARALLEL_ROLES", "BATCH_ROLES", "PLACEMENT_NAMES", "mesh_roles"]
 
 #: Every role, in mesh order.
-ROLES = ("dp_replicate", "dp_shard", "cp", "tp")
+ROLES = ("dp_replicate", "dp_shard", "cp", "ep", "tp")
 DATA_PARALLEL_ROLES = ("dp_replicate", "dp_shard")
+#: The roles whose ranks take different batches (split on dim 0): the data-parallel ones and
+#: ``ep`` (expert parallel: its ranks exchange tokens with the ranks holding their experts, and
+#: average every non-expert gradient as a data-parallel dimension).
+BATCH_ROLES = DATA_PARALLEL_ROLES + ("ep",)
 
 #: The data-parallel placements (``data_parallel.PLACEMENTS`` holds their mechanics) and the
 #: data-parallel roles each takes, by how many mesh dimensions are left to it once the other
@@ -26,6 +30,7 @@ _DP_ROLES = {
 }
 PLACEMENT_NAMES = tuple(_DP_ROLES)
 
+
 def mesh_roles(placement: str, mesh_shape: tuple[int, ...], other_roles: tuple[str, ...]) -> tuple[str, ...] | str:
     """The role of each mesh dimension: the data-parallel ones, then ``other_roles`` (the
     dimensions the other axes take, last); or why ``mesh_shape`` does not fit (a message)."""
@@ -34,7 +39,7 @@ def mesh_roles(placement: str, mesh_shape: tuple[int, ...], other_roles: tuple[s
     if dp is None or (left == 0 and not other_roles):
         forms = " or ".join(f"({', '.join(roles + other_roles)}{',' if len(roles + other_roles) == 1 else ''})"
                             for roles in _DP_ROLES[placement].values() if roles + other_roles)
-        others = " and ".join({"cp": "context_parallel", "tp": "a tp_plan"}.get(r, r) for r in other_roles)
+        others = " and ".join({"cp": "context_parallel", "ep": "expert_parallel", "tp": "a tp_plan"}.get(r, r) for r in other_roles)
         hint = "" if placement == "shard" else "; 2-D meshes (dp_replicate, dp_shard) are for placement 'shard' (HSDP)"
         return (f"mesh shape {tuple(mesh_shape)} does not fit placement {placement!r}"
                 f"{' with ' + others if other_roles else ''}: it takes mesh_shape={forms}{hint}")

@@ -86,7 +86,8 @@ def assign_groups(model: nn.Module, plan: Plan, params: Sequence[tuple[str, str]
     """Groups of the sharded parameters ``params`` = [(fqn, dtype)], in first-parameter order.
 
     A group mixing dtypes is split per dtype (one flat buffer has one dtype), labelled
-    ``label:dtype``.
+    ``label:dtype``. Under expert parallel an expert module's parameters form their own group,
+    labelled ``label:experts`` (their gradients are not averaged over ``ep``, the others' are).
     """
     if plan.shard_groups:
         def label_of(fqn: str) -> str:
@@ -99,8 +100,10 @@ def assign_groups(model: nn.Module, plan: Plan, params: Sequence[tuple[str, str]
 
     members: dict[str, list[tuple[str, str]]] = {}
     for fqn, dtype in params:
-        members.setdefault(label_of(fqn), []).append((fqn, dtype))
-    unused = [p for p in plan.shard_groups if p not in members]
+        label = label_of(fqn)
+        members.setdefault(f"{label}:experts" if plan.ep and plan.is_expert_param(fqn) else label,
+                           []).append((fqn, dtype))
+    unused = [p for p in plan.shard_groups if p not in members and f"{p}:experts" not in members]
     if unused:
         log.warning("shard_groups pattern(s) %s match no sharded parameter", unused)
     groups = []
@@ -109,7 +112,7 @@ def assign_groups(model: nn.Module, plan: Plan, params: Sequence[tuple[str, str]
         for dtype in dtypes:
             name = label if len(dtypes) == 1 else f"{label}:{dtype}"
             fqns = tuple(f for f, d in entries if d == dtype)
-            groups.append(ParamGroup(name, fqns, plan.reshard_after_forward and label != ROOT))
+            groups.append(ParamGroup(name, fqns, plan.reshard_after_forward and label.removesuffix(":experts") != ROOT))
     return groups
 
 

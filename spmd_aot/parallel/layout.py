@@ -11,6 +11,11 @@ over the TP ranks, or None when every TP rank holds it whole); that TP-local ten
 module computes with (``gathered_shape``). Under ``shard`` its dim 0 is then split over the
 data-parallel shard dimension, padded up to a multiple of the shard count as FSDP2 pads, so
 one graph serves every rank; the local storage is what the graph reads (``local_shape``).
+
+With an expert-parallel dimension (``ep``, just before TP), an expert module's parameters are
+split on dim 0 (the experts) over it (``ep_split``) before the data-parallel shard; every other
+parameter is whole over ``ep``, whose ranks see different tokens, so its gradient is averaged
+over ``ep`` like a data-parallel dimension (``dp_mesh_dims``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ class TensorLayout:
     shards: int = 1  # ranks of the mesh dimension dim 0 is sharded over (1: not sharded)
     tp: int = 0  # ranks of the TP mesh dimension (the last one); 0: the mesh has none
     tp_dim: int | None = None  # tensor dimension split over TP; None: whole on every TP rank
+    ep: int = 0  # ranks of the expert-parallel mesh dimension; 0: the mesh has none
+    ep_split: bool = False  # dim 0 (the experts) split over ``ep``: an expert module's parameter
     cp: int = 0  # ranks of the context-parallel mesh dimension (just before TP); 0: the mesh has none
 
     @property
@@ -45,47 +52,58 @@ class TensorLayout:
         return self.mesh_ndim - 1 if self.tp else None
 
     @property
+    def ep_mesh_dim(self) -> int | None:
+        """The expert-parallel mesh dimension (just before TP), or None."""
+        return self.mesh_ndim - (2 if self.tp else 1) if self.ep else None
+
+    @property
     def cp_mesh_dim(self) -> int | None:
-        """The context-parallel mesh dimension (just before TP), or None."""
-        return self.mesh_ndim - (2 if self.tp else 1) if self.cp else None
+        """The context-parallel mesh dimension (before ``ep`` and TP), or None."""
+        return self.mesh_ndim - 1 - (1 if self.tp else 0) - (1 if self.ep else 0) if self.cp else None
 
     @property
     def dp_mesh_dims(self) -> list[int]:
         """The mesh dimensions gradients are averaged over: every one but the TP dimension (the
-        data-parallel ones and ``cp``)."""
-        return list(range(self.mesh_ndim - (1 if self.tp else 0)))
+        data-parallel ones, ``cp``, and ``ep`` unless the tensor is split over it)."""
+        return [d for d in range(self.mesh_ndim)
+                if d != self.tp_mesh_dim and not (self.ep_split and d == self.ep_mesh_dim)]
 
     @property
     def shard_mesh_dim(self) -> int | None:
         """The mesh dimension a sharded tensor's dim 0 is split over (the last data-parallel
         one; the ones before it, under HSDP, replicate); None when the mesh has none."""
-        dims = [d for d in self.dp_mesh_dims if d != self.cp_mesh_dim]
+        dims = [d for d in self.dp_mesh_dims if d not in (self.cp_mesh_dim, self.ep_mesh_dim)]
         return dims[-1] if dims else None
 
     @property
     def replica_mesh_dims(self) -> list[int]:
         """The dimensions a sharded tensor is whole over whose ranks average its gradient after
-        the shard dimension's reduce_scatter: HSDP's replicas and ``cp``."""
+        the shard dimension's reduce_scatter: HSDP's replicas, ``cp``, and ``ep`` for a tensor
+        whole over it."""
         return [d for d in self.dp_mesh_dims if d != self.shard_mesh_dim]
 
     @property
     def gathered_shape(self) -> tuple[int, ...]:
         """The TP-local tensor: what a module computes with, after any shard group's gather."""
         shape = list(self.global_shape)
+        if self.ep_split:
+            shape[0] //= self.ep
         if self.tp_dim is not None:
             shape[self.tp_dim] //= self.tp
         return tuple(shape)
 
     def _placement_parts(self) -> list[tuple]:
         """(kind, tensor dim, split factor) per mesh dimension."""
-        parts = [("replicate", None, 1)] * len(self.dp_mesh_dims)
+        parts = [("replicate", None, 1)] * self.mesh_ndim
         if self.sharded:
-            # dim 0 already split over TP: the data-parallel shards interleave with the TP
-            # ones, which DTensor (and FSDP2 over a TP model) writes _StridedShard
-            strided = self.tp_dim == 0 and self.tp > 1
-            parts[self.shard_mesh_dim] = ("strided" if strided else "shard", 0, self.tp if strided else 1)
+            # dim 0 already split over TP or EP: the data-parallel shards interleave with those,
+            # which DTensor (and FSDP2 over a TP or EP model) writes _StridedShard
+            factor = (self.tp if self.tp_dim == 0 and self.tp > 1 else 1) * (self.ep if self.ep_split else 1)
+            parts[self.shard_mesh_dim] = ("strided" if factor > 1 else "shard", 0, factor)
+        if self.ep_split:
+            parts[self.ep_mesh_dim] = ("shard", 0, 1)
         if self.tp:
-            parts.append(("shard", self.tp_dim, 1) if self.tp_dim is not None else ("replicate", None, 1))
+            parts[self.tp_mesh_dim] = ("shard", self.tp_dim, 1) if self.tp_dim is not None else ("replicate", None, 1)
         return parts
 
     @property
@@ -111,6 +129,8 @@ class TensorLayout:
         shape = list(self.local_shape)
         if self.sharded:
             shape[0] *= self.shards
+        if self.ep_split:
+            shape[0] *= self.ep
         if self.tp_dim is not None:
             shape[self.tp_dim] *= self.tp
         return tuple(shape)

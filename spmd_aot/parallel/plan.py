@@ -12,7 +12,7 @@ from typing import Mapping
 from ..errors import SpmdAotError
 from .layout import TensorLayout
 from .mixed_precision import MixedPrecisionPolicy
-from .dims import DATA_PARALLEL_ROLES, PLACEMENT_NAMES, mesh_roles
+from .dims import BATCH_ROLES, DATA_PARALLEL_ROLES, PLACEMENT_NAMES, mesh_roles
 from .tp_plan import MODEL_PLAN_NAMES, resolve_tp_plan, split_dim, style_name
 
 __all__ = ["Plan", "PLACEMENT_NAMES"]
@@ -36,7 +36,14 @@ class Plan:
     mesh dimension after the data-parallel ones and before TP (``context_parallel.py``), e.g.
     ``(cp,)``, ``(dp_shard, cp)`` or ``(dp_shard, cp, tp)``; its size is that dimension's.
     ``context_parallel_buffers`` are FQN patterns of buffers whose dim 0 is the sequence (a RoPE
-    table sliced by the model), cut as the batch is."""
+    table sliced by the model), cut as the batch is.
+
+    ``expert_parallel`` names the mixture-of-experts modules whose experts split over an ``ep``
+    mesh dimension just before TP (``expert_parallel.py``): module FQN patterns, or ``"auto"``
+    (every module with a ``num_experts`` whose own parameters, stacked matrices among them, all
+    have that many rows), e.g.
+    ``(dp_shard, ep)`` or ``(dp_shard, ep, tp)``. ``expert_capacity_factor`` (None: no token is
+    ever dropped) bounds the tokens each expert takes per step, Switch/GShard style."""
 
     world_size: int
     placement: str = "replicate"
@@ -61,6 +68,10 @@ class Plan:
     # the batch's sequence split over a ``cp`` mesh dimension (``context_parallel.py``)
     context_parallel: bool = False
     context_parallel_buffers: tuple[str, ...] = ()
+    # mixture-of-experts modules whose experts split over an ``ep`` mesh dimension, and the
+    # opt-in capacity factor that drops tokens past each expert's capacity (``expert_parallel.py``)
+    expert_parallel: tuple[str, ...] | str = ()
+    expert_capacity_factor: float | None = None
     # derived: the role of each mesh dimension (``parallel/dims.py``), e.g. ("dp_shard", "tp")
     mesh_roles: tuple[str, ...] = dataclasses.field(init=False, repr=False, compare=False, default=())
     # derived by ``for_model``: patterns of the model's own tp_plan ("hf") that name modules it
@@ -99,7 +110,27 @@ class Plan:
             tp_plan = tuple((pattern, style_name(pattern, style)) for pattern, style in tp_plan)
         object.__setattr__(self, "tp_plan", tp_plan)
         object.__setattr__(self, "context_parallel_buffers", _checked_context_parallel(self))
-        others = (("cp",) if self.context_parallel else ()) + (("tp",) if tp_plan else ())
+        experts = self.expert_parallel
+        if isinstance(experts, str):
+            if experts != "auto":
+                raise SpmdAotError(f"expert_parallel={experts!r}: a string must be 'auto' (every module with "
+                                   "num_experts); otherwise pass module FQN patterns")
+        else:
+            experts = tuple(experts)
+            if not all(isinstance(e, str) and e for e in experts):
+                raise SpmdAotError(f"expert_parallel holds module FQN patterns, got {experts!r}")
+        object.__setattr__(self, "expert_parallel", experts)
+        factor = self.expert_capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or
+                                   not 0 < factor <= 1024):
+            raise SpmdAotError(f"expert_capacity_factor must be a positive number (or None: drop no token), "
+                               f"got {factor!r}")
+        if factor is not None and not experts:
+            raise SpmdAotError("expert_capacity_factor is set without expert_parallel; name the expert modules "
+                               "(expert_parallel='auto' or FQN patterns) or drop the factor")
+        object.__setattr__(self, "expert_capacity_factor", None if factor is None else float(factor))
+        others = (("cp",) if self.context_parallel else ()) + (("ep",) if experts else ()) + \
+            (("tp",) if tp_plan else ())
         roles = mesh_roles(self.placement, mesh, others if self.world_size > 1 else ())
         if isinstance(roles, str):
             raise SpmdAotError(roles)
@@ -132,7 +163,12 @@ class Plan:
 
     def for_model(self, model) -> "Plan":
         """This plan with its ``tp_plan`` bound to ``model`` (``tensor_parallel.resolve_tp_plan``:
-        the model's own plan for ``"hf"``, transformers' base-model-relative patterns prefixed)."""
+        the model's own plan for ``"hf"``, transformers' base-model-relative patterns prefixed),
+        and ``expert_parallel="auto"`` to the FQNs of the model's expert modules."""
+        if self.expert_parallel == "auto":
+            from .expert_parallel import expert_modules
+
+            self = dataclasses.replace(self, expert_parallel=tuple(expert_modules(model)))
         if not self.tp_plan:
             return self
         skipped: list[str] = []
@@ -165,9 +201,22 @@ class Plan:
         return self.size("cp") if self.mesh_dim("cp") is not None else 0
 
     @property
+    def ep(self) -> int:
+        """Ranks of the expert-parallel mesh dimension; 0 when the plan has none (or one rank)."""
+        return self.size("ep") if self.mesh_dim("ep") is not None else 0
+
+    def is_expert_param(self, fqn: str) -> bool:
+        """Whether parameter ``fqn`` belongs to a module ``expert_parallel`` names (bound by
+        ``for_model`` when it is ``"auto"``)."""
+        owner = fqn.rpartition(".")[0]
+        return isinstance(self.expert_parallel, tuple) and \
+            any(fnmatch.fnmatchcase(owner, pattern) for pattern in self.expert_parallel)
+
+    @property
     def dp_size(self) -> int:
-        """Ranks that see different batches: the data-parallel mesh dimensions (TP ranks share one)."""
-        return math.prod(self.size(role) for role in DATA_PARALLEL_ROLES)
+        """Ranks that see different batches: the data-parallel mesh dimensions and ``ep`` (TP ranks
+        share one)."""
+        return math.prod(self.size(role) for role in BATCH_ROLES)
 
     @property
     def dtensor_leaves(self) -> bool:
@@ -177,9 +226,9 @@ class Plan:
         return self.world_size > 1 and not set(self.mesh_roles) <= {"dp_replicate", "cp"}
 
     def batch_placements(self) -> list[str]:
-        """A batch leaf per mesh dimension: split on dim 0 over the data-parallel dimensions
-        (each rank passes its own share), whole over the others (their ranks pass the same)."""
-        return ["Shard(0)" if role in DATA_PARALLEL_ROLES else "Replicate()" for role in self.mesh_roles]
+        """A batch leaf per mesh dimension: split on dim 0 over the data-parallel dimensions and
+        ``ep`` (each rank passes its own share), whole over the others (their ranks pass the same)."""
+        return ["Shard(0)" if role in BATCH_ROLES else "Replicate()" for role in self.mesh_roles]
 
     def placement_for(self, fqn: str, shape) -> str:
         """'replicate' or 'shard' for one parameter (scalars are never sharded)."""
@@ -204,11 +253,21 @@ class Plan:
             if tp_dim is not None:
                 local = shape[:tp_dim] + (shape[tp_dim] // self.tp,) + shape[tp_dim + 1:]
         shards = 1
+        ep_split = bool(self.ep) and self.is_expert_param(fqn)
+        if ep_split:
+            if tp_dim is not None:
+                raise SpmdAotError(f"parameter {fqn} is an expert's and split by the tp_plan; experts split over "
+                                   "ep run whole on every TP rank: leave the expert modules out of the tp_plan")
+            if not shape or shape[0] % self.ep:
+                raise SpmdAotError(
+                    f"expert parameter {fqn} of shape {list(shape)} cannot be split over {self.ep} ep ranks: "
+                    f"its dim 0 (the experts) must divide evenly; change the ep size")
+            local = (local[0] // self.ep,) + local[1:]
         if placement == "shard":
             shards = self.size("dp_shard")
             local = (math.ceil(local[0] / shards),) + local[1:]
         return TensorLayout(placement, shape, local, len(self.mesh_shape), shards, tp=self.tp, tp_dim=tp_dim,
-                            cp=self.cp)
+                            cp=self.cp, ep=self.ep, ep_split=ep_split)
 
     def to_dict(self) -> dict:
         """The plan's one text form: stored in manifests, hashed into the key, shown by the CLI."""
@@ -223,12 +282,16 @@ class Plan:
                 **({"mixed_precision": self.mixed_precision.to_dict()} if self.mixed_precision else {}),
                 **({"context_parallel": True} if self.context_parallel else {}),
                 **({"context_parallel_buffers": list(self.context_parallel_buffers)}
-                   if self.context_parallel_buffers else {})}
+                   if self.context_parallel_buffers else {}),
+                **({"expert_parallel": self.expert_parallel if isinstance(self.expert_parallel, str)
+                    else list(self.expert_parallel)} if self.expert_parallel else {}),
+                **({"expert_capacity_factor": self.expert_capacity_factor}
+                   if self.expert_capacity_factor is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Plan":
         """Inverse of ``to_dict``; raises ``SpmdAotError`` on anything it would not have written."""
-        optional = {"tp_plan", "mixed_precision", "context_parallel", "context_parallel_buffers"}
+        optional = {"tp_plan", "mixed_precision", "context_parallel", "context_parallel_buffers", "expert_parallel", "expert_capacity_factor"}
         if not isinstance(d, Mapping) or set(d) - optional != set(_FIELDS) - optional or \
                 d.get("tp_plan", True) == [] or d.get("context_parallel", True) is not True:
             raise SpmdAotError(f"a plan has exactly the fields {', '.join(_FIELDS)} (tp_plan, "
@@ -244,12 +307,15 @@ class Plan:
                    tuple(tuple(p) for p in d.get("tp_plan", [])),
                    MixedPrecisionPolicy.from_dict(d["mixed_precision"]) if "mixed_precision" in d else None,
                    context_parallel="context_parallel" in d,
-                   context_parallel_buffers=_patterns(d.get("context_parallel_buffers", [])))
+                   context_parallel_buffers=_patterns(d.get("context_parallel_buffers", [])),
+                   expert_parallel=_expert_modules(d.get("expert_parallel", ())),
+                   expert_capacity_factor=d.get("expert_capacity_factor"))
 
     def describe(self) -> str:
         mesh = "x".join(map(str, self.mesh_shape))
         extra = f" +{len(self.param_placements)} overrides" if self.param_placements else ""
         extra += f" cp={self.cp}" if self.cp else ""
+        extra += f" ep={self.ep}" if self.ep else ""
         extra += f" tp={self.tp}" if self.tp else ""
         extra += f" {self.mixed_precision.describe()}" if self.mixed_precision else ""
         return f"world={self.world_size} mesh={mesh} {self.placement}{extra} {self.device_type}"
@@ -273,6 +339,15 @@ def _patterns(value) -> tuple[str, ...]:
     """A stored list of FQN patterns."""
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise SpmdAotError("a plan's context_parallel_buffers is a list of buffer FQN patterns")
+    return tuple(value)
+
+
+def _expert_modules(value):
+    """A stored ``expert_parallel``: ``"auto"`` or a list of patterns."""
+    if value == "auto" or value == ():
+        return value
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise SpmdAotError("a plan's expert_parallel is 'auto' or a non-empty list of module FQN patterns")
     return tuple(value)
 
 

@@ -31,8 +31,10 @@ def _to_dtensor(full: torch.Tensor, layout: TensorLayout, mesh) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     tp_local = full
+    if layout.ep_split:  # this rank's experts: its even slice of dim 0 over the ep dimension
+        tp_local = tp_local.chunk(layout.ep, 0)[mesh.get_local_rank(layout.ep_mesh_dim)]
     if layout.tp_dim is not None:  # this rank's even slice over the TP dimension
-        tp_local = full.chunk(layout.tp, layout.tp_dim)[mesh.get_local_rank(layout.tp_mesh_dim)]
+        tp_local = tp_local.chunk(layout.tp, layout.tp_dim)[mesh.get_local_rank(layout.tp_mesh_dim)]
     if layout.sharded:
         index = mesh.get_local_rank(layout.shard_mesh_dim)
         chunk, rows = layout.local_shape[0], layout.shard_rows()[index]

@@ -98,7 +98,9 @@ class Expander:
             return dt.to_local(grad_placements=[Partial("avg")])
         if not dp_dims:  # no data-parallel dimension: the gradient is the leaf's as it is
             return to_reduce(leaf.to_local(grad_placements=leaf.placements))
-        # averaged over each data-parallel dimension; as the leaf is over the others (TP)
-        grads = [Partial("avg")] * dp_dims + list(leaf.placements[dp_dims:])
+        # averaged over each data-parallel dimension; as the leaf is over the others (TP, and
+        # ``ep`` for an expert's parameter: its ranks hold different experts)
+        averaged = set(layout.dp_mesh_dims)
+        grads = [Partial("avg") if d in averaged else p for d, p in enumerate(leaf.placements)]
         dt = DTensor.from_local(local(), leaf.device_mesh, leaf.placements, run_check=False)
         return dt.to_local(grad_placements=grads)

@@ -10,6 +10,7 @@ from typing import Callable
 from ..allowlist import is_opted_in
 from .rules import _bind, _general
 from .checkers import attention_cpu, batch_norm, batch_norm_writes, collective, convolution, dims, elementwise, factory, fft, foreach, fused_step, grid_sampler, group_norm, index_values, layer_norm, matmul, nll_loss, pooling, softmax, unchecked_by_design
+from .all_to_all import all_to_all_single
 from .views import complex_view, conj_view, polar, real_view, split_views, strided_view
 
 
@@ -142,6 +143,7 @@ _RULES: list[tuple[Callable, str]] = [
     (P(collective, kind="all_reduce"), "all_reduce.default all_reduce_coalesced.default"),
     (P(collective, kind="all_reduce_"), "all_reduce_.default all_reduce_coalesced_.default"),
     (P(collective, kind="broadcast"), "broadcast.default broadcast_.default"),
+    (all_to_all_single, "all_to_all_single.default"),
 ]
 
 
@@ -181,7 +183,7 @@ def _table() -> dict[str, Contract]:
 
 _COLLECTIVE_NAMES = {"all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_gather_into_tensor_out",
                      "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_reduce", "all_reduce_",
-                     "all_reduce_coalesced", "all_reduce_coalesced_", "broadcast", "broadcast_", "wait_tensor"}
+                     "all_reduce_coalesced", "all_reduce_coalesced_", "broadcast", "broadcast_", "wait_tensor", "all_to_all_single"}
 
 #: "namespace::op.overload" -> its Contract. Every overload in allowed_ops.txt must have one.
 CONTRACTS: dict[str, Contract] = _table()
