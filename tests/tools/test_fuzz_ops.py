@@ -206,6 +206,33 @@ def test_a_divergence_is_detected_reported_per_op_and_fails_the_run(monkeypatch,
     assert r["by_op"][name]["divergences"] == len(r["divergences"])
     meta, real = r["divergences"][0][2:]
     assert meta[1] != real[1]  # offset2bag: [n_indices] on meta, [0] on CPU's fast path
-    assert fuzz_ops.main(["--op", name]) == 1
+    assert fuzz_ops.main(["--op", name, "--no-pairs"]) == 1
     out = capsys.readouterr().out
     assert f"op {name}: run" in out and "DIVERGES" in out and "meta/real result divergences 0" not in out
+
+
+def test_a_crash_is_found_without_its_hand_made_case_and_fails_the_run(monkeypatch, capsys):
+    """With the no-bag rule taken out of embedding bag's contract and its hand-made cases gone,
+    the pair mutations (no offsets, and a transposed or float64 weight: the kernel's slow path)
+    crash a child; the fuzzer names each case, counts it per op and exits non-zero. Single
+    mutations alone do not reach it."""
+    from spmd_aot.format.contracts import CONTRACTS, Broken
+
+    name = "aten::_embedding_bag.default"
+    strict = CONTRACTS[name].check
+
+    def without_the_no_bag_rule(a):
+        try:
+            strict(a)
+        except Broken as exc:
+            if "at least one bag" not in str(exc):
+                raise
+
+    monkeypatch.setattr(CONTRACTS[name], "check", without_the_no_bag_rule)
+    monkeypatch.delitem(fuzz_ops.EDGES, name)
+    assert fuzz_ops.fuzz([name], timeout=30.0)["crashes"] == []
+    assert fuzz_ops.main(["--op", name]) == 1  # pairs too, by default
+    out = capsys.readouterr().out
+    crashes = [line for line in out.splitlines() if line.startswith(f"CRASH {name} ")]
+    assert crashes and all("size_2_to_0+" in line or ":empty+" in line for line in crashes), out
+    assert f"op {name}: run " in out and f"crashes {len(crashes)}," in out

@@ -8,7 +8,11 @@ and overlapping tensors, lists of the wrong length, dims and sizes out of range,
 mask entry flipped, ints replaced by -1, 0, huge values and the int64 extremes, floats by NaN,
 infinities and 0, mode strings by others, integer tensors holding negative, out-of-range, INT_MIN
 and INT_MAX values, float tensors holding NaN and infinities, huge sizes (as stride-0 views and
-size arguments: refused by the load limits, never allocated).
+size arguments: refused by the load limits, never allocated), and one size changed to 0 or 1 in
+every tensor and int argument that has it (a sequence length of 0 in query, key and value). By
+default it also breaks two arguments at once (``pair_mutations``: a zero size with another
+tensor's layout or dtype, or a flag, changed; ``--no-pairs`` skips them): a kernel's slow path can
+fail on an empty argument its fast path handles.
 Each set first goes through the check a loaded graph goes through (``validate.check_node``: the
 op's contract, its meta kernel, the result checks) on meta tensors; whatever it accepts then runs
 for real on CPU (``--device cuda``: on the GPU, each run synchronized, a CUDA fault counted
@@ -32,7 +36,7 @@ the run exit with status 1.
 Children run many cases each and log each case's index before running it, so a crash names its
 case and the parent restarts a child from the next one.
 
-    python tools/fuzz/fuzz_ops.py                 # every op, every mutation
+    python tools/fuzz/fuzz_ops.py                 # every op, every mutation and pair of mutations
     python tools/fuzz/fuzz_ops.py --slice 8       # every 8th op plus the review's crash ops (CI)
     python tools/fuzz/fuzz_ops.py --op aten::native_batch_norm.default -v
     python tools/fuzz/fuzz_ops.py --device cuda   # on a lent GPU: the kernels a CUDA artifact calls
@@ -542,6 +546,7 @@ def mutations(base) -> list:
                 q = next(q for q, v in tensors if q != p)
                 mutated = _set(mutated, q, dataclasses.replace(other, storage=900))
             out.append((f"{'.'.join(map(str, p))}:{label}", mutated))
+    out += _resized_everywhere(base, tensors)
     for p, v in _paths(base):
         where = '.'.join(map(str, p))
         if isinstance(v, bool):  # every flag flipped (and each entry of a mask: its leaves come here too)
@@ -568,6 +573,70 @@ def mutations(base) -> list:
         elif isinstance(v, (list, tuple)) and v and any(isinstance(x, T) for x in v):
             out.append((f"{'.'.join(map(str, p))}:list_short", _set(base, p, list(v[:-1]))))
             out.append((f"{'.'.join(map(str, p))}:list_dup", _set(base, p, [v[0], v[0]] + list(v[2:]))))
+    return out
+
+
+def _resized_everywhere(base, tensors: list) -> list:
+    """A size changed consistently: every dimension of every tensor that has size ``n``, and every
+    int argument equal to ``n``, set to 0 (then to 1). Zeroing one tensor alone mostly breaks the
+    relations a contract checks; a sequence length of 0 in query, key and value alike is what
+    crashed CPU flash attention."""
+    sizes = sorted({n for _, r in tensors for n in r.shape if n > 1})
+    out = []
+    for n in sizes:
+        for new in (0, 1):
+            def resize(v, n=n, new=new):
+                if isinstance(v, T):
+                    if n not in v.shape or v.storage is not None:
+                        return v
+                    return dataclasses.replace(v, shape=tuple(new if d == n else d for d in v.shape), stride=None,
+                                               offset=0)
+                if isinstance(v, bool) or not isinstance(v, (int, list, tuple, dict)):
+                    return v
+                if isinstance(v, int):
+                    return new if v == n else v
+                if isinstance(v, dict):
+                    return {k: resize(x) for k, x in v.items()}
+                return type(v)(resize(x) for x in v)
+            out.append((f"*:size_{n}_to_{new}", resize(base)))
+    return out
+
+
+#: What ``pair_mutations`` combines with a zero size elsewhere: layouts and dtypes that send a
+#: kernel down another path, and flipped flags.
+_PAIR_SECOND = ("transposed_layout", "noncontiguous", "stride0", "dtype_float64", "dtype_bfloat16")
+
+
+def pair_mutations(base) -> list:
+    """(label, [args, kwargs]) with two arguments broken at once: a zero size in one tensor, and
+    another tensor's layout or dtype, or a flag, changed. Single mutations miss kernels whose
+    slow path fails on an empty argument the fast path handles (``_embedding_bag`` with a
+    transposed weight and no offsets crashed; each alone ran)."""
+    tensors = [(p, v) for p, v in _paths(base) if isinstance(v, T)]
+    empties, seconds = [], []
+    for p, r in tensors:
+        for label, m in _tensor_mutations(r, None):
+            if label.startswith("empty"):
+                empties.append((p, label, m))
+            elif label in _PAIR_SECOND:
+                seconds.append((p, label, m))
+    seconds += [(p, "flip", not v) for p, v in _paths(base) if isinstance(v, bool)]
+    out = []
+    for p1, l1, m1 in empties:
+        for p2, l2, m2 in seconds:
+            if p2 != p1:
+                label = f"{'.'.join(map(str, p1))}:{l1}+{'.'.join(map(str, p2))}:{l2}"
+                out.append((label, _set(_set(base, p1, m1), p2, m2)))
+    for label, resized in _resized_everywhere(base, tensors):  # a size 0 everywhere, and a layout or flag
+        if not label.endswith("_to_0"):
+            continue
+        for p, r in ((p, v) for p, v in _paths(resized) if isinstance(v, T)):
+            for l2, m in _tensor_mutations(r, None):
+                if l2 in _PAIR_SECOND:
+                    out.append((f"{label}+{'.'.join(map(str, p))}:{l2}", _set(resized, p, m)))
+        for p, v in _paths(resized):
+            if isinstance(v, bool):
+                out.append((f"{label}+{'.'.join(map(str, p))}:flip", _set(resized, p, not v)))
     return out
 
 
@@ -780,9 +849,10 @@ REVIEW_OPS = ("aten::_fused_adam_.default", "aten::_fused_adamw_.tensor_lr", "at
 
 
 def fuzz(ops: list[str], *, timeout: float = 20.0, verbose: bool = False, limit: int = 16 << 20,
-         device: str = "cpu", deadline: float = float("inf")) -> dict:
+         device: str = "cpu", deadline: float = float("inf"), pairs: bool = False) -> dict:
     """Generate, check and run; returns the figures (and the cases behind any failure): per op,
-    the crashes and the results whose shape or dtype differ from the meta kernel's."""
+    the crashes and the results whose shape or dtype differ from the meta kernel's. ``pairs``:
+    ``pair_mutations`` too (about twice the argument sets)."""
     from spmd_aot.format.serialize import resolve_target
 
     tried = refused = 0
@@ -799,7 +869,7 @@ def fuzz(ops: list[str], *, timeout: float = 20.0, verbose: bool = False, limit:
             else:
                 accepted.append((name, "valid", base, expected))
             tried += 1
-            for label, (args, kwargs) in mutations(base):
+            for label, (args, kwargs) in mutations(base) + (pair_mutations(base) if pairs else []):
                 tried += 1
                 why, expected = checked(name, args, kwargs, limit, device)
                 if why is None:
@@ -839,6 +909,9 @@ def main(argv=None) -> int:
                    help="where accepted cases run (cuda: the kernels a CUDA artifact calls)")
     p.add_argument("--budget-seconds", type=float, default=float("inf"),
                    help="start no child after this long; the cases left are reported as not run")
+    p.add_argument("--no-pairs", dest="pairs", action="store_false",
+                   help="break one argument at a time only (by default also two at once: a zero size with a "
+                        "layout, dtype or flag change)")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     if a.child:
@@ -860,7 +933,8 @@ def main(argv=None) -> int:
     elif a.slice > 1:
         ops = sorted(set(ops[::a.slice]) | (set(REVIEW_OPS) & set(ops)))
     start = time.monotonic()
-    r = fuzz(ops, timeout=a.timeout, verbose=a.verbose, device=a.device, deadline=start + a.budget_seconds)
+    r = fuzz(ops, timeout=a.timeout, verbose=a.verbose, device=a.device, deadline=start + a.budget_seconds,
+             pairs=a.pairs)
     print(f"ops {r['ops']}, argument sets {r['tried']}, refused {r['refused']}, accepted and run {r['run']} "
           f"({r['run_ok']} returned, {r['run_raised']} raised), crashes {len(r['crashes'])}, "
           f"valid samples refused {len(r['valid_samples_refused'])}, not run (budget) {r['not_run']} "
