@@ -65,6 +65,12 @@ def trace_stages(model: torch.nn.Module, loss_fn: Callable, batch: tuple,
     tensors, as ``len(split_points) + 1`` stages."""
     params = _unique(model.named_parameters(remove_duplicate=False))
     buffers = _unique(model.named_buffers(remove_duplicate=False))
+    sharded = [names[0] for names, p in params if hasattr(p, "device_mesh")]
+    if sharded:  # a job-start miss after a Pipeline(placement="shard") step sharded them in place
+        raise UnsupportedError(
+            f"{sharded[0]} and {len(sharded) - 1} other parameter(s) are DTensors (a pipeline step with "
+            "placement='shard' shards them at its first call), and a pipeline is traced from whole parameters: "
+            "build this configuration ahead of time with spmd_aot.build_pipeline, or trace it before the first step")
     leaves, spec = pytree.tree_flatten(tuple(batch))
     if not isinstance(batch, (tuple, list)) or len(batch) < 2 or not all(isinstance(t, torch.Tensor) for t in leaves):
         raise UnsupportedError("a pipeline step's batch is a tuple of tensors (model inputs..., target): the model "
