@@ -1,0 +1,334 @@
+"""A job's memory footprint on one rank, measured on fake tensors: the input of the plan's arithmetic.
+
+One fake run of the user's unchanged step (forward, backward; the optimizer's ``step`` skipped)
+on the whole model at one rank's batch, in the compute dtype, records over time the bytes of
+every storage the step creates: activations (split into the part a tensor-parallel plan shards
+and the part it leaves whole) and parameter gradients. A second fake run of the optimizer alone,
+on the master (stored-dtype) parameters, gives its state per parameter byte and the temporaries of
+its step. Nothing is allocated (fake tensors), so a 405B-shaped model is measured on a CPU box.
+
+Why measure instead of a formula: the activations depend on the model's code (SDPA or written
+attention, what autograd saves, checkpointing), which a formula per architecture would guess.
+
+Which activations a tensor-parallel plan shards is followed through the forward: the output of a
+'colwise' module is sharded, an op with a sharded input makes a sharded output, a 'rowwise'
+module's output is whole again (Megatron's layout). Tensors made in backward are taken as sharded
+in the forward's proportion (an approximation; docs/plan.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import functools
+import weakref
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Footprint", "OptimizerCost", "Params", "measure_activations", "measure_optimizer", "measure_params",
+           "blocks_of", "checkpoint_blocks"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """One fake forward + backward at one rank's batch (one compute dtype, checkpointing on or off).
+
+    ``act_peak_sharded`` / ``act_peak_whole``: the activation bytes alive at the step's peak that a
+    TP plan shards / leaves whole (``act_bwd_sharded_fraction`` already applied to the backward's),
+    and ``grad_at_peak`` the parameter-gradient bytes alive then (compute dtype). ``tp_comm``: bytes
+    per step, by collective kind, that a TP plan adds at any degree above 1 (Megatron: an all_reduce
+    of each rowwise output in forward and of each colwise input's gradient in backward; with
+    sequence parallelism an all_gather and a reduce_scatter instead; a recomputed forward counts
+    again). Payload bytes of the whole tensor: the same at every TP degree."""
+
+    act_peak_sharded: int
+    act_peak_whole: int
+    grad_at_peak: int
+    tp_comm: dict  # collective kind -> bytes per step
+    compute_dtype: torch.dtype
+    checkpoint: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerCost:
+    """The optimizer measured on the master parameters: state bytes per parameter byte and the
+    temporaries of one (second) step per parameter byte."""
+
+    state_per_param_byte: float
+    temp_per_param_byte: float
+
+
+def blocks_of(model: torch.nn.Module) -> list[str]:
+    """FQNs of the repeated blocks: the children of the model's largest ModuleList or Sequential
+    (the groups a 'shard' placement gathers one at a time, and what checkpointing wraps)."""
+    best: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) > len(best):
+            best = [f"{name}.{c}" if name else c for c, _ in m.named_children()]
+    return best
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+
+
+class _Timeline(TorchDispatchMode):
+    """Bytes of storages created under it, alive over time, by kind (see module doc)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+        self.kind: dict[int, str] = {}  # 'sharded' / 'whole' / 'bwd'
+        self.live: dict[int, weakref.ref] = {}
+        self.backward = False
+        self.samples: list[tuple[dict[int, int], ...]] = []
+        self.peaks = {"sharded": 0, "whole": 0, "bwd": 0, "grad": 0, "total": 0}
+        self.grad_keys: set[int] = set()
+        self.fwd_bytes = {"sharded": 0, "whole": 0}
+        self.external: set[int] = set()  # storages made before the step (parameters, batch): not its
+
+    def exclude(self, tensors) -> None:
+        """Storages alive before the step (a view of a parameter is not an activation)."""
+        self.external.update(k for k in map(self.key, tensors) if k is not None)
+
+    def key(self, t):
+        try:
+            return t.untyped_storage()._cdata
+        except Exception:
+            return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sharded_in = any(self.kind.get(self.key(t)) == "sharded" for t in _tensors((args, kwargs)))
+        for t in _tensors(out):
+            try:
+                st = t.untyped_storage()
+            except Exception:
+                continue
+            k = st._cdata
+            if k in self.sizes or k in self.live or k in self.external:
+                continue
+            self.sizes[k] = st.nbytes()
+            kind = "bwd" if self.backward else ("sharded" if sharded_in else "whole")
+            self.kind[k] = kind
+            if kind != "bwd":
+                self.fwd_bytes[kind] += st.nbytes()
+            self.live[k] = weakref.ref(st, functools.partial(self._gone, k))
+        self._sample()
+        return out
+
+    def _gone(self, k, _ref=None):
+        self.live.pop(k, None)
+        self.sizes.pop(k, None)
+        self.kind.pop(k, None)
+
+    def mark(self, t: torch.Tensor, kind: str) -> None:
+        k = self.key(t)
+        if k in self.kind and self.kind[k] != "bwd":
+            self.fwd_bytes[self.kind[k]] -= self.sizes[k]
+            self.fwd_bytes[kind] += self.sizes[k]
+            self.kind[k] = kind
+
+    def _sample(self) -> None:
+        by = {"sharded": 0, "whole": 0, "bwd": 0, "grad": 0}
+        for k in self.live:
+            by["grad" if k in self.grad_keys else self.kind[k]] += self.sizes[k]
+        total = sum(by.values())
+        if total > self.peaks["total"]:
+            self.peaks = {**by, "total": total}
+
+
+#: TP styles whose module output is split over the TP ranks (by features or by sequence).
+SHARDED_OUTPUT = frozenset({"colwise", "colwise_seq", "rowwise_seq", "sequence_parallel", "seq_shard_output"})
+
+
+def _style_of(name: str, tp_plan) -> str | None:
+    for pattern, style in tp_plan:
+        if fnmatch.fnmatchcase(name, pattern):
+            return style
+    return None
+
+
+def _cast(batch, dtype):
+    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                           batch)
+
+
+def checkpoint_blocks(model: torch.nn.Module) -> None:
+    """Wrap each block's forward in ``torch.utils.checkpoint`` (non-reentrant), as a job that
+    checkpoints per block does."""
+    from torch.utils.checkpoint import checkpoint
+
+    for name in blocks_of(model):
+        block = model.get_submodule(name)
+        inner = block.forward
+        block.forward = functools.partial(lambda f, *a, **k: checkpoint(f, *a, use_reentrant=False, **k), inner)
+
+
+def measure_activations(job, *, compute_dtype: torch.dtype | None = None, checkpoint: bool = False,
+                        tp_plan=(), cast_forward_inputs: bool = True) -> Footprint:
+    """Run ``job.step`` once on fake tensors (optimizer step skipped) and record its activations."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..parallel.tp_plan import resolve_tp_plan, style_name
+
+    timeline = _Timeline()
+    with FakeTensorMode():
+        torch.manual_seed(0)
+        model = job.model()
+        if compute_dtype is not None:  # the compute copies a mixed-precision step makes
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.is_floating_point():
+                    t.data = t.data.to(compute_dtype)
+        dtype = compute_dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        batch = job.batch()
+        if compute_dtype is not None and cast_forward_inputs:
+            batch = _cast(batch, compute_dtype)
+        optim = job.optimizer(model) if job.optimizer is not None else None
+        if checkpoint:
+            checkpoint_blocks(model)
+        hooks = []
+        recompute = 2 if checkpoint else 1
+        tp_comm = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
+        plan = resolve_tp_plan(tp_plan, model) if tp_plan else ()
+
+        def hook(style):
+            def run(mod, args, out):
+                if timeline.backward or not isinstance(out, torch.Tensor):
+                    return
+                timeline.mark(out, "sharded" if style in SHARDED_OUTPUT else "whole")
+                x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                out_bytes = out.numel() * out.element_size()
+                in_bytes = x.numel() * x.element_size() if x is not None else 0
+                if style in ("colwise", "colwise_gather_output"):  # the input's gradient is summed in backward
+                    tp_comm["all_reduce"] += in_bytes
+                elif style in ("rowwise", "rowwise_split_input"):
+                    tp_comm["all_reduce"] += recompute * out_bytes
+                elif style == "colwise_seq":  # gathered in forward, its gradient reduce-scattered
+                    tp_comm["all_gather"] += recompute * in_bytes
+                    tp_comm["reduce_scatter"] += in_bytes
+                elif style == "rowwise_seq":
+                    tp_comm["reduce_scatter"] += recompute * out_bytes
+                    tp_comm["all_gather"] += out_bytes
+            return run
+
+        for name, m in model.named_modules():
+            style = _style_of(name, plan)
+            if style is not None:
+                hooks.append(m.register_forward_hook(hook(style_name(name, style))))
+        if optim is not None:
+            optim.step = lambda *a, **k: None  # measured apart, on the master parameters
+        real_backward = torch.Tensor.backward
+
+        def backward(self, *a, **k):
+            timeline.backward = True
+            return real_backward(self, *a, **k)
+
+        with contextlib.ExitStack() as stack:
+            stack.callback(lambda: [h.remove() for h in hooks])
+            torch.Tensor.backward = backward
+            stack.callback(setattr, torch.Tensor, "backward", real_backward)
+            grads: list = []
+
+            def grad_hook(p):
+                if p.grad is not None:
+                    timeline.grad_keys.add(timeline.key(p.grad))
+            for p in model.parameters():
+                if p.requires_grad:
+                    grads.append(p.register_post_accumulate_grad_hook(grad_hook))
+            stack.callback(lambda: [g.remove() for g in grads])
+            timeline.exclude([*model.parameters(), *model.buffers(), *_tensors(batch)])
+            with timeline:
+                if optim is not None:
+                    job.step(model, optim, batch)
+                else:
+                    with torch.no_grad():
+                        job.step(model, batch)
+    fwd = timeline.fwd_bytes
+    fraction = fwd["sharded"] / max(1, fwd["sharded"] + fwd["whole"])
+    p = timeline.peaks
+    return Footprint(act_peak_sharded=p["sharded"] + int(p["bwd"] * fraction),
+                     act_peak_whole=p["whole"] + p["bwd"] - int(p["bwd"] * fraction), grad_at_peak=p["grad"],
+                     tp_comm={k: v for k, v in tp_comm.items() if v}, compute_dtype=dtype, checkpoint=checkpoint)
+
+
+def measure_optimizer(job) -> OptimizerCost:
+    """Two fake optimizer steps on the master parameters with zero gradients; the second's
+    temporaries and the state it keeps, per parameter byte."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if job.optimizer is None:
+        return OptimizerCost(0.0, 0.0)
+    with FakeTensorMode():
+        torch.manual_seed(0)
+        model = job.model()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optim = job.optimizer(model)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optim.step()
+        timeline = _Timeline()
+        timeline.exclude([*params, *(p.grad for p in params), *(t for s in optim.state.values()
+                                                              for t in s.values() if isinstance(t, torch.Tensor))])
+        with timeline:
+            optim.step()
+        param_bytes = sum(p.numel() * p.element_size() for p in params) or 1
+        state = sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values()
+                    if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return OptimizerCost(state / param_bytes, timeline.peaks["total"] / param_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """The model's parameters as the plan needs them: numel (all / split by the TP plan), the
+    master (stored) bytes per element, and per communication group (each repeated block; the
+    rest is the root group) the numel and the TP-split numel."""
+
+    numel: int
+    tp_numel: int
+    master_itemsize: int
+    groups: dict  # group name -> (numel, tp_numel)
+    root: str = "<root>"
+
+    def largest_block(self) -> tuple[int, int]:
+        blocks = [v for k, v in self.groups.items() if k != self.root]
+        return max(blocks, default=(0, 0))
+
+
+def measure_params(job, tp_plan=()) -> Params:
+    """The model's parameters on fake tensors: groups as ``blocks_of``; a parameter is TP-split when
+    its module's style splits it (``tp_plan.SPLIT_DIMS``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        torch.manual_seed(0)
+        model = job.model()
+    from ..parallel.tp_plan import SPLIT_DIMS, resolve_tp_plan, style_name
+
+    blocks = blocks_of(model)
+    plan = resolve_tp_plan(tp_plan, model) if tp_plan else ()
+    split: set[int] = set()
+    for name, m in model.named_modules():
+        style = _style_of(name, plan)
+        if style is None:
+            continue
+        dims = SPLIT_DIMS[style_name(name, style)]
+        split.update(id(p) for pname, p in m.named_parameters(recurse=False) if dims.get(pname) is not None)
+    groups: dict[str, list[int]] = {}
+    numel = tp_numel = 0
+    itemsize = 4
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        group = next((b for b in blocks if name.startswith(b + ".")), Params.root)
+        entry = groups.setdefault(group, [0, 0])
+        n, t = p.numel(), p.numel() if id(p) in split else 0
+        entry[0] += n
+        entry[1] += t
+        numel, tp_numel, itemsize = numel + n, tp_numel + t, p.element_size()
+    return Params(numel, tp_numel, itemsize, {k: tuple(v) for k, v in groups.items()})
