@@ -367,3 +367,37 @@ def test_inplace_geometry_ops_are_rewritten_to_their_views():
         assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
     with pytest.raises(SpmdAotError, match=r"on the step's input .*x = x.transpose\(0, 1\)"):
         rewrite_inplace_views(traced(lambda x: x.t_() * 1, (2, 3)))
+
+
+def test_a_bias_gradient_without_the_weights_is_refused_where_cpu_would_return_it_anyway():
+    """``convolution_backward`` with ``output_mask`` [*, False, True]: CPU's oneDNN path (fp32,
+    bf16) returns the weight's gradient too where the meta kernel returns none, so the check's
+    metadata would not describe the value; every other mask is admitted."""
+    layout = [([1, 6, 6, 6], F32), ([1, 4, 6, 6], F32), ([6, 2, 3, 3], F32)]
+    conv = (aten.convolution_backward.default, ([6], [1, 1], [1, 1], [1, 1], False, [0, 0], 2))
+
+    def call(mask):
+        return [("bw", conv[0], (Ref(0), Ref(1), Ref(2), *conv[1], mask), {})]
+    for mask in ([True, False, True], [False, False, True]):
+        _refused(layout, call(mask), "output_mask.*a bias gradient needs the weight's too")
+    for mask in ([True, True, True], [True, True, False], [False, True, True], [True, False, False]):
+        _accepted(layout, call(mask))
+
+
+def test_eval_mode_batch_norm_needs_running_statistics_and_its_backward_may_get_empty_saved_ones():
+    """Without running statistics, eval-mode batch norm (forward and backward) reads them through
+    null pointers on CPU (SIGSEGV): refused. The backward with ``train=False`` reads no saved
+    statistics, which CPU's eval-mode forward returns empty: ``[0]`` admitted there, not in training."""
+    x, c = ([4, 3, 5], F32), ([3], F32)
+    _refused([x, c, c], [("bn", aten.native_batch_norm.default, (Ref(0), Ref(1), Ref(2), None, None, False, 0.1,
+                                                                 1e-5), {})], "running_mean.*must be given in eval mode")
+    _refused([x, c, c], [("bn", aten._native_batch_norm_legit.no_stats, (Ref(0), Ref(1), Ref(2), False, 0.1, 1e-5),
+                          {})], "training.*must be True")
+    empty = ([0], F32)
+    backward = aten.native_batch_norm_backward.default
+    _accepted([x, x, c, c, c, empty, empty], [("bw", backward, (*(Ref(i) for i in range(7)), False, 1e-5,
+                                                                 [True, True, True]), {})])
+    _refused([x, x, c, c, c, empty, empty], [("bw", backward, (*(Ref(i) for i in range(7)), True, 1e-5,
+                                                               [True, True, True]), {})], "save_mean")
+    _refused([x, x, c, c, c], [("bw", backward, (*(Ref(i) for i in range(3)), None, None, Ref(3), Ref(4), False,
+                                                 1e-5, [True, True, True]), {})], "running_mean.*eval mode")
