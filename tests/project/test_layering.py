@@ -132,9 +132,13 @@ STORE_USES = {"spmd_aot.errors", "spmd_aot.format", "spmd_aot.format.bounded", "
 
 def test_the_store_uses_only_the_byte_codecs_of_the_format():
     modules = module_names(ROOT, PACKAGE)
-    used = {(name, line, target) for name, path in modules.items() if name.startswith(f"{PACKAGE}.store")
+    def within(module: str, prefix: str) -> bool:
+        return module == prefix or module.startswith(prefix + ".")
+
+    store = f"{PACKAGE}.store"
+    used = {(name, line, target) for name, path in modules.items() if within(name, store)
             for line, target in imports_of(name, path, set(modules))
-            if target.startswith(PACKAGE) and not target.startswith(f"{PACKAGE}.store")}
+            if within(target, PACKAGE) and not within(target, store)}
     other = sorted(f"{name.replace('.', '/')}.py:{line} imports {target}" for name, line, target in used
                    if target not in STORE_USES)
     assert not other, "the store uses more than bytes:\n" + "\n".join(other)
