@@ -401,3 +401,42 @@ def test_eval_mode_batch_norm_needs_running_statistics_and_its_backward_may_get_
                                                                [True, True, True]), {})], "save_mean")
     _refused([x, x, c, c, c], [("bw", backward, (*(Ref(i) for i in range(3)), None, None, Ref(3), Ref(4), False,
                                                  1e-5, [True, True, True]), {})], "running_mean.*eval mode")
+
+
+_TRUNC_DIVISION = r"""
+import sys, torch
+from spmd_aot.format.serialize import DecodedNode, Ref
+from spmd_aot.interpreter.program import Program
+
+aten, low = torch.ops.aten, -(1 << 63)
+folded = sys.argv[1] == "folded"
+nodes = [DecodedNode("placeholder", "x0", "x0", (), {}), DecodedNode("placeholder", "x1", "x1", (), {})]
+if folded:  # no input involved: computed once, at load
+    nodes.append(DecodedNode("call_function", "n", aten.full.default, ([3], low), {"dtype": torch.int64}))
+    nodes.append(DecodedNode("call_function", "q", aten.div.Scalar_mode, (Ref(2), -1), {"rounding_mode": "trunc"}))
+else:
+    nodes.append(DecodedNode("call_function", "q", aten.div.Tensor_mode, (Ref(0), Ref(1)), {"rounding_mode": "trunc"}))
+nodes.append(DecodedNode("output", "output", "output", ([Ref(len(nodes) - 1)],), {}))
+program = Program(nodes, {}, fold=folded)
+try:
+    program(torch.full((3,), low), torch.full((3,), -1))
+except ArithmeticError as exc:
+    print("REFUSED", exc)
+    sys.exit(0)
+print("RAN")
+"""
+
+
+@pytest.mark.parametrize("where", ["step", "folded"])
+def test_trunc_division_of_int_min_by_minus_one_is_refused_not_a_sigfpe(where, tmp_path):
+    """x86's ``idiv`` traps on INT_MIN / -1 (SIGFPE), which CPU's trunc division runs for int64 and
+    int32: the value check refuses it right before the call, in a step or while a constant is
+    folded at load (folding leaves it to the step, which raises). In a child: a trap would end it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "divide.py"
+    script.write_text(_TRUNC_DIVISION)
+    done = subprocess.run([sys.executable, str(script), where], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith("REFUSED div(rounding_mode='trunc')"), done.stdout
