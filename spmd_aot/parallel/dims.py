@@ -39,7 +39,8 @@ def mesh_roles(placement: str, mesh_shape: tuple[int, ...], other_roles: tuple[s
     if dp is None or (left == 0 and not other_roles):
         forms = " or ".join(f"({', '.join(roles + other_roles)}{',' if len(roles + other_roles) == 1 else ''})"
                             for roles in _DP_ROLES[placement].values() if roles + other_roles)
-        others = " and ".join({"cp": "context_parallel", "ep": "expert_parallel", "tp": "a tp_plan"}.get(r, r) for r in other_roles)
+        names = {"cp": "context_parallel", "ep": "expert_parallel", "tp": "a tp_plan"}
+        others = " and ".join(names.get(r, r) for r in other_roles)
         hint = "" if placement == "shard" else "; 2-D meshes (dp_replicate, dp_shard) are for placement 'shard' (HSDP)"
         return (f"mesh shape {tuple(mesh_shape)} does not fit placement {placement!r}"
                 f"{' with ' + others if other_roles else ''}: it takes mesh_shape={forms}{hint}")

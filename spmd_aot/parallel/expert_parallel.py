@@ -195,9 +195,10 @@ class _ExpertForward:
     def __call__(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
         if args or kwargs or hidden_states.dim() != 2 or top_k_index.dim() != 2 or \
                 top_k_weights.shape != top_k_index.shape or top_k_index.shape[0] != hidden_states.shape[0]:
+            shapes = [list(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
+                      for a in (hidden_states, top_k_index, top_k_weights, *args, *kwargs.values())]
             raise UnsupportedError(
-                f"expert_parallel splits {self.fqn}, called with shapes "
-                f"{[list(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in (hidden_states, top_k_index, top_k_weights, *args)]}; "
+                f"expert_parallel splits {self.fqn}, called with {shapes}; "
                 "an expert module is called experts(hidden_states [tokens, hidden], top_k_index [tokens, k], "
                 "top_k_weights [tokens, k])")
         ep, module = self.ep, self.module

@@ -12,7 +12,7 @@ from typing import Mapping
 from ..errors import SpmdAotError
 from .layout import TensorLayout
 from .mixed_precision import MixedPrecisionPolicy
-from .dims import BATCH_ROLES, DATA_PARALLEL_ROLES, PLACEMENT_NAMES, mesh_roles
+from .dims import BATCH_ROLES, PLACEMENT_NAMES, mesh_roles
 from .tp_plan import MODEL_PLAN_NAMES, resolve_tp_plan, split_dim, style_name
 
 __all__ = ["Plan", "PLACEMENT_NAMES"]
@@ -110,25 +110,7 @@ class Plan:
             tp_plan = tuple((pattern, style_name(pattern, style)) for pattern, style in tp_plan)
         object.__setattr__(self, "tp_plan", tp_plan)
         object.__setattr__(self, "context_parallel_buffers", _checked_context_parallel(self))
-        experts = self.expert_parallel
-        if isinstance(experts, str):
-            if experts != "auto":
-                raise SpmdAotError(f"expert_parallel={experts!r}: a string must be 'auto' (every module with "
-                                   "num_experts); otherwise pass module FQN patterns")
-        else:
-            experts = tuple(experts)
-            if not all(isinstance(e, str) and e for e in experts):
-                raise SpmdAotError(f"expert_parallel holds module FQN patterns, got {experts!r}")
-        object.__setattr__(self, "expert_parallel", experts)
-        factor = self.expert_capacity_factor
-        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or
-                                   not 0 < factor <= 1024):
-            raise SpmdAotError(f"expert_capacity_factor must be a positive number (or None: drop no token), "
-                               f"got {factor!r}")
-        if factor is not None and not experts:
-            raise SpmdAotError("expert_capacity_factor is set without expert_parallel; name the expert modules "
-                               "(expert_parallel='auto' or FQN patterns) or drop the factor")
-        object.__setattr__(self, "expert_capacity_factor", None if factor is None else float(factor))
+        experts = self._normalize_experts()
         others = (("cp",) if self.context_parallel else ()) + (("ep",) if experts else ()) + \
             (("tp",) if tp_plan else ())
         roles = mesh_roles(self.placement, mesh, others if self.world_size > 1 else ())
@@ -160,6 +142,29 @@ class Plan:
         object.__setattr__(self, "param_placements", overrides)
         object.__setattr__(self, "shard_groups", groups)
         object.__setattr__(self, "mixed_precision", MixedPrecisionPolicy.of(self.mixed_precision))
+
+    def _normalize_experts(self) -> tuple[str, ...] | str:
+        """Check and normalize ``expert_parallel`` and ``expert_capacity_factor``; returns the former."""
+        experts = self.expert_parallel
+        if isinstance(experts, str):
+            if experts != "auto":
+                raise SpmdAotError(f"expert_parallel={experts!r}: a string must be 'auto' (every module with "
+                                   "num_experts); otherwise pass module FQN patterns")
+        else:
+            experts = tuple(experts)
+            if not all(isinstance(e, str) and e for e in experts):
+                raise SpmdAotError(f"expert_parallel holds module FQN patterns, got {experts!r}")
+        object.__setattr__(self, "expert_parallel", experts)
+        factor = self.expert_capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or
+                                   not 0 < factor <= 1024):
+            raise SpmdAotError(f"expert_capacity_factor must be a positive number (or None: drop no token), "
+                               f"got {factor!r}")
+        if factor is not None and not experts:
+            raise SpmdAotError("expert_capacity_factor is set without expert_parallel; name the expert modules "
+                               "(expert_parallel='auto' or FQN patterns) or drop the factor")
+        object.__setattr__(self, "expert_capacity_factor", None if factor is None else float(factor))
+        return experts
 
     def for_model(self, model) -> "Plan":
         """This plan with its ``tp_plan`` bound to ``model`` (``tensor_parallel.resolve_tp_plan``:
@@ -291,7 +296,8 @@ class Plan:
     @classmethod
     def from_dict(cls, d: Mapping) -> "Plan":
         """Inverse of ``to_dict``; raises ``SpmdAotError`` on anything it would not have written."""
-        optional = {"tp_plan", "mixed_precision", "context_parallel", "context_parallel_buffers", "expert_parallel", "expert_capacity_factor"}
+        optional = {"tp_plan", "mixed_precision", "context_parallel", "context_parallel_buffers", "expert_parallel",
+                    "expert_capacity_factor"}
         if not isinstance(d, Mapping) or set(d) - optional != set(_FIELDS) - optional or \
                 d.get("tp_plan", True) == [] or d.get("context_parallel", True) is not True:
             raise SpmdAotError(f"a plan has exactly the fields {', '.join(_FIELDS)} (tp_plan, "

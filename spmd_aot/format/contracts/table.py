@@ -183,7 +183,8 @@ def _table() -> dict[str, Contract]:
 
 _COLLECTIVE_NAMES = {"all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_gather_into_tensor_out",
                      "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_reduce", "all_reduce_",
-                     "all_reduce_coalesced", "all_reduce_coalesced_", "broadcast", "broadcast_", "wait_tensor", "all_to_all_single"}
+                     "all_reduce_coalesced", "all_reduce_coalesced_", "broadcast", "broadcast_", "wait_tensor",
+                     "all_to_all_single"}
 
 #: "namespace::op.overload" -> its Contract. Every overload in allowed_ops.txt must have one.
 CONTRACTS: dict[str, Contract] = _table()
