@@ -336,7 +336,7 @@ def _constant_value(t: torch.Tensor) -> torch.Tensor | None:
                 value = getattr(mode.tracer.root, n.target, None)
                 if not isinstance(value, torch.Tensor):
                     return None
-                values[n] = value
+                values[n] = value.clone()  # an in-place op below must not change the traced constant
                 continue
             if getattr(n.target, "namespace", None) == "_c10d_functional":
                 return None
