@@ -288,6 +288,36 @@ def test_stored_graph_has_one_gather_and_one_scatter_per_attention_over_cp(built
     assert result.stats["by_kind"]["all_gather_into_tensor"] >= layers
 
 
+def eval_step(model, batch):
+    logits = model(batch["input_ids"], batch["position_ids"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten()), logits
+
+
+def _eval_worker(rank, world, cache):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = CPNet(True)
+    with torch.no_grad():
+        ref_loss, ref_logits = eval_step(model, make_batch(0, 7))
+    fn = spmd_aot.compile(eval_step, cache_dir=cache, require_hit=True, context_parallel=True)
+    loss, logits = fn(model, make_batch(0, 7))
+    mine = load_balanced_positions(SEQ, world, rank)  # this rank's tokens of the whole sequence
+    dist.all_reduce(loss)
+    return {"logits": (logits - ref_logits[:, mine]).abs().max().item(),
+            "loss": (loss / world - ref_loss).abs().item(), "traces": fn.cache_info.traces}
+
+
+def test_a_forward_only_step_returns_its_tokens_logits(tmp_path):
+    """An evaluation step (no optimizer) under context parallel: each rank's logits are the
+    unsplit model's at its load-balanced positions."""
+    job = spmd_aot.Job(step=eval_step, model=lambda: CPNet(True), optimizer=None, batch=make_batch)
+    result = spmd_aot.build(job, world_size=2, cache_dir=str(tmp_path), context_parallel=True)
+    assert result.stats["by_kind"] == {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 2}
+    for r in run_ranks(_eval_worker, 2, str(tmp_path), timeout=600):
+        assert r["traces"] == 0 and r["logits"] <= 1e-5 and r["loss"] <= 1e-5, r
+
+
 def test_load_balanced_positions_are_torch_head_tail_chunks():
     """Rank i of cp holds chunks i and 2cp-1-i: every position once, equal causal work per rank."""
     cp, seq = 4, 32
