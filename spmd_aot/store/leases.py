@@ -1,5 +1,5 @@
 """Reader leases and last use: what loading an artifact records in a local cache, so that gc
-(``gc.py``) neither deletes an artifact while it is loaded nor evicts a recently used one.
+(``eviction.py``) neither deletes an artifact while it is loaded nor evicts a recently used one.
 
     leases/<manifest digest>.lock   reader leases: flock(LOCK_SH) while an artifact is loaded
     used/<key>                      empty file; its mtime is when the artifact was last loaded
