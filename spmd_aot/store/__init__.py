@@ -10,7 +10,8 @@ of the bucket: read-through, write-through); ``memory://NAME`` a store in this p
 from __future__ import annotations
 
 from .layered import LayeredStore
-from .local import ENV_CACHE_DIR, LocalStore, resolve_cache_dir
+from .cache_dir import ENV_CACHE_DIR, resolve_cache_dir
+from .local import LocalStore
 from .memory_store import MemoryStore
 from .protocol import HOLDS, LOCAL_FILES, BlobProblem, Store, local_files, supports
 from .registry import ENV_LOCAL_CACHE, open_location, open_store, register_scheme

@@ -38,6 +38,7 @@ import time
 from typing import Iterator
 
 from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError, describe_os_error, os_error
+from .cache_dir import ENV_CACHE_DIR, default_cache_dir, resolve_cache_dir
 from .faults import crash_point
 from ..format.limits import load_limits
 from . import trust
@@ -46,10 +47,10 @@ from .locks import FileLock
 from .names import check_digest, check_key, digest_of, is_digest, is_key, parse_ref, ref_bytes
 from .protocol import LOCAL_FILES, BlobProblem
 
-__all__ = ["LocalStore", "resolve_cache_dir", "default_cache_dir", "BlobProblem", "ENV_CACHE_DIR"]  # BlobProblem: see protocol
+# BlobProblem: see protocol; the cache-directory rule lives in cache_dir.py (named here too, as before)
+__all__ = ["LocalStore", "resolve_cache_dir", "default_cache_dir", "BlobProblem", "ENV_CACHE_DIR"]
 
 #: Environment variable that overrides the default cache directory.
-ENV_CACHE_DIR = "SPMD_AOT_CACHE_DIR"
 
 _TMP_SUFFIX = ".tmp"
 _PID_RE = re.compile(r"[1-9][0-9]{0,9}")
@@ -62,32 +63,6 @@ log = logging.getLogger(__name__)
 
 def _blob_location(digest: str) -> tuple[tuple[str, ...], str]:
     return ("objects", digest[:2]), digest[2:]
-
-
-def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    """Pick the cache directory: explicit argument > env SPMD_AOT_CACHE_DIR >
-    $XDG_CACHE_HOME/spmd_aot > ~/.cache/spmd_aot.
-
-    One rule for every entry point, so ``build`` and the training job agree on where
-    artifacts live. ``~`` is expanded; nothing is created. Empty environment values count as
-    unset, and a relative XDG_CACHE_HOME is ignored, as the XDG base-directory spec requires.
-    """
-    if cache_dir is not None:
-        return pathlib.Path(cache_dir).expanduser()
-    env = os.environ.get(ENV_CACHE_DIR)
-    if env:
-        return pathlib.Path(env).expanduser()
-    return default_cache_dir()
-
-
-def default_cache_dir() -> pathlib.Path:
-    """$XDG_CACHE_HOME/spmd_aot (when absolute), else ~/.cache/spmd_aot."""
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        xdg_path = pathlib.Path(xdg).expanduser()
-        if xdg_path.is_absolute():
-            return xdg_path / "spmd_aot"
-    return pathlib.Path("~/.cache/spmd_aot").expanduser()
 
 
 def _fsync_dir(tree: Tree, parts: tuple[str, ...]) -> None:

@@ -4,7 +4,7 @@
 A location is a directory path or a URL ``SCHEME://...``:
 
 * a path, or None (then ``$SPMD_AOT_CACHE_DIR``, ``$XDG_CACHE_HOME/spmd_aot``, ``~/.cache/spmd_aot``:
-  ``local.resolve_cache_dir``; ``$SPMD_AOT_CACHE_DIR`` may hold a URL too) -> ``LocalStore``;
+  ``cache_dir.resolve_cache_dir``; ``$SPMD_AOT_CACHE_DIR`` may hold a URL too) -> ``LocalStore``;
 * ``SCHEME://...`` with SCHEME in ``SCHEMES`` -> that backend's opener, given the whole URL.
   ``open_location`` returns that store itself (``spmd-aot push --to``, ``pull --from``, and
   ``--cache-dir URL`` for the commands that inspect a cache). ``open_store``, what jobs and builds
@@ -26,7 +26,8 @@ from typing import Callable
 
 from ..errors import SpmdAotError
 from .layered import LayeredStore
-from .local import ENV_CACHE_DIR, LocalStore, default_cache_dir, resolve_cache_dir
+from .cache_dir import ENV_CACHE_DIR, default_cache_dir, resolve_cache_dir
+from .local import LocalStore
 from .memory_store import open_memory_store
 from .protocol import Store
 from .s3 import S3Store
