@@ -9,6 +9,7 @@ from .copy import cmd_export, cmd_import, cmd_pull, cmd_push
 from .inspect import cmd_ls, cmd_ops, cmd_show, cmd_verify
 from .maintenance import cmd_gc, cmd_rm
 from .option_flags import add_option_flags
+from .plan import add_plan_command
 
 
 def _version() -> str:
@@ -52,6 +53,7 @@ def parser() -> argparse.ArgumentParser:
     for add in (_build_command, _inspect_commands, _explain_command, _copy_commands, _maintenance_commands,
                 _bundle_commands):
         add(sub, common)
+    add_plan_command(sub, add_option_flags, _add_common, _positive_int)
     return parser
 
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .footprint import measure_activations, measure_optimizer, measure_params
+from .footprint import extrapolated, measure_activations, measure_optimizer, measure_params
 from .memory_model import Candidate, Estimate, estimate
 
 __all__ = ["PlanResult", "candidates", "plan_fit"]
@@ -36,6 +36,9 @@ def candidates(world_size: int, *, tp: bool, placements=("replicate", "shard"), 
         if world_size % t:
             continue
         dp = world_size // t
+        if dp == 1:  # every rank a TP rank: no data-parallel placement to choose
+            meshes.append(("replicate", 1, 1, t))
+            continue
         for placement in placements:
             if placement == "replicate":
                 meshes.append(("replicate", dp, 1, t))
@@ -61,21 +64,46 @@ def _from_shape(placement: str, shape: tuple[int, ...], tp: bool):
 class PlanResult:
     estimates: list[Estimate]
     seconds: float
-    measurements: int  # fake runs of the step (one per compute dtype x checkpointing)
+    measurements: int  # fake runs of the step
     param_numel: int
+    method: str  # how the activations were measured: the whole model, or extrapolated over its blocks
+
+
+#: Models with more repeated blocks than this are measured at two depths and extrapolated.
+EXTRAPOLATE_ABOVE = 4
+DEPTHS = (2, 4)
 
 
 def plan_fit(job, cands: list[Candidate], tp_plan=(), cast_forward_inputs: bool = True) -> PlanResult:
-    """Estimate every candidate: the job measured once per (compute dtype, checkpointing)."""
+    """Estimate every candidate from a few fake runs: one per (compute dtype, checkpointing), or,
+    for a model of more than ``EXTRAPOLATE_ABOVE`` identical blocks, two (at ``DEPTHS`` blocks),
+    extrapolated to its depth (``footprint.extrapolated``: exact while the blocks are identical),
+    so planning a 126-block model costs what a 4-block one does."""
     start = time.perf_counter()
     params = measure_params(job, tp_plan)
     opt = measure_optimizer(job)
-    footprints = {}
-    out = []
+    depth = len(params.groups) - (params.root in params.groups)
+    blocks_identical = len({v for k, v in params.groups.items() if k != params.root}) == 1
+    extrapolate = depth > EXTRAPOLATE_ABOVE and blocks_identical
+    footprints, runs, out = {}, 0, []
     for c in cands:
         k = (c.param_dtype, c.checkpoint)
         if k not in footprints:
-            footprints[k] = measure_activations(job, compute_dtype=c.param_dtype, checkpoint=c.checkpoint,
-                                                tp_plan=tp_plan, cast_forward_inputs=cast_forward_inputs)
+            measure = lambda **kw: measure_activations(  # noqa: E731
+                job, compute_dtype=c.param_dtype, checkpoint=c.checkpoint, tp_plan=tp_plan,
+                cast_forward_inputs=cast_forward_inputs, **kw)
+            fp = None
+            if extrapolate:
+                try:
+                    fp = extrapolated({d: measure(depth=d) for d in DEPTHS}, depth)
+                    runs += len(DEPTHS)
+                except ValueError:  # the step does not run a truncated block list: measure it whole
+                    extrapolate = False
+            if fp is None:
+                fp = measure()
+                runs += 1
+            footprints[k] = fp
         out.append(estimate(c, params, footprints[k], opt, global_batch=job.global_batch))
-    return PlanResult(out, time.perf_counter() - start, len(footprints), params.numel)
+    method = (f"extrapolated from {' and '.join(map(str, DEPTHS))} of its {depth} blocks" if extrapolate
+              else "the whole model")
+    return PlanResult(out, time.perf_counter() - start, runs, params.numel, method)

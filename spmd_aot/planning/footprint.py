@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["Footprint", "OptimizerCost", "Params", "measure_activations", "measure_optimizer", "measure_params",
-           "blocks_of", "checkpoint_blocks"]
+           "blocks_of", "checkpoint_blocks", "truncate_blocks", "extrapolated"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,19 +37,30 @@ class Footprint:
     """One fake forward + backward at one rank's batch (one compute dtype, checkpointing on or off).
 
     ``act_peak_sharded`` / ``act_peak_whole``: the activation bytes alive at the step's peak that a
-    TP plan shards / leaves whole (``act_bwd_sharded_fraction`` already applied to the backward's),
+    TP plan shards / leaves whole (the backward's split in the forward's proportion),
     and ``grad_at_peak`` the parameter-gradient bytes alive then (compute dtype). ``tp_comm``: bytes
     per step, by collective kind, that a TP plan adds at any degree above 1 (Megatron: an all_reduce
     of each rowwise output in forward and of each colwise input's gradient in backward; with
     sequence parallelism an all_gather and a reduce_scatter instead; a recomputed forward counts
     again). Payload bytes of the whole tensor: the same at every TP degree."""
 
-    act_peak_sharded: int
-    act_peak_whole: int
+    peak_sharded: int  # forward activations alive at the peak that a TP plan shards
+    peak_whole: int  # ... that it leaves whole
+    peak_bwd: int  # tensors made in backward alive at the peak
+    fwd_sharded: int  # every forward activation made, sharded / whole: the backward's proportion
+    fwd_whole: int
     grad_at_peak: int
     tp_comm: dict  # collective kind -> bytes per step
     compute_dtype: torch.dtype
     checkpoint: bool
+
+    @property
+    def act_peak_sharded(self) -> int:
+        return self.peak_sharded + int(self.peak_bwd * self.fwd_sharded / max(1, self.fwd_sharded + self.fwd_whole))
+
+    @property
+    def act_peak_whole(self) -> int:
+        return self.peak_sharded + self.peak_whole + self.peak_bwd - self.act_peak_sharded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,25 +87,29 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 class _Timeline(TorchDispatchMode):
-    """Bytes of storages created under it, alive over time, by kind (see module doc)."""
+    """Bytes of the storages created under it, alive over time, by kind ('sharded' and 'whole'
+    forward activations, 'bwd' tensors made in backward, 'grad' parameter gradients), kept as
+    running totals so each op costs O(its outputs); ``peaks``: the totals when their sum peaked."""
+
+    KINDS = ("sharded", "whole", "bwd", "grad")
 
     def __init__(self):
         super().__init__()
         self.sizes: dict[int, int] = {}
-        self.kind: dict[int, str] = {}  # 'sharded' / 'whole' / 'bwd'
+        self.kind: dict[int, str] = {}
         self.live: dict[int, weakref.ref] = {}
         self.backward = False
-        self.samples: list[tuple[dict[int, int], ...]] = []
-        self.peaks = {"sharded": 0, "whole": 0, "bwd": 0, "grad": 0, "total": 0}
-        self.grad_keys: set[int] = set()
-        self.fwd_bytes = {"sharded": 0, "whole": 0}
+        self.now = dict.fromkeys(self.KINDS, 0)
+        self.peaks = {**self.now, "total": 0}
+        self.fwd_bytes = {"sharded": 0, "whole": 0}  # every forward activation made, alive or not
         self.external: set[int] = set()  # storages made before the step (parameters, batch): not its
 
     def exclude(self, tensors) -> None:
         """Storages alive before the step (a view of a parameter is not an activation)."""
         self.external.update(k for k in map(self.key, tensors) if k is not None)
 
-    def key(self, t):
+    @staticmethod
+    def key(t):
         try:
             return t.untyped_storage()._cdata
         except Exception:
@@ -102,43 +117,43 @@ class _Timeline(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        sharded_in = any(self.kind.get(self.key(t)) == "sharded" for t in _tensors((args, kwargs)))
+        sharded_in = not self.backward and any(self.kind.get(self.key(t)) == "sharded"
+                                               for t in _tensors((args, kwargs)))
         for t in _tensors(out):
             try:
                 st = t.untyped_storage()
             except Exception:
                 continue
             k = st._cdata
-            if k in self.sizes or k in self.live or k in self.external:
+            if k in self.live or k in self.external:
                 continue
-            self.sizes[k] = st.nbytes()
             kind = "bwd" if self.backward else ("sharded" if sharded_in else "whole")
-            self.kind[k] = kind
+            self.sizes[k], self.kind[k] = st.nbytes(), kind
+            self.now[kind] += st.nbytes()
             if kind != "bwd":
                 self.fwd_bytes[kind] += st.nbytes()
             self.live[k] = weakref.ref(st, functools.partial(self._gone, k))
-        self._sample()
+        total = sum(self.now.values())
+        if total > self.peaks["total"]:
+            self.peaks = {**self.now, "total": total}
         return out
 
     def _gone(self, k, _ref=None):
-        self.live.pop(k, None)
-        self.sizes.pop(k, None)
-        self.kind.pop(k, None)
+        if self.live.pop(k, None) is not None:
+            self.now[self.kind.pop(k)] -= self.sizes.pop(k)
 
     def mark(self, t: torch.Tensor, kind: str) -> None:
+        """``t``'s storage is of ``kind`` from now on (a TP module's output, a gradient)."""
         k = self.key(t)
-        if k in self.kind and self.kind[k] != "bwd":
-            self.fwd_bytes[self.kind[k]] -= self.sizes[k]
+        old = self.kind.get(k)
+        if old is None or old == kind:
+            return
+        if old != "bwd" and kind in self.fwd_bytes:
+            self.fwd_bytes[old] -= self.sizes[k]
             self.fwd_bytes[kind] += self.sizes[k]
-            self.kind[k] = kind
-
-    def _sample(self) -> None:
-        by = {"sharded": 0, "whole": 0, "bwd": 0, "grad": 0}
-        for k in self.live:
-            by["grad" if k in self.grad_keys else self.kind[k]] += self.sizes[k]
-        total = sum(by.values())
-        if total > self.peaks["total"]:
-            self.peaks = {**by, "total": total}
+        self.now[old] -= self.sizes[k]
+        self.now[kind] += self.sizes[k]
+        self.kind[k] = kind
 
 
 #: TP styles whose module output is split over the TP ranks (by features or by sequence).
@@ -168,9 +183,28 @@ def checkpoint_blocks(model: torch.nn.Module) -> None:
         block.forward = functools.partial(lambda f, *a, **k: checkpoint(f, *a, use_reentrant=False, **k), inner)
 
 
+def truncate_blocks(model: torch.nn.Module, depth: int) -> list[str]:
+    """Keep the first ``depth`` repeated blocks (``blocks_of``) of ``model``; the names kept."""
+    names = blocks_of(model)
+    if not names:
+        return []
+    parent_name = names[0].rpartition(".")[0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    kept = list(parent.children())[:depth]
+    container = type(parent)(kept) if isinstance(parent, torch.nn.Sequential) else torch.nn.ModuleList(kept)
+    if parent_name:
+        owner, _, attr = parent_name.rpartition(".")
+        setattr(model.get_submodule(owner) if owner else model, attr, container)
+    return names[:depth]
+
+
 def measure_activations(job, *, compute_dtype: torch.dtype | None = None, checkpoint: bool = False,
-                        tp_plan=(), cast_forward_inputs: bool = True) -> Footprint:
-    """Run ``job.step`` once on fake tensors (optimizer step skipped) and record its activations."""
+                        tp_plan=(), cast_forward_inputs: bool = True, depth: int | None = None) -> Footprint:
+    """Run ``job.step`` once on fake tensors (optimizer step skipped) and record its activations.
+
+    ``depth``: keep only the first ``depth`` repeated blocks (``truncate_blocks``); raises
+    ``ValueError`` when the step then runs another number of blocks (a model that counts its
+    layers some other way), so a caller can measure the whole model instead."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..parallel.tp_plan import resolve_tp_plan, style_name
@@ -179,6 +213,10 @@ def measure_activations(job, *, compute_dtype: torch.dtype | None = None, checkp
     with FakeTensorMode():
         torch.manual_seed(0)
         model = job.model()
+        ran: list[int] = []
+        if depth is not None:
+            for name in truncate_blocks(model, depth):
+                model.get_submodule(name).register_forward_pre_hook(lambda *_: ran.append(1))
         if compute_dtype is not None:  # the compute copies a mixed-precision step makes
             for t in [*model.parameters(), *model.buffers()]:
                 if t.is_floating_point():
@@ -235,7 +273,7 @@ def measure_activations(job, *, compute_dtype: torch.dtype | None = None, checkp
 
             def grad_hook(p):
                 if p.grad is not None:
-                    timeline.grad_keys.add(timeline.key(p.grad))
+                    timeline.mark(p.grad, "grad")
             for p in model.parameters():
                 if p.requires_grad:
                     grads.append(p.register_post_accumulate_grad_hook(grad_hook))
@@ -247,12 +285,11 @@ def measure_activations(job, *, compute_dtype: torch.dtype | None = None, checkp
                 else:
                     with torch.no_grad():
                         job.step(model, batch)
-    fwd = timeline.fwd_bytes
-    fraction = fwd["sharded"] / max(1, fwd["sharded"] + fwd["whole"])
-    p = timeline.peaks
-    return Footprint(act_peak_sharded=p["sharded"] + int(p["bwd"] * fraction),
-                     act_peak_whole=p["whole"] + p["bwd"] - int(p["bwd"] * fraction), grad_at_peak=p["grad"],
-                     tp_comm={k: v for k, v in tp_comm.items() if v}, compute_dtype=dtype, checkpoint=checkpoint)
+    if depth is not None and len(ran) != depth:
+        raise ValueError(f"the step ran {len(ran)} blocks with {depth} kept")
+    p, fwd = timeline.peaks, timeline.fwd_bytes
+    return Footprint(p["sharded"], p["whole"], p["bwd"], fwd["sharded"], fwd["whole"], p["grad"],
+                     {k: v for k, v in tp_comm.items() if v}, dtype, checkpoint)
 
 
 def measure_optimizer(job) -> OptimizerCost:
@@ -332,3 +369,19 @@ def measure_params(job, tp_plan=()) -> Params:
         entry[1] += t
         numel, tp_numel, itemsize = numel + n, tp_numel + t, p.element_size()
     return Params(numel, tp_numel, itemsize, {k: tuple(v) for k, v in groups.items()})
+
+
+def extrapolated(at: dict[int, Footprint], depth: int) -> Footprint:
+    """The footprint at ``depth`` blocks from measurements at two smaller depths (``at``): every
+    figure is affine in the number of identical blocks (each adds its activations, its gradients
+    and its collectives; the step's peak stays where the last block's backward begins)."""
+    (d0, f0), (d1, f1) = sorted(at.items())
+
+    def line(a, b) -> int:
+        return max(0, round(a + (b - a) / (d1 - d0) * (depth - d0)))
+
+    kinds = set(f0.tp_comm) | set(f1.tp_comm)
+    return Footprint(*(line(getattr(f0, f), getattr(f1, f)) for f in
+                       ("peak_sharded", "peak_whole", "peak_bwd", "fwd_sharded", "fwd_whole", "grad_at_peak")),
+                     {k: line(f0.tp_comm.get(k, 0), f1.tp_comm.get(k, 0)) for k in kinds},
+                     f0.compute_dtype, f0.checkpoint)

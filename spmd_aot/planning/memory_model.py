@@ -51,22 +51,17 @@ class Candidate:
     def mesh_shape(self) -> tuple[int, ...]:
         dp = (self.dp_replicate, self.dp_shard) if self.placement == "shard" and self.dp_replicate > 1 \
             else (self.dp_replicate * self.dp_shard,)
+        if self.tp > 1 and dp == (1,):
+            return (self.tp,)
         return dp + ((self.tp,) if self.tp > 1 else ())
 
     def describe(self) -> str:
         kind = ("hsdp" if self.dp_replicate > 1 else "shard") if self.placement == "shard" else "replicate"
         dtype = {None: "", torch.bfloat16: " bf16", torch.float16: " fp16", torch.float32: " fp32"}[self.param_dtype]
+        if self.dp_replicate * self.dp_shard == 1 and self.tp > 1:
+            return f"tp {self.tp}{dtype}{' ac' if self.checkpoint else ''}"
         return (f"{kind} {'x'.join(map(str, self.mesh_shape))}{' tp' if self.tp > 1 else ''}{dtype}"
                 f"{' ac' if self.checkpoint else ''}")
-
-    def options(self) -> dict:
-        """The ``ParallelOptions`` fields (beside the TP plan) that build this configuration."""
-        out: dict = {"placement": self.placement}
-        if len(self.mesh_shape) > 1:
-            out["mesh_shape"] = self.mesh_shape
-        if self.param_dtype is not None:
-            out["param_dtype"] = self.param_dtype
-        return out
 
 
 @dataclasses.dataclass(frozen=True)
