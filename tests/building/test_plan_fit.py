@@ -19,8 +19,8 @@ from torch import nn
 import spmd_aot
 from spmd_aot.building.peak_memory import PeakMemory, state_tensors
 from spmd_aot.planning.candidates import candidates, plan_fit
-from spmd_aot.planning.footprint import checkpoint_blocks
-from spmd_aot.planning.memory_model import Candidate
+from spmd_aot.planning.footprint import checkpoint_blocks, measure_activations, measure_optimizer, measure_params
+from spmd_aot.planning.memory_model import Candidate, estimate
 from support.multiproc import run_ranks
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 256, 128, 4, 4, 64, 8
@@ -54,10 +54,10 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self):
+    def __init__(self, layers: int = LAYERS):
         super().__init__()
         self.tok = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
         self.norm, self.out = nn.RMSNorm(D), nn.Linear(D, VOCAB, bias=False)
 
     def forward(self, idx):
@@ -188,3 +188,30 @@ def test_candidates_cover_the_meshes_a_world_allows():
     assert not any(shape == (1, 128) for _, shape in listed)
     fixed = candidates(8, tp=True, mesh_shape=(2, 2, 2), dtypes=(None,), checkpoints=(False,))
     assert [c.describe() for c in fixed] == ["hsdp 2x2x2 tp"]
+
+
+class CountedLlama(Llama):
+    """Runs its layers by a count fixed when made: a truncated block list makes it fail."""
+
+    def __init__(self):
+        super().__init__(layers=8)
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        for i in range(8):
+            x = self.layers[i](x)
+        return self.out(self.norm(x))
+
+
+@pytest.mark.parametrize("model", [lambda: Llama(layers=8), CountedLlama])
+def test_a_deep_model_measured_at_two_depths_gives_the_whole_models_figures(model):
+    deep = spmd_aot.Job(step=step, model=model, optimizer=adamw, batch=batch)
+    cands = [Candidate("shard", 1, 2), Candidate("shard", 2, 2, 2, checkpoint=True, param_dtype=torch.bfloat16)]
+    result = plan_fit(deep, cands, TP_PLAN)
+    expect = "extrapolated from 2 and 4 of its 8 blocks" if model is not CountedLlama else "the whole model"
+    assert result.method == expect
+    params, opt = measure_params(deep, TP_PLAN), measure_optimizer(deep)
+    for c, e in zip(cands, result.estimates):
+        fp = measure_activations(deep, compute_dtype=c.param_dtype, checkpoint=c.checkpoint, tp_plan=TP_PLAN)
+        whole = estimate(c, params, fp, opt)
+        assert abs(e.peak_bytes - whole.peak_bytes) <= 8 and e.comm == whole.comm, (e, whole)
