@@ -29,7 +29,7 @@ from .peak_memory import graph_peak_bytes
 from ..tracing.causal_masks import masks_used_as_given
 from ..format.numpy_absent import numpy_lookups_skipped
 from ..tracing.override import Transforms, swapped_submodules
-from ..passes import (collective_stats, dedupe_collectives, fold_views, prefetch_groups,
+from ..passes import (ask_conv_weight_grads, collective_stats, dedupe_collectives, fold_views, prefetch_groups,
                      remove_detach, rewrite_inplace_views, sink_waits, strip_profiler_ops)
 from ..parallel import axes
 from ..parallel.plan import Plan
@@ -67,6 +67,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
         if transforms.gm_transformation is not None:
             gm = _checked(transforms.gm_transformation(gm), gm, "gm_transformation")
     rewrite_inplace_views(gm)  # after user transformations too: a stored graph never changes geometry in place
+    ask_conv_weight_grads(gm)  # after user transformations too: the load refuses a bias-only conv gradient
     sink_waits(gm)  # after user transformations too: they may add collectives
     fold_views(gm)  # last: the passes above add views too
     gm.recompile()  # passes edit gm.graph only; the stored code is generated once, here

@@ -23,7 +23,7 @@ from ..entries.pipeline_artifact import check_pipeline_blobs, encode_pipeline, r
 from ..job import Job
 from ..keying.pipeline_key import pipeline_key
 from ..parallel.pipeline_parallel import Pipeline, bubble_fraction, even_split_points, in_flight_peak, schedule_actions
-from ..passes import fold_views, remove_detach, rewrite_inplace_views, strip_profiler_ops
+from ..passes import ask_conv_weight_grads, fold_views, remove_detach, rewrite_inplace_views, strip_profiler_ops
 from ..store import open_store
 from ..tracing.fake_factories import fake_factories
 from ..tracing.stages import trace_stages
@@ -120,6 +120,7 @@ def trace_pipeline_blobs(model, loss_fn, batch, pipeline: Pipeline, plan: dict, 
             strip_profiler_ops(gm)
             remove_detach(gm)
             rewrite_inplace_views(gm)
+            ask_conv_weight_grads(gm)
             fold_views(gm)
             gm.recompile()
         st.stats = _stage_stats(st, schedule_actions(pipeline)[st.index])
