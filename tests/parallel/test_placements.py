@@ -31,7 +31,7 @@ def test_shard_graph_gathers_and_scatters_once_per_group_with_uneven_shards(tmp_
     params = {s["fqn"]: s for s in art.layout["inputs"] if s["kind"] == "param"}
     head = params["head.weight"]
     assert head["global_shape"] == [5, 24] and head["local_shape"] == [2, 24]
-    assert head["shard_rows"] == [2, 2, 1, 0] and head["placement"] == ["Shard(0)"]
+    assert head["shard_rows"] == [[2, 2], [1, 1], [0, 1]] and head["placement"] == ["Shard(0)"]
     state = {s["fqn"]: s for s in art.layout["inputs"] if s["kind"] == "optim_state"}
     assert state["head.weight.momentum_buffer"]["local_shape"] == [2, 24]
     placeholders = [n for n, e in art.schema["nodes"].items() if "fqn" in e]
@@ -44,7 +44,7 @@ def test_hsdp_graph_reduces_over_both_mesh_dimensions(tmp_path):
     assert built.stats["by_kind"] == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "all_reduce": 1}
     art = _artifact(tmp_path, built)
     head = next(s for s in art.layout["inputs"] if s["fqn"] == "head.weight")
-    assert head["placement"] == ["Replicate()", "Shard(0)"] and head["shard_rows"] == [3, 2]
+    assert head["placement"] == ["Replicate()", "Shard(0)"] and head["shard_rows"] == [[3, 1], [2, 1]]
     groups = {e["group"] for e in art.schema["nodes"].values() if "collective" in e}
     assert groups == {0, 1}
 
