@@ -74,6 +74,7 @@ from torch import nn
 
 from ..errors import UnsupportedError
 from .axis_interface import Axis
+from .tp_autograd import CopyToTP, GatherSeq, ReduceFromTP, ScatterSeq, SumGradsOverTP
 from .tp_plan import SPLIT_DIMS, first_match
 from ..passes.collectives import label_collective
 
@@ -128,7 +129,7 @@ class Rowwise(TPStyle):
 
     def forward(self, tp, fqn, module, x):
         tp.refuse_in_sequence_region(fqn, self.name)
-        out = _ReduceFromTP.apply(F.linear(x, module.weight), tp, [fqn])
+        out = ReduceFromTP.apply(F.linear(x, module.weight), tp, [fqn])
         bias = module.bias
         return out if bias is None else out + bias
 
@@ -150,7 +151,7 @@ class RowwiseSeq(Rowwise):
 
     def forward(self, tp, fqn, module, x):
         tp.expect_sequence(x, fqn, self.name, sharded=False)
-        return _ScatterSeq.apply(F.linear(x, module.weight), module.bias, tp, fqn, "sum")
+        return ScatterSeq.apply(F.linear(x, module.weight), module.bias, tp, fqn, "sum")
 
 
 class SequenceParallel(TPStyle):
@@ -168,7 +169,7 @@ class SequenceParallel(TPStyle):
     def forward(self, tp, fqn, module, x):
         tp.expect_sequence(x, fqn, self.name, sharded=True)
         names = [n for n in ("weight", "bias") if getattr(module, n, None) is not None]
-        params = dict(zip(names, _SumGradsOverTP.apply(tp, fqn, names, *(getattr(module, n) for n in names))))
+        params = dict(zip(names, SumGradsOverTP.apply(tp, fqn, names, *(getattr(module, n) for n in names))))
         if isinstance(module, nn.LayerNorm):
             return F.layer_norm(x, module.normalized_shape, params.get("weight"), params.get("bias"), module.eps)
         return F.rms_norm(x, module.normalized_shape, params.get("weight"), module.eps)
@@ -190,7 +191,7 @@ class SeqShardOutput(TPStyle):
                 f"tp_plan puts {fqn} {self.name}, but it returns {what}; the entry of sequence parallel "
                 f"returns one tensor whose dim 1 (the sequence) divides by the TP size {tp.size}")
         tp.seq, tp.in_sequence_region = out.shape[1], True
-        return _ScatterSeq.apply(out, None, tp, fqn, "max")
+        return ScatterSeq.apply(out, None, tp, fqn, "max")
 
 
 class SeqGatherInput(TPStyle):
@@ -204,7 +205,7 @@ class SeqGatherInput(TPStyle):
     def forward(self, tp, fqn, module, x, *args, **kwargs):
         tp.expect_sequence(x, fqn, self.name, sharded=True)
         tp.in_sequence_region = False
-        return type(module).forward(module, _GatherSeq.apply(x, tp, [fqn], "max"), *args, **kwargs)
+        return type(module).forward(module, GatherSeq.apply(x, tp, [fqn], "max"), *args, **kwargs)
 
 
 
@@ -217,7 +218,7 @@ class ColwiseGatherOutput(Colwise):
         tp.refuse_in_sequence_region(fqn, self.name)
         local = F.linear(tp.copied_in(x, fqn), module.weight, module.bias)
         # backward: the output gradient is the same on every TP rank; each keeps its features
-        return _GatherSeq.apply(local, tp, [fqn], "max", -1, "output")
+        return GatherSeq.apply(local, tp, [fqn], "max", -1, "output")
 
 
 class RowwiseSplitInput(Rowwise):
@@ -229,8 +230,8 @@ class RowwiseSplitInput(Rowwise):
         tp.refuse_in_sequence_region(fqn, self.name)
         # the whole input is the same on every TP rank: reduce_scatter(max) cuts it exactly;
         # backward: the features' gradients all_gathered
-        local = _ScatterSeq.apply(x, None, tp, fqn, "max", -1, "input")
-        out = _ReduceFromTP.apply(F.linear(local, module.weight), tp, [fqn])
+        local = ScatterSeq.apply(x, None, tp, fqn, "max", -1, "input")
+        out = ReduceFromTP.apply(F.linear(local, module.weight), tp, [fqn])
         return out if module.bias is None else out + module.bias
 
 
@@ -249,7 +250,7 @@ class EmbeddingColwise(TPStyle):
         tp.refuse_in_sequence_region(fqn, self.name)
         local = F.embedding(ids, module.weight, module.padding_idx, module.max_norm, module.norm_type,
                             module.scale_grad_by_freq, module.sparse)
-        return _GatherSeq.apply(local, tp, [fqn], "max", -1, "output")
+        return GatherSeq.apply(local, tp, [fqn], "max", -1, "output")
 
 
 class EmbeddingRowwise(TPStyle):
@@ -281,7 +282,7 @@ class EmbeddingRowwise(TPStyle):
             looked = torch.where((ids == module.padding_idx).unsqueeze(-1), looked.detach(), looked)
         # zero where another rank holds the id: the sum over TP is the whole lookup, and the
         # gradient reaches only the rows this rank holds
-        return _ReduceFromTP.apply(looked.masked_fill(outside.unsqueeze(-1), 0), tp, [fqn])
+        return ReduceFromTP.apply(looked.masked_fill(outside.unsqueeze(-1), 0), tp, [fqn])
 
 
 class ReplicatedWithGradAllreduce(TPStyle):
@@ -297,7 +298,7 @@ class ReplicatedWithGradAllreduce(TPStyle):
 
     def forward(self, tp, fqn, module, *args, **kwargs):
         names = [n for n, _ in module.named_parameters(recurse=False)]
-        summed = _SumGradsOverTP.apply(tp, fqn, names, *(getattr(module, n) for n in names))
+        summed = SumGradsOverTP.apply(tp, fqn, names, *(getattr(module, n) for n in names))
         shadow = vars(module)  # instance attributes win over nn.Module.__getattr__'s parameters
         shadow.update(zip(names, summed))
         try:
@@ -422,12 +423,12 @@ class TensorParallel:
 
     def copied_in(self, x: torch.Tensor, fqn: str) -> torch.Tensor:
         """``x`` copied to the TP region; one copy per input tensor, shared by its readers."""
-        return self._shared(x, fqn, "copy", lambda readers: _CopyToTP.apply(x, self, readers))
+        return self._shared(x, fqn, "copy", lambda readers: CopyToTP.apply(x, self, readers))
 
     def gathered_in(self, x: torch.Tensor, fqn: str) -> torch.Tensor:
         """Sequence shard ``x`` all_gathered into the TP region (its gradient is partial over TP:
         reduce_scattered); one gather per input tensor, shared by its readers."""
-        return self._shared(x, fqn, "gather", lambda readers: _GatherSeq.apply(x, self, readers, "sum"))
+        return self._shared(x, fqn, "gather", lambda readers: GatherSeq.apply(x, self, readers, "sum"))
 
     def _shared(self, x, fqn, kind, make):
         entry = self._copies.get((id(x), kind))
@@ -495,84 +496,6 @@ class _PlannedForward:
     def __call__(self, *args, **kwargs):
         self.tp.calls[self.fqn] = self.tp.calls.get(self.fqn, 0) + 1
         return self.style.forward(self.tp, self.fqn, self.module, *args, **kwargs)
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Identity in forward; the gradient summed over the TP ranks in backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp, readers):
-        ctx.tp, ctx.readers = tp, readers
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.tp.all_reduce(grad, ctx.readers, "input gradient"), None, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """The partial sums of the TP ranks added up in forward; identity in backward."""
-
-    @staticmethod
-    def forward(ctx, partial, tp, modules):
-        return tp.all_reduce(partial, modules, "output")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-class _GatherSeq(torch.autograd.Function):
-    """Shards of dim ``dim`` (the sequence, or features) all_gathered in forward; in backward
-    the gradient reduce_scattered: summed (``grad_op="sum"``: partial over TP, from colwise
-    readers) or cut to the shard (``"max"``: the same on every TP rank, so the max of the copies
-    is the value)."""
-
-    @staticmethod
-    def forward(ctx, x, tp, modules, grad_op, dim=1, what="input"):
-        ctx.tp, ctx.modules, ctx.grad_op, ctx.dim, ctx.what = tp, modules, grad_op, dim, what
-        return tp.gather_sequence(x, modules, what, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cut = ctx.tp.scatter_sequence(grad, ctx.modules, f"{ctx.what} gradient", ctx.grad_op, ctx.dim)
-        return cut, None, None, None, None, None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    """``x`` reduce_scattered over the sequence (``op``: ``"sum"`` of partial sums, ``"max"``
-    to cut identical copies), plus ``bias``; in backward the gradient all_gathered, and the
-    bias gradient summed from the gathered one (the same on every TP rank, no collective)."""
-
-    @staticmethod
-    def forward(ctx, x, bias, tp, fqn, op, dim=1, what="output"):
-        ctx.tp, ctx.fqn, ctx.has_bias, ctx.dim, ctx.what = tp, fqn, bias is not None, dim, what
-        out = tp.scatter_sequence(x, [fqn], what, op, dim)
-        return out if bias is None else out + bias
-
-    @staticmethod
-    def backward(ctx, grad):
-        whole = ctx.tp.gather_sequence(grad, [ctx.fqn], f"{ctx.what} gradient", ctx.dim)
-        grad_bias = whole.reshape(-1, whole.shape[-1]).sum(0) if ctx.has_bias else None
-        return whole, grad_bias, None, None, None, None, None
-
-
-class _SumGradsOverTP(torch.autograd.Function):
-    """Parameters as they are in forward; in backward their gradients (partial over TP: each
-    rank saw its sequence shard) summed over the TP ranks with one all_reduce."""
-
-    @staticmethod
-    def forward(ctx, tp, fqn, names, *params):
-        ctx.tp, ctx.fqn, ctx.names = tp, fqn, names
-        ctx.shapes = [p.shape for p in params]
-        return tuple(p.view_as(p) for p in params)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        summed = ctx.tp.all_reduce(flat, [ctx.fqn], "parameter gradients", [f"{ctx.fqn}.{n}" for n in ctx.names])
-        parts = summed.split([s.numel() for s in ctx.shapes])
-        return (None, None, None, *(part.view(shape) for part, shape in zip(parts, ctx.shapes)))
 
 
 class TensorParallelAxis(Axis):
