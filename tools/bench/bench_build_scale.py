@@ -5,13 +5,27 @@ a CPU box: it measures what ``spmd-aot build`` costs for a 70B job, not the job 
 Defaults: d_model 8192, 64 heads (8 key/value heads), FFN 28672, vocabulary 128256, 80
 layers, sequence 4096, world 1024 under ``shard`` (default groups: one per layer).
 
+``--layers 8,16,32,80`` builds each depth in a fresh process and prints how build time grows
+with depth (the ratio of the deepest to the shallowest). ``--stages`` prints the CPU seconds of
+each build stage (trace, passes, code generation, load check, encoding). ``--without-recorder``
+builds without the source recorder that finds which files the trace ran (``keying/guards.py``):
+it measures that recorder's share only; the entry it stores, in a temporary cache, guards
+nothing.
+
     PYTHONPATH=. python tools/bench/bench_build_scale.py [--layers 80] [--world 1024] [--placement shard]
+        [--stages] [--without-recorder]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import functools
+import json
 import math
+import os
+import subprocess
 import resource
 import sys
 import tempfile
@@ -98,27 +112,154 @@ def step(model, optim, batch):
     return loss
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=80)
-    parser.add_argument("--world", type=int, default=1024)
-    parser.add_argument("--placement", default="shard")
-    parser.add_argument("--seq", type=int, default=4096)
-    args = parser.parse_args(argv)
+# (module, attribute, stage): the functions whose CPU seconds --stages reports
+_STAGES = [
+    ("spmd_aot.building.pipeline", "trace_step", "trace (make_fx: forward, backward, optimizer; expansion)"),
+    ("spmd_aot.building.pipeline", "strip_profiler_ops", "passes"),
+    ("spmd_aot.building.pipeline", "remove_detach", "passes"),
+    ("spmd_aot.building.pipeline", "dedupe_collectives", "passes"),
+    ("spmd_aot.building.pipeline", "prefetch_groups", "passes"),
+    ("spmd_aot.building.pipeline", "rewrite_inplace_views", "passes"),
+    ("spmd_aot.building.pipeline", "sink_waits", "passes"),
+    ("spmd_aot.building.pipeline", "fold_views", "passes"),
+    ("spmd_aot.building.pipeline", "graph_peak_bytes", "statistics (peak bytes, collectives)"),
+    ("spmd_aot.building.pipeline", "collective_stats", "statistics (peak bytes, collectives)"),
+    ("spmd_aot.building.pipeline", "layout_entries", "encoding (layout, graph, manifest)"),
+    ("spmd_aot.building.pipeline", "encode_artifact", "encoding (layout, graph, manifest)"),
+    ("spmd_aot.building.pipeline", "check_before_storing", "load check of the new entry"),
+    ("spmd_aot.building.pipeline", "store_artifact", "store"),
+    ("spmd_aot.building.builder", "_fake_state", "fake model, optimizer and batch"),
+    ("spmd_aot.building.builder", "compute_key", "key"),
+]
+
+
+@contextlib.contextmanager
+def _stage_clock():
+    """CPU seconds (``process_time``: what a loaded machine does not inflate) per build stage,
+    by wrapping the stage functions where the build looks them up; ``recompile`` (FX code
+    generation) is counted apart and left out of the stage that calls it."""
+    import importlib
+
+    import torch.fx
+
+    seconds: dict[str, float] = collections.defaultdict(float)
+    inner = [0.0]  # recompile seconds inside the stage running now
+
+    def timed(fn, stage):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            start, before = time.process_time(), inner[0]
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[stage] += time.process_time() - start - (inner[0] - before)
+        return run
+
+    recompile = torch.fx.GraphModule.recompile
+
+    def recompile_timed(self, *args, **kwargs):
+        start = time.process_time()
+        try:
+            return recompile(self, *args, **kwargs)
+        finally:
+            spent = time.process_time() - start
+            seconds["FX code generation (recompile)"] += spent
+            inner[0] += spent
+
+    originals = []
+    for module_name, name, stage in _STAGES:
+        module = importlib.import_module(module_name)
+        originals.append((module, name, getattr(module, name)))
+        setattr(module, name, timed(getattr(module, name), stage))
+    torch.fx.GraphModule.recompile = recompile_timed
+    try:
+        yield seconds
+    finally:
+        torch.fx.GraphModule.recompile = recompile
+        for module, name, fn in originals:
+            setattr(module, name, fn)
+
+
+@contextlib.contextmanager
+def _without_recorder():
+    from spmd_aot.keying import guards
+
+    @contextlib.contextmanager
+    def nothing_recorded():
+        yield set()
+
+    original = guards.recording_sources
+    guards.recording_sources = nothing_recorded
+    try:
+        yield
+    finally:
+        guards.recording_sources = original
+
+
+def _build_once(args, layers: int) -> dict:
     vocab = 128256
     job = spmd_aot.Job(
-        step=step, model=lambda: Llama(layers=args.layers),
+        step=step, model=lambda: Llama(layers=layers),
         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
         batch=lambda: (torch.randint(0, vocab, (1, args.seq)), torch.randint(0, vocab, (1, args.seq))))
-    with tempfile.TemporaryDirectory() as cache:
+    with tempfile.TemporaryDirectory() as cache, \
+            (_stage_clock() if args.stages else contextlib.nullcontext({})) as stages, \
+            (_without_recorder() if args.without_recorder else contextlib.nullcontext()):
         start, cpu = time.perf_counter(), time.process_time()
         built = spmd_aot.build(job, world_size=args.world, placement=args.placement, cache_dir=cache)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    print(f"{args.layers} layers, world {args.world}, {args.placement}: built in {seconds:.1f} s "
-          f"({cpu:.1f} CPU-seconds: on a shared machine this is the figure to compare), "
-          f"peak RSS {rss_gb:.2f} GB, {built.stats['nodes']} nodes, collectives {built.stats['by_kind']}, "
-          f"estimated peak live tensors {built.stats.get('peak_bytes', 0) / 2**30:.2f} GiB per rank")
+    return {"layers": layers, "seconds": seconds, "cpu": cpu,
+            "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
+            "nodes": built.stats["nodes"], "by_kind": built.stats["by_kind"],
+            "peak_gib": built.stats.get("peak_bytes", 0) / 2**30, "stages": dict(stages)}
+
+
+def _report(args, r: dict) -> None:
+    print(f"{r['layers']} layers, world {args.world}, {args.placement}: built in {r['seconds']:.1f} s "
+          f"({r['cpu']:.1f} CPU-seconds: on a shared machine this is the figure to compare), "
+          f"peak RSS {r['rss_gb']:.2f} GB, {r['nodes']} nodes, collectives {r['by_kind']}, "
+          f"estimated peak live tensors {r['peak_gib']:.2f} GiB per rank"
+          + (" [without the source recorder]" if args.without_recorder else ""))
+    stages = dict(r["stages"])
+    if stages:  # the rest: imports and torch's first-use set-up inside build, the entry read back
+        stages["other (first-use imports and set-up, reading the entry back)"] = r["cpu"] - sum(stages.values())
+    for stage, spent in sorted(stages.items(), key=lambda kv: -kv[1]):
+        print(f"    {spent:7.2f} CPU-s  {100 * spent / max(r['cpu'], 1e-9):5.1f}%  {stage}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", default="80", help="a depth, or depths separated by commas (8,16,32,80)")
+    parser.add_argument("--world", type=int, default=1024)
+    parser.add_argument("--placement", default="shard")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--stages", action="store_true", help="CPU seconds per build stage")
+    parser.add_argument("--without-recorder", action="store_true",
+                        help="build without the source recorder (measures its share; the entry guards nothing)")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one depth, for the parent
+    args = parser.parse_args(argv)
+    depths = [int(d) for d in args.layers.split(",")]
+    if len(depths) == 1:
+        result = _build_once(args, depths[0])
+        if args.json:
+            print(json.dumps(result))
+        else:
+            _report(args, result)
+        return 0
+    results = []
+    for layers in depths:  # each in a fresh process, as `spmd-aot build` runs: no warm caches, own RSS
+        command = [sys.executable, __file__, "--layers", str(layers), "--world", str(args.world),
+                   "--placement", args.placement, "--seq", str(args.seq), "--json"]
+        command += ["--stages"] * args.stages + ["--without-recorder"] * args.without_recorder
+        done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))
+        if done.returncode:
+            sys.stderr.write(done.stderr)
+            return done.returncode
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        _report(args, results[-1])
+    low, high = min(results, key=lambda r: r["layers"]), max(results, key=lambda r: r["layers"])
+    print(f"{high['layers']} layers / {low['layers']} layers: {high['cpu'] / low['cpu']:.2f}x CPU-seconds, "
+          f"{high['seconds'] / low['seconds']:.2f}x seconds ({high['layers'] / low['layers']:.0f}x the layers)")
     return 0
 
 
