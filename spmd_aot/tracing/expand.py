@@ -91,7 +91,8 @@ class Expander:
 
             raise UnsupportedError(
                 "gradient accumulation (several backward() before one optimizer step) is not "
-                "supported with tensor parallel yet; call optim.step() after each backward()"
+                "supported with tensor or expert parallel yet (parameters whole over the data-parallel ranks); call "
+                "optim.step() after each backward()"
             )
         if dp_dims == self.mesh.ndim:  # data parallel alone: one all_reduce over the world
             dt = DTensor.from_local(local(), self.world_mesh, [Replicate()], run_check=False)
