@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .footprint import extrapolated, measure_activations, measure_optimizer, measure_params
+from .footprint import Extrapolated, measure_activations, measure_optimizer, measure_params
 from .memory_model import Candidate, Estimate, estimate
 
 __all__ = ["PlanResult", "candidates", "plan_fit"]
@@ -77,7 +77,7 @@ DEPTHS = (2, 4)
 def plan_fit(job, cands: list[Candidate], tp_plan=(), cast_forward_inputs: bool = True) -> PlanResult:
     """Estimate every candidate from a few fake runs: one per (compute dtype, checkpointing), or,
     for a model of more than ``EXTRAPOLATE_ABOVE`` identical blocks, two (at ``DEPTHS`` blocks),
-    extrapolated to its depth (``footprint.extrapolated``: exact while the blocks are identical),
+    extrapolated to its depth (``footprint.Extrapolated``: exact while the blocks are identical),
     so planning a 126-block model costs what a 4-block one does."""
     start = time.perf_counter()
     params = measure_params(job, tp_plan)
@@ -95,7 +95,7 @@ def plan_fit(job, cands: list[Candidate], tp_plan=(), cast_forward_inputs: bool 
             fp = None
             if extrapolate:
                 try:
-                    fp = extrapolated({d: measure(depth=d) for d in DEPTHS}, depth)
+                    fp = Extrapolated(*(measure(depth=d) for d in DEPTHS), depth)
                     runs += len(DEPTHS)
                 except Exception:  # noqa: BLE001 - the step cannot run a truncated block list (it counts
                     # its layers some other way): measure the whole model, whose errors are the user's

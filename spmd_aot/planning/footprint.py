@@ -29,38 +29,98 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["Footprint", "OptimizerCost", "Params", "measure_activations", "measure_optimizer", "measure_params",
-           "blocks_of", "checkpoint_blocks", "truncate_blocks", "extrapolated"]
+           "blocks_of", "checkpoint_blocks", "truncate_blocks", "Extrapolated"]
+
+
+#: A sample: bytes alive after one op, by kind: (TP-sharded forward activations, whole forward
+#: activations, tensors made in backward, parameter gradients).
+Sample = tuple[int, int, int, int]
+PHASES = ("forward", "backward, first half", "backward, second half")
 
 
 @dataclasses.dataclass(frozen=True)
 class Footprint:
     """One fake forward + backward at one rank's batch (one compute dtype, checkpointing on or off).
 
-    ``act_peak_sharded`` / ``act_peak_whole``: the activation bytes alive at the step's peak that a
-    TP plan shards / leaves whole (the backward's split in the forward's proportion),
-    and ``grad_at_peak`` the parameter-gradient bytes alive then (compute dtype). ``tp_comm``: bytes
-    per step, by collective kind, that a TP plan adds at any degree above 1 (Megatron: an all_reduce
-    of each rowwise output in forward and of each colwise input's gradient in backward; with
-    sequence parallelism an all_gather and a reduce_scatter instead; a recomputed forward counts
-    again). Payload bytes of the whole tensor: the same at every TP degree."""
+    ``phases``: the bytes alive after every op (``Sample``), by phase: the forward, and the two
+    halves of the backward. A configuration weighs each kind differently (a TP degree divides the
+    sharded activations, sharding divides the gradients), so its peak is the largest *weighted*
+    sample (``peak``), wherever in the step that falls. Tensors made in backward count as sharded
+    in the forward's proportion (``fwd_sharded`` of all forward activation bytes). ``tp_comm``:
+    bytes per step, by collective kind, that a TP plan adds at any degree above 1 (Megatron: an
+    all_reduce of each rowwise output in forward and of each colwise input's gradient in backward;
+    with sequence parallelism an all_gather and a reduce_scatter instead; a recomputed forward
+    counts again): payload bytes of the whole tensor, the same at every TP degree. ``depth``: the
+    blocks kept when measured (None: the whole model)."""
 
-    peak_sharded: int  # forward activations alive at the peak that a TP plan shards
-    peak_whole: int  # ... that it leaves whole
-    peak_bwd: int  # tensors made in backward alive at the peak
-    fwd_sharded: int  # every forward activation made, sharded / whole: the backward's proportion
+    phases: dict
+    fwd_sharded: int
     fwd_whole: int
-    grad_at_peak: int
-    tp_comm: dict  # collective kind -> bytes per step
+    tp_comm: dict
     compute_dtype: torch.dtype
     checkpoint: bool
+    depth: int | None = None
 
     @property
-    def act_peak_sharded(self) -> int:
-        return self.peak_sharded + int(self.peak_bwd * self.fwd_sharded / max(1, self.fwd_sharded + self.fwd_whole))
+    def fraction(self) -> float:
+        """The sharded part of the forward's activation bytes (and so of the backward's)."""
+        return self.fwd_sharded / max(1, self.fwd_sharded + self.fwd_whole)
+
+    def phase_peaks(self, tp: int, batch_div: float, grad_scale: float,
+                    fraction: float | None = None) -> dict[str, tuple[float, float]]:
+        """Per phase, (activation bytes, gradient bytes) per rank at its largest weighted sample:
+        activations at TP degree ``tp`` over ``batch_div`` (a global batch's split), gradients
+        times ``grad_scale``, the backward's sharded part ``fraction`` (default: ``self.fraction``)."""
+        f = self.fraction if fraction is None else fraction
+        ws, ww, wb = 1 / tp / batch_div, 1 / batch_div, (f / tp + 1 - f) / batch_div
+        out = {}
+        for name, samples in self.phases.items():
+            best = (-1.0, 0.0, 0.0)
+            for s, w, b, g in samples:
+                act = s * ws + w * ww + b * wb
+                if act + g * grad_scale > best[0]:
+                    best = (act + g * grad_scale, act, g * grad_scale)
+            out[name] = best[1:]
+        return out
+
+    def peak(self, tp: int, batch_div: float, grad_scale: float) -> tuple[float, float]:
+        """(activation bytes, gradient bytes) per rank at the step's weighted peak (``phase_peaks``)."""
+        return max(self.phase_peaks(tp, batch_div, grad_scale).values(), key=sum)
+
+
+@dataclasses.dataclass(frozen=True)
+class Extrapolated:
+    """A model of ``depth`` identical blocks from footprints measured at two smaller depths: in each
+    phase the weighted peak is affine in the number of blocks (each block adds its activations,
+    gradients and collectives; within the backward the bytes alive change linearly block by block,
+    so each half's peak sits at the same place at every depth), so each phase's peak is extrapolated
+    on the line through the two, and the step's peak is the largest."""
+
+    near: Footprint
+    far: Footprint
+    depth: int
+
+    def _line(self, a: float, b: float) -> float:
+        return max(0.0, a + (b - a) / (self.far.depth - self.near.depth) * (self.depth - self.near.depth))
+
+    def peak(self, tp: int, batch_div: float, grad_scale: float) -> tuple[float, float]:
+        sharded, whole = (self._line(getattr(self.near, k), getattr(self.far, k)) for k in ("fwd_sharded", "fwd_whole"))
+        fraction = sharded / max(1.0, sharded + whole)  # the whole model's, for both depths
+        near, far = (f.phase_peaks(tp, batch_div, grad_scale, fraction) for f in (self.near, self.far))
+        return max(((self._line(near[p][0], far[p][0]), self._line(near[p][1], far[p][1])) for p in near), key=sum)
 
     @property
-    def act_peak_whole(self) -> int:
-        return self.peak_sharded + self.peak_whole + self.peak_bwd - self.act_peak_sharded
+    def tp_comm(self) -> dict:
+        return {k: round(self._line(self.near.tp_comm.get(k, 0), self.far.tp_comm.get(k, 0)))
+                for k in set(self.near.tp_comm) | set(self.far.tp_comm)}
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.near.compute_dtype
+
+    @property
+    def checkpoint(self) -> bool:
+        return self.near.checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +149,7 @@ def _tensors(value) -> list[torch.Tensor]:
 class _Timeline(TorchDispatchMode):
     """Bytes of the storages created under it, alive over time, by kind ('sharded' and 'whole'
     forward activations, 'bwd' tensors made in backward, 'grad' parameter gradients), kept as
-    running totals so each op costs O(its outputs); ``peaks``: the totals when their sum peaked."""
+    running totals so each op costs O(its outputs); ``samples``: the totals after every op, by phase."""
 
     KINDS = ("sharded", "whole", "bwd", "grad")
 
@@ -100,7 +160,8 @@ class _Timeline(TorchDispatchMode):
         self.live: dict[int, weakref.ref] = {}
         self.backward = False
         self.now = dict.fromkeys(self.KINDS, 0)
-        self.peaks = {**self.now, "total": 0}
+        self.peak_total = 0
+        self.samples: dict[str, list[Sample]] = {"forward": [], "backward": []}
         self.fwd_bytes = {"sharded": 0, "whole": 0}  # every forward activation made, alive or not
         self.external: set[int] = set()  # storages made before the step (parameters, batch): not its
 
@@ -133,9 +194,8 @@ class _Timeline(TorchDispatchMode):
             if kind != "bwd":
                 self.fwd_bytes[kind] += st.nbytes()
             self.live[k] = weakref.ref(st, functools.partial(self._gone, k))
-        total = sum(self.now.values())
-        if total > self.peaks["total"]:
-            self.peaks = {**self.now, "total": total}
+        self.samples["backward" if self.backward else "forward"].append(tuple(self.now.values()))
+        self.peak_total = max(self.peak_total, sum(self.now.values()))
         return out
 
     def _gone(self, k, _ref=None):
@@ -287,9 +347,10 @@ def measure_activations(job, *, compute_dtype: torch.dtype | None = None, checkp
                         job.step(model, batch)
     if depth is not None and len(ran) != depth:
         raise ValueError(f"the step ran {len(ran)} blocks with {depth} kept")
-    p, fwd = timeline.peaks, timeline.fwd_bytes
-    return Footprint(p["sharded"], p["whole"], p["bwd"], fwd["sharded"], fwd["whole"], p["grad"],
-                     {k: v for k, v in tp_comm.items() if v}, dtype, checkpoint)
+    back = timeline.samples["backward"]
+    phases = dict(zip(PHASES, (timeline.samples["forward"], back[:len(back) // 2], back[len(back) // 2:])))
+    return Footprint(phases, timeline.fwd_bytes["sharded"], timeline.fwd_bytes["whole"],
+                     {k: v for k, v in tp_comm.items() if v}, dtype, checkpoint, depth)
 
 
 def measure_optimizer(job) -> OptimizerCost:
@@ -315,7 +376,7 @@ def measure_optimizer(job) -> OptimizerCost:
         param_bytes = sum(p.numel() * p.element_size() for p in params) or 1
         state = sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values()
                     if isinstance(t, torch.Tensor) and t.dim() > 0)
-    return OptimizerCost(state / param_bytes, timeline.peaks["total"] / param_bytes)
+    return OptimizerCost(state / param_bytes, timeline.peak_total / param_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,19 +430,3 @@ def measure_params(job, tp_plan=()) -> Params:
         entry[1] += t
         numel, tp_numel, itemsize = numel + n, tp_numel + t, p.element_size()
     return Params(numel, tp_numel, itemsize, {k: tuple(v) for k, v in groups.items()})
-
-
-def extrapolated(at: dict[int, Footprint], depth: int) -> Footprint:
-    """The footprint at ``depth`` blocks from measurements at two smaller depths (``at``): every
-    figure is affine in the number of identical blocks (each adds its activations, its gradients
-    and its collectives; the step's peak stays where the last block's backward begins)."""
-    (d0, f0), (d1, f1) = sorted(at.items())
-
-    def line(a, b) -> int:
-        return max(0, round(a + (b - a) / (d1 - d0) * (depth - d0)))
-
-    kinds = set(f0.tp_comm) | set(f1.tp_comm)
-    return Footprint(*(line(getattr(f0, f), getattr(f1, f)) for f in
-                       ("peak_sharded", "peak_whole", "peak_bwd", "fwd_sharded", "fwd_whole", "grad_at_peak")),
-                     {k: line(f0.tp_comm.get(k, 0), f1.tp_comm.get(k, 0)) for k in kinds},
-                     f0.compute_dtype, f0.checkpoint)

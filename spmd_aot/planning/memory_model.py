@@ -25,7 +25,7 @@ import dataclasses
 
 import torch
 
-from .footprint import Footprint, OptimizerCost, Params
+from .footprint import Extrapolated, Footprint, OptimizerCost, Params
 
 __all__ = ["Candidate", "Estimate", "estimate"]
 
@@ -56,12 +56,14 @@ class Candidate:
         return dp + ((self.tp,) if self.tp > 1 else ())
 
     def describe(self) -> str:
+        """E.g. 'shard 64 bf16', 'hsdp 8x16 x tp 8 ac', 'tp 8': placement, data-parallel mesh, TP degree,
+        compute dtype (none: the master dtype), 'ac' with every block checkpointed."""
         kind = ("hsdp" if self.dp_replicate > 1 else "shard") if self.placement == "shard" else "replicate"
         dtype = {None: "", torch.bfloat16: " bf16", torch.float16: " fp16", torch.float32: " fp32"}[self.param_dtype]
-        if self.dp_replicate * self.dp_shard == 1 and self.tp > 1:
-            return f"tp {self.tp}{dtype}{' ac' if self.checkpoint else ''}"
-        return (f"{kind} {'x'.join(map(str, self.mesh_shape))}{' tp' if self.tp > 1 else ''}{dtype}"
-                f"{' ac' if self.checkpoint else ''}")
+        dp = self.mesh_shape[:-1] if self.tp > 1 else self.mesh_shape
+        mesh = f"{kind} {'x'.join(map(str, dp))}" if self.dp_replicate * self.dp_shard > 1 else ""
+        tp = f"tp {self.tp}" if self.tp > 1 else ""
+        return f"{' x '.join(p for p in (mesh, tp) if p)}{dtype}{' ac' if self.checkpoint else ''}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +75,7 @@ class Estimate:
     comm: dict  # collective kind -> payload bytes per rank per step
 
 
-def estimate(c: Candidate, params: Params, fp: Footprint, opt: OptimizerCost, *, global_batch: bool = False) -> Estimate:
+def estimate(c: Candidate, params: Params, fp: Footprint | Extrapolated, opt: OptimizerCost, *, global_batch: bool = False) -> Estimate:
     """The per-rank peak and communication of ``c`` (see module doc). ``fp`` must be measured in
     ``c``'s compute dtype and checkpointing; ``global_batch``: the job's batch is the whole step's,
     so each rank's activations are its 1/(replicas x shards) part."""
@@ -91,9 +93,8 @@ def estimate(c: Candidate, params: Params, fp: Footprint, opt: OptimizerCost, *,
     master = rank_numel * master_item
     state = opt.state_per_param_byte * master
     batch_div = dp if global_batch else 1
-    act = (fp.act_peak_whole + fp.act_peak_sharded / c.tp) / batch_div
     grad_fraction = per_rank(params.numel, params.tp_numel) / shard / max(1, params.numel)
-    grads_at_peak = fp.grad_at_peak / compute_item * master_item * grad_fraction
+    act, grads_at_peak = fp.peak(c.tp, batch_div, grad_fraction / compute_item * master_item)
     fwd = {"parameters (master)": master, "optimizer state": state, "gradients at the peak": grads_at_peak,
            "activations": act}
     if c.placement == "shard":

@@ -73,12 +73,12 @@ def test_lists_every_mesh_with_peak_bytes_and_fit(target, capsys):
     assert main(["plan", target, "-w", "8", "--gpu-memory", "1GiB", *TP]) == 0
     out = capsys.readouterr().out
     rows = _table(out)
-    for config in ("replicate 8", "shard 8", "shard 8 bf16 ac", "shard 4x2 tp", "replicate 2x4 tp", "tp 8 bf16"):
+    for config in ("replicate 8", "shard 8", "shard 8 bf16 ac", "shard 4 x tp 2", "replicate 2 x tp 4", "tp 8 bf16"):
         assert config in rows, (config, sorted(rows))
         assert rows[config][1] == "yes"
     assert len(rows) == 2 * 2 * (2 + 2 + 2 + 1)  # dtypes x checkpointing x (meshes at tp 1, 2, 4; tp 8 alone)
     assert rows["shard 8"][2] != "0 B" and rows["replicate 8"][2] == "0 B"  # all_gather only when sharded
-    assert "-p shard --mesh-shape 4x2 --tp-plan ..." in rows["shard 4x2 tp"][-1]
+    assert "-p shard --mesh-shape 4x2 --tp-plan ..." in rows["shard 4 x tp 2"][-1]
     assert "configurations of" in out and "peak" in out and "activations" in out  # the arithmetic of row 1
 
 
