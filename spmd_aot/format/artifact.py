@@ -180,7 +180,7 @@ def _slot_entry(s: Slot, plan: Plan) -> dict:
         global_shape = [local[0] * plan.dp_size] + local[1:] if local else local
     elif s.layout is not None:
         placements = s.layout.placements if plan.world_size > 1 else ["Replicate()"]
-        shard_rows = _runs(s.layout.shard_rows())
+        shard_rows = _row_runs(s.layout)
     else:
         placements = ["Replicate()"] * len(plan.mesh_shape)
     return {"kind": s.kind, "fqn": s.fqn, "aliases": list(s.aliases), "global_shape": global_shape,
@@ -188,16 +188,22 @@ def _slot_entry(s: Slot, plan: Plan) -> dict:
             "requires_grad": s.requires_grad, "placement": placements}
 
 
-def _runs(values: list[int]) -> list[list[int]]:
-    """``values`` as ``[value, count]`` runs: each rank's real rows take at most three runs (full
-    shards, a partial one, empty ones) where the plain list takes one number per rank, which at
-    world 1024 over a 70B model's ~2,000 sharded inputs passes the load limit on decoded objects."""
-    runs: list[list[int]] = []
-    for v in values:
-        if runs and runs[-1][0] == v:
-            runs[-1][1] += 1
-        else:
-            runs.append([v, 1])
+def _row_runs(layout) -> list[list[int]]:
+    """``layout.shard_rows()`` (each shard's real dim-0 rows) as ``[rows, shards]`` runs: full
+    shards, then at most one partial, then empty ones. One number per shard made an 80-layer
+    AdamW step's layout at world 1024 decode past the load limit on objects; computed from the
+    sizes, it also costs no work per rank at build or at each job start (``layout_mismatch``)."""
+    if not layout.sharded:
+        return []
+    chunk, n, shards = layout.local_shape[0], layout.gathered_shape[0], layout.shards
+    full = min(shards, n // chunk) if chunk else 0
+    partial = n - full * chunk if chunk and full < shards else 0
+    runs = [[chunk, full]] if full else []
+    if partial:
+        runs.append([partial, 1])
+    empty = shards - full - (1 if partial else 0)
+    if empty:
+        runs.append([0, empty])
     return runs
 
 

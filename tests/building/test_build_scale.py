@@ -50,3 +50,20 @@ def test_shard_rows_stored_as_runs_so_a_large_world_layout_stays_within_load_lim
         assert all(a[0] != b[0] for a, b in zip(runs, runs[1:]))  # maximal runs
     weight = next(s for s in sharded if s["fqn"] == "layers.0.weight")
     assert weight["shard_rows"] == [[1, 8], [0, world - 8]]  # 8 rows over 8192 ranks, padded to 1 each
+
+
+def test_row_runs_expand_to_each_shards_rows():
+    from types import SimpleNamespace
+
+    from spmd_aot.format.artifact import _row_runs
+    from spmd_aot.parallel.layout import TensorLayout
+
+    for shards in (1, 2, 3, 4, 7, 1024):
+        for n in (0, 1, 2, 5, 8, 1023, 1024, 1025, 4099):
+            chunk = -(-n // shards)  # dim 0 padded up to a multiple of the shard count, as FSDP2 pads
+            layout = SimpleNamespace(sharded=True, local_shape=(chunk, 3), gathered_shape=(n, 3), shards=shards)
+            runs = _row_runs(layout)
+            assert [rows for rows, count in runs for _ in range(count)] == TensorLayout.shard_rows(layout), \
+                (shards, n, runs)
+            assert all(count > 0 for _, count in runs) and len(runs) <= 3
+    assert _row_runs(SimpleNamespace(sharded=False)) == []
