@@ -412,10 +412,13 @@ def _peak(seq, cp, tmp_path):
     return spmd_aot.build(job, world_size=cp, cache_dir=str(tmp_path / f"peak-{seq}-{cp}"), **options).stats["peak_bytes"]
 
 
-def test_peak_bytes_of_attention_fall_as_one_over_cp(tmp_path):
-    """The step's peak over its state (parameters, AdamW state: the same at every cp), at a
-    sequence long enough for attention to dominate, halves each time cp doubles
-    (docs/context_parallel.md has the table)."""
+def test_peak_bytes_of_attention_fall_with_cp_and_stay_below_the_unsplit_step(tmp_path):
+    """At a sequence long enough for attention to dominate, the split step's peak is at most the
+    unsplit one's from cp 2 on (causal attention is computed block by block: nothing of size
+    ``S/cp x S`` exists) and what is above the state (parameters, AdamW state: the same at every
+    cp) falls each time cp doubles (docs/context_parallel.md has the table)."""
     seq, base = 8192, _peak(8, 1, tmp_path)  # a short sequence: about the state alone
-    above = {cp: _peak(seq, cp, tmp_path) - base for cp in (2, 4, 8)}
-    assert 0.4 < above[4] / above[2] < 0.6 and 0.18 < above[8] / above[2] < 0.32, above
+    peak = {cp: _peak(seq, cp, tmp_path) for cp in (1, 2, 4, 8)}
+    above = {cp: p - base for cp, p in peak.items()}
+    assert peak[2] <= peak[1], peak
+    assert above[4] < 0.65 * above[2] and above[8] < 0.8 * above[4], above
