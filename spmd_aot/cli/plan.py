@@ -112,8 +112,8 @@ def cmd_plan(args) -> int:
                   *(human_bytes(e.comm.get(k, 0)) for k in ("all_gather", "reduce_scatter", "all_reduce")),
                   _flags(e.candidate)] for e in rows], right={1, 3, 4, 5})
     print(f"{len(result.estimates)} configurations of {result.param_numel:,} parameters from {result.measurements} "
-          f"fake runs ({result.method}) in {result.seconds:.1f} s; fits: peak <= {human_bytes(budget)} ({human_bytes(args.gpu_memory)} "
-          f"less {args.headroom:g} headroom); bytes: each rank's payload per step")
+          f"fake runs ({result.method}) in {result.seconds:.1f} s; fits: peak <= {human_bytes(budget)} "
+          f"({human_bytes(args.gpu_memory)} less {args.headroom:g} headroom); bytes: each rank's payload per step")
     for e in rows[:max(0, args.show)]:
         print(f"{e.candidate.describe()}: peak {human_bytes(e.peak_bytes)} in the {e.phase} =")
         for name, value in e.terms.items():

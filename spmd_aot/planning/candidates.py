@@ -12,6 +12,7 @@ given: then only those).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import torch
@@ -89,9 +90,9 @@ def plan_fit(job, cands: list[Candidate], tp_plan=(), cast_forward_inputs: bool 
     for c in cands:
         k = (c.param_dtype, c.checkpoint)
         if k not in footprints:
-            measure = lambda **kw: measure_activations(  # noqa: E731
-                job, compute_dtype=c.param_dtype, checkpoint=c.checkpoint, tp_plan=tp_plan,
-                cast_forward_inputs=cast_forward_inputs, **kw)
+            measure = functools.partial(measure_activations, job, compute_dtype=c.param_dtype,
+                                        checkpoint=c.checkpoint, tp_plan=tp_plan,
+                                        cast_forward_inputs=cast_forward_inputs)
             fp = None
             if extrapolate:
                 try:

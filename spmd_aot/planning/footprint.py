@@ -258,6 +258,62 @@ def truncate_blocks(model: torch.nn.Module, depth: int) -> list[str]:
     return names[:depth]
 
 
+def _tp_hooks(model: torch.nn.Module, plan, timeline: _Timeline, recompute: int) -> tuple[list, dict]:
+    """Forward hooks on the modules ``plan`` names: each marks its output sharded or whole
+    (``SHARDED_OUTPUT``) and counts the bytes its style communicates (``Footprint.tp_comm``)."""
+    from ..parallel.tp_plan import style_name
+
+    tp_comm = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
+
+    def hook(style):
+        def run(mod, args, out):
+            if timeline.backward or not isinstance(out, torch.Tensor):
+                return
+            timeline.mark(out, "sharded" if style in SHARDED_OUTPUT else "whole")
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            out_bytes = out.numel() * out.element_size()
+            in_bytes = x.numel() * x.element_size() if x is not None else 0
+            if style in ("colwise", "colwise_gather_output"):  # the input's gradient is summed in backward
+                tp_comm["all_reduce"] += in_bytes
+            elif style in ("rowwise", "rowwise_split_input"):
+                tp_comm["all_reduce"] += recompute * out_bytes
+            elif style == "colwise_seq":  # gathered in forward, its gradient reduce-scattered
+                tp_comm["all_gather"] += recompute * in_bytes
+                tp_comm["reduce_scatter"] += in_bytes
+            elif style == "rowwise_seq":
+                tp_comm["reduce_scatter"] += recompute * out_bytes
+                tp_comm["all_gather"] += out_bytes
+        return run
+
+    hooks = [m.register_forward_hook(hook(style_name(name, style))) for name, m in model.named_modules()
+             if (style := _style_of(name, plan)) is not None]
+    return hooks, tp_comm
+
+
+@contextlib.contextmanager
+def _recording(model: torch.nn.Module, timeline: _Timeline):
+    """While the step runs: ``timeline.backward`` from the first ``backward()`` call on, and every
+    parameter's accumulated gradient marked 'grad'."""
+    real_backward = torch.Tensor.backward
+
+    def backward(self, *a, **k):
+        timeline.backward = True
+        return real_backward(self, *a, **k)
+
+    def grad_hook(p):
+        if p.grad is not None:
+            timeline.mark(p.grad, "grad")
+
+    handles = [p.register_post_accumulate_grad_hook(grad_hook) for p in model.parameters() if p.requires_grad]
+    torch.Tensor.backward = backward
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = real_backward
+        for h in handles:
+            h.remove()
+
+
 def measure_activations(job, *, compute_dtype: torch.dtype | None = None, checkpoint: bool = False,
                         tp_plan=(), cast_forward_inputs: bool = True, depth: int | None = None) -> Footprint:
     """Run ``job.step`` once on fake tensors (optimizer step skipped) and record its activations.
@@ -267,7 +323,7 @@ def measure_activations(job, *, compute_dtype: torch.dtype | None = None, checkp
     layers some other way), so a caller can measure the whole model instead."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..parallel.tp_plan import resolve_tp_plan, style_name
+    from ..parallel.tp_plan import resolve_tp_plan
 
     timeline = _Timeline()
     with FakeTensorMode():
@@ -288,56 +344,13 @@ def measure_activations(job, *, compute_dtype: torch.dtype | None = None, checkp
         optim = job.optimizer(model) if job.optimizer is not None else None
         if checkpoint:
             checkpoint_blocks(model)
-        hooks = []
-        recompute = 2 if checkpoint else 1
-        tp_comm = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
         plan = resolve_tp_plan(tp_plan, model) if tp_plan else ()
-
-        def hook(style):
-            def run(mod, args, out):
-                if timeline.backward or not isinstance(out, torch.Tensor):
-                    return
-                timeline.mark(out, "sharded" if style in SHARDED_OUTPUT else "whole")
-                x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-                out_bytes = out.numel() * out.element_size()
-                in_bytes = x.numel() * x.element_size() if x is not None else 0
-                if style in ("colwise", "colwise_gather_output"):  # the input's gradient is summed in backward
-                    tp_comm["all_reduce"] += in_bytes
-                elif style in ("rowwise", "rowwise_split_input"):
-                    tp_comm["all_reduce"] += recompute * out_bytes
-                elif style == "colwise_seq":  # gathered in forward, its gradient reduce-scattered
-                    tp_comm["all_gather"] += recompute * in_bytes
-                    tp_comm["reduce_scatter"] += in_bytes
-                elif style == "rowwise_seq":
-                    tp_comm["reduce_scatter"] += recompute * out_bytes
-                    tp_comm["all_gather"] += out_bytes
-            return run
-
-        for name, m in model.named_modules():
-            style = _style_of(name, plan)
-            if style is not None:
-                hooks.append(m.register_forward_hook(hook(style_name(name, style))))
+        hooks, tp_comm = _tp_hooks(model, plan, timeline, recompute=2 if checkpoint else 1)
         if optim is not None:
             optim.step = lambda *a, **k: None  # measured apart, on the master parameters
-        real_backward = torch.Tensor.backward
-
-        def backward(self, *a, **k):
-            timeline.backward = True
-            return real_backward(self, *a, **k)
-
         with contextlib.ExitStack() as stack:
             stack.callback(lambda: [h.remove() for h in hooks])
-            torch.Tensor.backward = backward
-            stack.callback(setattr, torch.Tensor, "backward", real_backward)
-            grads: list = []
-
-            def grad_hook(p):
-                if p.grad is not None:
-                    timeline.mark(p.grad, "grad")
-            for p in model.parameters():
-                if p.requires_grad:
-                    grads.append(p.register_post_accumulate_grad_hook(grad_hook))
-            stack.callback(lambda: [g.remove() for g in grads])
+            stack.enter_context(_recording(model, timeline))
             timeline.exclude([*model.parameters(), *model.buffers(), *_tensors(batch)])
             with timeline:
                 if optim is not None:

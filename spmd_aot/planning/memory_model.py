@@ -75,7 +75,8 @@ class Estimate:
     comm: dict  # collective kind -> payload bytes per rank per step
 
 
-def estimate(c: Candidate, params: Params, fp: Footprint | Extrapolated, opt: OptimizerCost, *, global_batch: bool = False) -> Estimate:
+def estimate(c: Candidate, params: Params, fp: Footprint | Extrapolated, opt: OptimizerCost, *,
+             global_batch: bool = False) -> Estimate:
     """The per-rank peak and communication of ``c`` (see module doc). ``fp`` must be measured in
     ``c``'s compute dtype and checkpointing; ``global_batch``: the job's batch is the whole step's,
     so each rank's activations are its 1/(replicas x shards) part."""

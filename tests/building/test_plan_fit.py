@@ -123,8 +123,8 @@ def _eager_worker(rank, world, config):
     if config == "hsdp_tp":
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-        for i, layer in enumerate(model.layers):
-            parallelize_module(layer, mesh["tp"], {pattern.split(f"layers.*.")[1]: styles[style]()
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], {pattern.split("layers.*.")[1]: styles[style]()
                                                    for pattern, style in TP_PLAN})
         dp_mesh, dp_rank = mesh["dp_replicate", "dp_shard"], rank // 2
     else:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pathlib
-
 import pytest
 
 from spmd_aot.cli.app import main
@@ -26,7 +24,8 @@ class Block(nn.Module):
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.tok, self.blocks, self.out = nn.Embedding(128, D), nn.ModuleList(Block() for _ in range(3)), nn.Linear(D, 128)
+        self.tok, self.out = nn.Embedding(128, D), nn.Linear(D, 128)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
 
     def forward(self, idx):
         x = self.tok(idx)
