@@ -4,7 +4,8 @@ A small Llama-shaped model (RMSNorm, SDPA attention, SwiGLU, AdamW) is estimated
 tensors and run eagerly on real gloo ranks as torch's own recipes run it: FSDP2 (``fully_shard``
 per block and on the root) at world 2, HSDP x TP (``parallelize_module`` with Colwise/Rowwise
 parallel on the 'tp' dimension of a 2x2x2 mesh, then ``fully_shard`` over the 2x2 data-parallel
-mesh) at world 8, and FSDP2 with every block checkpointed (non-reentrant ``torch.utils.checkpoint``).
+mesh) at world 8, FSDP2 with every block checkpointed (non-reentrant ``torch.utils.checkpoint``),
+and FSDP2 computing in bf16 over fp32 master weights (``MixedPrecisionPolicy(param_dtype=bf16)``).
 ``PeakMemory`` measures the second step (the first makes AdamW's state); the estimate must be
 within 10% of it on every rank.
 """
@@ -95,6 +96,7 @@ CONFIGS = {  # name: (world, the plan's candidate)
     "shard": (2, Candidate("shard", 1, 2)),
     "hsdp_tp": (8, Candidate("shard", 2, 2, 2)),
     "shard_ac": (2, Candidate("shard", 1, 2, checkpoint=True)),
+    "shard_bf16": (2, Candidate("shard", 1, 2, param_dtype=torch.bfloat16)),
 }
 
 
@@ -113,7 +115,7 @@ def _fsdp2_storages(model):
 
 def _eager_worker(rank, world, config):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
@@ -129,9 +131,10 @@ def _eager_worker(rank, world, config):
         dp_mesh, dp_rank = mesh["dp_replicate", "dp_shard"], rank // 2
     else:
         dp_mesh, dp_rank = init_device_mesh("cpu", (world,)), rank
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if config == "shard_bf16" else MixedPrecisionPolicy()
     for layer in model.layers:
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     optim = adamw(model)
     step(model, optim, batch(dp_rank, 0))
     b = batch(dp_rank, 1)
