@@ -88,6 +88,7 @@ class ContextParallel(TorchFunctionMode):
         self.positions: torch.Tensor | None = None  # global positions of this rank's tokens
         self.rank: torch.Tensor | None = None  # this rank's index along cp (one-element int64, traced)
         self.calls = 0  # attention calls traced
+        self.blockwise = 0  # of which causal, computed block by block (keys and values gathered again in backward)
         self.cuts = 0  # rank-index cuts traced (one per batch)
         self._masks: dict[int, tuple[torch.Tensor, str]] = {}  # a model mask's kind, per tensor
         self._causal: dict[torch.dtype, torch.Tensor] = {}  # the causal mask, per dtype
@@ -180,7 +181,6 @@ class ContextParallel(TorchFunctionMode):
         if attn_mask is not None:
             causal = self._mask_kind(attn_mask, local) == "causal"
         self.calls += 1
-        whole_key, whole_value = _GatherKV.apply(key, value, self)
         if causal and query.device.type == "cpu":
             if dropout_p:
                 raise UnsupportedError(
@@ -192,7 +192,9 @@ class ContextParallel(TorchFunctionMode):
                     f"scaled_dot_product_attention under context_parallel got {query.shape[-3]} query heads and "
                     f"{key.shape[-3]} key heads without enable_gqa=True; pass enable_gqa=True or repeat the "
                     "key and value heads")
-            return _CausalBlocks.apply(query, key, value, whole_key, whole_value, self.rank, self.size, scale)
+            self.blockwise += 1
+            return _CausalBlocks.apply(query, key, value, self.rank, self, scale)
+        whole_key, whole_value = _GatherKV.apply(key, value, self)
         # full attention needs no mask; causal attention on another device keeps the explicit
         # mask (the blockwise kernels above are CPU's)
         mask = self._causal_mask(query.dtype) if causal else None
@@ -267,9 +269,11 @@ class ContextParallel(TorchFunctionMode):
         return c10d.wait_tensor(scattered)
 
     def budget(self) -> dict[str, int]:
-        """One all_gather (keys and values) per attention call, one reduce_scatter of their
-        gradients per call, one reduce_scatter per batch cut (the rank index)."""
-        return {"all_gather_into_tensor": self.calls, "reduce_scatter_tensor": self.calls + self.cuts}
+        """One all_gather (keys and values) per attention call and one more in backward per
+        blockwise causal call, one reduce_scatter of their gradients per call, one reduce_scatter
+        per batch cut (the rank index)."""
+        return {"all_gather_into_tensor": self.calls + self.blockwise,
+                "reduce_scatter_tensor": self.calls + self.cuts}
 
 
 def load_balanced_keys(seq: int, cp: int, device=None) -> torch.Tensor:
@@ -286,18 +290,28 @@ class _GatherKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, key, value, cp):
         ctx.cp, ctx.shapes = cp, (key.shape, value.shape)
-        flat = torch.cat([_tokens_first(key), _tokens_first(value)], dim=1)
-        whole = cp.gather(flat, "keys and values")
-        return _split_tokens(whole, key.shape, value.shape, cp.size)
+        return _gather_kv(cp, key, value, "keys and values")
 
     @staticmethod
     def backward(ctx, grad_key, grad_value):
-        cp = ctx.cp
-        flat = torch.cat([_tokens_first(grad_key), _tokens_first(grad_value)], dim=1)
-        mine = cp.scatter(flat, "keys and values gradient")
         key_shape, value_shape = ctx.shapes
-        grad_key, grad_value = _split_tokens(mine, key_shape, value_shape, 1)
-        return grad_key, grad_value, None
+        return (*_scatter_kv(ctx.cp, grad_key, grad_value, key_shape, value_shape, "keys and values gradient"),
+                None)
+
+
+def _gather_kv(cp, key, value, what):
+    """The local keys and values (tokens on dim -2) all_gathered over ``cp`` in one collective."""
+    flat = torch.cat([_tokens_first(key), _tokens_first(value)], dim=1)
+    whole = cp.gather(flat, what)
+    return _split_tokens(whole, key.shape, value.shape, cp.size)
+
+
+def _scatter_kv(cp, grad_key, grad_value, key_shape, value_shape, what):
+    """The whole sequence's key and value gradients summed over ``cp`` and cut to the local
+    tokens in one reduce_scatter."""
+    flat = torch.cat([_tokens_first(grad_key), _tokens_first(grad_value)], dim=1)
+    mine = cp.scatter(flat, what)
+    return _split_tokens(mine, key_shape, value_shape, 1)
 
 
 class _CausalBlocks(torch.autograd.Function):
@@ -322,21 +336,26 @@ class _CausalBlocks(torch.autograd.Function):
     not apply, and sums the key and value gradients per gathered position."""
 
     @staticmethod
-    def forward(ctx, query, key, value, whole_key, whole_value, rank, cp, scale):
-        ctx.cp, ctx.scale = cp, scale
+    def forward(ctx, query, key, value, rank, mode, scale):
+        ctx.mode, ctx.scale = mode, scale
+        cp = mode.size
+        whole_key, whole_value = _gather_kv(mode, key, value, "keys and values")
         halves = []
         for half, terms in enumerate(_causal_terms(query, key, value, whole_key, whole_value, rank, cp)):
             outs = [_flash(q, k, v, causal, n, keep, scale) for q, k, v, causal, n, keep, _ in terms]
             halves.append(_merge(outs, query.dtype))
         out = torch.cat([o for o, _ in halves], dim=-2)
-        ctx.save_for_backward(query, key, value, whole_key, whole_value, rank, out,
-                              torch.cat([lse for _, lse in halves], dim=-1))
+        # only this rank's tensors are kept for backward (the whole sequence's keys and values
+        # are gathered again there), so what a layer keeps falls as 1/cp
+        ctx.save_for_backward(query, key, value, rank, out, torch.cat([lse for _, lse in halves], dim=-1))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, whole_key, whole_value, rank, out, lse = ctx.saved_tensors
-        cp, c = ctx.cp, query.shape[-2] // 2
+        query, key, value, rank, out, lse = ctx.saved_tensors
+        mode = ctx.mode
+        cp, c = mode.size, query.shape[-2] // 2
+        whole_key, whole_value = _gather_kv(mode, key, value, "keys and values for backward")
         grad_out = grad_out.contiguous()
         grad_q, grad_k, grad_v = [], [], []
         # gradients of the gathered keys and values, per rank and chunk: [cp, 2] lists of parts
@@ -357,8 +376,9 @@ class _CausalBlocks(torch.autograd.Function):
                     whole_v.setdefault(where, []).append(dv)
             grad_q.append(dq_total)
         shape = (whole_key.shape[0], whole_key.shape[1], cp, c, whole_key.shape[-1])
-        return (torch.cat(grad_q, dim=-2), torch.cat(grad_k, dim=-2), torch.cat(grad_v, dim=-2),
-                _whole_grad(whole_k, shape), _whole_grad(whole_v, shape),
+        mine_k, mine_v = _scatter_kv(mode, _whole_grad(whole_k, shape), _whole_grad(whole_v, shape),
+                                     key.shape, value.shape, "keys and values gradient")
+        return (torch.cat(grad_q, dim=-2), torch.cat(grad_k, dim=-2) + mine_k, torch.cat(grad_v, dim=-2) + mine_v,
                 None, None, None)
 
 

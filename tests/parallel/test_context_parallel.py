@@ -275,14 +275,17 @@ def _collectives(cache, result):
 
 
 @pytest.mark.parametrize("world,config,model_name", CASES)
-def test_stored_graph_has_one_gather_and_one_scatter_per_attention_over_cp(built, world, config, model_name):
+def test_stored_graph_has_the_gathers_and_scatters_of_each_attention_over_cp(built, world, config, model_name):
     cache, result = built(world)[config, model_name]
     cp_dim = _roles(world, config).index("cp")
     found = [c for c in _collectives(cache, result) if (c[2] or "").startswith("cp ")]
     layers = 2
+    # causal attention keeps only the local keys and values for backward and gathers them again there
+    again = [("all_gather_into_tensor", "cp attention keys and values for backward")] * layers
     assert sorted((kind, label) for kind, _, label in found) == sorted(
         [("reduce_scatter_tensor", "cp batch rank index")]
         + [("all_gather_into_tensor", "cp attention keys and values")] * layers
+        + (again if model_name != "full" else [])
         + [("reduce_scatter_tensor", "cp attention keys and values gradient")] * layers)
     assert {group for _, group, _ in found} == {cp_dim}
     assert result.stats["by_kind"]["all_gather_into_tensor"] >= layers
