@@ -5,7 +5,8 @@ tensors and run eagerly on real gloo ranks as torch's own recipes run it: FSDP2 
 per block and on the root) at world 2, HSDP x TP (``parallelize_module`` with Colwise/Rowwise
 parallel on the 'tp' dimension of a 2x2x2 mesh, then ``fully_shard`` over the 2x2 data-parallel
 mesh) at world 8, FSDP2 with every block checkpointed (non-reentrant ``torch.utils.checkpoint``),
-and FSDP2 computing in bf16 over fp32 master weights (``MixedPrecisionPolicy(param_dtype=bf16)``).
+FSDP2 computing in bf16 over fp32 master weights (``MixedPrecisionPolicy(param_dtype=bf16)``), and
+DDP at world 2.
 ``PeakMemory`` measures the second step (the first makes AdamW's state); the estimate must be
 within 10% of it on every rank.
 """
@@ -97,6 +98,7 @@ CONFIGS = {  # name: (world, the plan's candidate)
     "hsdp_tp": (8, Candidate("shard", 2, 2, 2)),
     "shard_ac": (2, Candidate("shard", 1, 2, checkpoint=True)),
     "shard_bf16": (2, Candidate("shard", 1, 2, param_dtype=torch.bfloat16)),
+    "replicate": (2, Candidate("replicate", 2, 1)),
 }
 
 
@@ -131,6 +133,14 @@ def _eager_worker(rank, world, config):
         dp_mesh, dp_rank = mesh["dp_replicate", "dp_shard"], rank // 2
     else:
         dp_mesh, dp_rank = init_device_mesh("cpu", (world,)), rank
+    if config == "replicate":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        optim = adamw(model)
+        step(model, optim, batch(rank, 0))
+        b = batch(rank, 1)
+        with PeakMemory(state_tensors(model, optim, b)) as measured:
+            step(model, optim, b)
+        return measured.peak
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if config == "shard_bf16" else MixedPrecisionPolicy()
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
