@@ -12,8 +12,14 @@ builds without the source recorder that finds which files the trace ran (``keyin
 it measures that recorder's share only; the entry it stores, in a temporary cache, guards
 nothing.
 
+``--shape 8b|70b|405b`` builds a Llama-3 shape instead (``llama3_shapes.py``: SDPA attention,
+sequence 8192 unless ``--seq``), with ``--param-dtype bf16``, ``--checkpoint`` (every block),
+``--mesh-shape RxS[xT]`` and ``--tp`` (torchtitan's TP plan on the last mesh dimension), and prints
+``spmd-aot plan``'s per-rank estimate for the same configuration beside the build's.
+
     PYTHONPATH=. python tools/bench/bench_build_scale.py [--layers 80] [--world 1024] [--placement shard]
         [--stages] [--without-recorder]
+    PYTHONPATH=. python tools/bench/bench_build_scale.py --shape 70b --world 1024 --param-dtype bf16 --checkpoint
 """
 
 from __future__ import annotations
@@ -196,22 +202,49 @@ def _without_recorder():
         guards.recording_sources = original
 
 
+def _shape_job(args, layers: int):
+    """A Llama-3 shape (``--shape``), its build options and the plan's estimate of them (GiB per rank)."""
+    import llama3_shapes
+    from spmd_aot.planning.candidates import plan_fit
+    from spmd_aot.planning.memory_model import Candidate
+
+    seq = args.seq or llama3_shapes.SEQ
+    job = llama3_shapes.job(args.shape, layers=layers, seq=seq, checkpoint=args.checkpoint)
+    mesh = tuple(int(x) for x in args.mesh_shape.split("x")) if args.mesh_shape else None
+    tp = mesh[-1] if args.tp and mesh else (args.world if args.tp else 1)
+    dp = mesh[:-1] if args.tp and mesh else (mesh or (args.world // tp,))
+    dtype = torch.bfloat16 if args.param_dtype == "bf16" else None
+    options = {"placement": args.placement, "param_dtype": dtype, "mesh_shape": mesh,
+               "tp_plan": llama3_shapes.TP_PLAN if args.tp else ()}
+    replicas, shards = (dp[0], dp[-1]) if len(dp) == 2 else \
+        ((dp[0], 1) if args.placement == "replicate" else (1, dp[0]))
+    plain = llama3_shapes.job(args.shape, layers=layers, seq=seq)  # the plan checkpoints its 'ac' rows itself
+    estimate = plan_fit(plain, [Candidate(args.placement, replicas, shards, tp, args.checkpoint, dtype)],
+                        options["tp_plan"]).estimates[0]
+    return job, {k: v for k, v in options.items() if v not in (None, ())}, estimate.peak_bytes / 2**30
+
+
 def _build_once(args, layers: int) -> dict:
     vocab = 128256
-    job = spmd_aot.Job(
-        step=step, model=lambda: Llama(layers=layers),
-        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
-        batch=lambda: (torch.randint(0, vocab, (1, args.seq)), torch.randint(0, vocab, (1, args.seq))))
+    plan_gib, options = None, {"placement": args.placement}
+    if args.shape:
+        job, options, plan_gib = _shape_job(args, layers)
+    else:
+        seq = args.seq or 4096
+        job = spmd_aot.Job(
+            step=step, model=lambda: Llama(layers=layers),
+            optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
+            batch=lambda: (torch.randint(0, vocab, (1, seq)), torch.randint(0, vocab, (1, seq))))
     with tempfile.TemporaryDirectory() as cache, \
             (_stage_clock() if args.stages else contextlib.nullcontext({})) as stages, \
             (_without_recorder() if args.without_recorder else contextlib.nullcontext()):
         start, cpu = time.perf_counter(), time.process_time()
-        built = spmd_aot.build(job, world_size=args.world, placement=args.placement, cache_dir=cache)
+        built = spmd_aot.build(job, world_size=args.world, cache_dir=cache, **options)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     return {"layers": layers, "seconds": seconds, "cpu": cpu,
             "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
             "nodes": built.stats["nodes"], "by_kind": built.stats["by_kind"],
-            "peak_gib": built.stats.get("peak_bytes", 0) / 2**30, "stages": dict(stages)}
+            "peak_gib": built.stats.get("peak_bytes", 0) / 2**30, "plan_gib": plan_gib, "stages": dict(stages)}
 
 
 def _report(args, r: dict) -> None:
@@ -219,6 +252,7 @@ def _report(args, r: dict) -> None:
           f"({r['cpu']:.1f} CPU-seconds: on a shared machine this is the figure to compare), "
           f"peak RSS {r['rss_gb']:.2f} GB, {r['nodes']} nodes, collectives {r['by_kind']}, "
           f"estimated peak live tensors {r['peak_gib']:.2f} GiB per rank"
+          + (f"; spmd-aot plan's estimate {r['plan_gib']:.2f} GiB" if r.get("plan_gib") is not None else "")
           + (" [without the source recorder]" if args.without_recorder else ""))
     stages = dict(r["stages"])
     if stages:  # the rest: imports and torch's first-use set-up inside build, the entry read back
@@ -232,7 +266,12 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", default="80", help="a depth, or depths separated by commas (8,16,32,80)")
     parser.add_argument("--world", type=int, default=1024)
     parser.add_argument("--placement", default="shard")
-    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=None, help="tokens per rank (default 4096; 8192 with --shape)")
+    parser.add_argument("--shape", choices=("8b", "70b", "405b"), help="a Llama-3 shape (llama3_shapes.py)")
+    parser.add_argument("--mesh-shape", help="with --shape: the mesh, e.g. 16x64 or 128x8 with --tp")
+    parser.add_argument("--tp", action="store_true", help="with --shape: TP over the last mesh dimension")
+    parser.add_argument("--param-dtype", choices=("bf16",), help="with --shape: bf16 compute, fp32 master weights")
+    parser.add_argument("--checkpoint", action="store_true", help="with --shape: checkpoint every block")
     parser.add_argument("--stages", action="store_true", help="CPU seconds per build stage")
     parser.add_argument("--without-recorder", action="store_true",
                         help="build without the source recorder (measures its share; the entry guards nothing)")
@@ -249,7 +288,10 @@ def main(argv=None) -> int:
     results = []
     for layers in depths:  # each in a fresh process, as `spmd-aot build` runs: no warm caches, own RSS
         command = [sys.executable, __file__, "--layers", str(layers), "--world", str(args.world),
-                   "--placement", args.placement, "--seq", str(args.seq), "--json"]
+                   "--placement", args.placement, "--json"] + (["--seq", str(args.seq)] if args.seq else [])
+        for flag in ("shape", "mesh_shape", "param_dtype"):
+            command += [f"--{flag.replace('_', '-')}", getattr(args, flag)] if getattr(args, flag) else []
+        command += ["--tp"] * args.tp + ["--checkpoint"] * args.checkpoint
         command += ["--stages"] * args.stages + ["--without-recorder"] * args.without_recorder
         done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))
         if done.returncode:

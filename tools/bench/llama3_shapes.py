@@ -91,10 +91,21 @@ def step(model, optim, batch):
     return loss
 
 
-def job(size: str, *, layers: int | None = None, seq: int = SEQ) -> spmd_aot.Job:
+def job(size: str, *, layers: int | None = None, seq: int = SEQ, checkpoint: bool = False) -> spmd_aot.Job:
+    """The ``size`` shape (``SHAPES``), ``layers`` blocks instead of its own; ``checkpoint``: every
+    block under non-reentrant ``torch.utils.checkpoint`` (what the plan's 'ac' rows assume)."""
     d, n, heads, kv, hidden = SHAPES[size]
+
+    def model():
+        m = Llama3(d, layers or n, heads, kv, hidden)
+        if checkpoint:
+            from spmd_aot.planning.footprint import checkpoint_blocks
+
+            checkpoint_blocks(m)
+        return m
+
     return spmd_aot.Job(
-        step=step, model=lambda: Llama3(d, layers or n, heads, kv, hidden),
+        step=step, model=model,
         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
         batch=lambda: (torch.randint(0, VOCAB, (1, seq)), torch.randint(0, VOCAB, (1, seq))))
 
