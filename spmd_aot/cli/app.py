@@ -6,6 +6,7 @@ the cache they live in.
     spmd-aot show 6580734a [--code]
     spmd-aot verify                                     spmd-aot ops
     spmd-aot explain train.py:job --world-size 8 [--placement replicate]
+    spmd-aot plan train.py:job --world-size 1024 --gpu-memory 80GiB    (what fits: docs/plan.md)
     spmd-aot push [REF...] --to s3://bucket/prefix      spmd-aot pull [REF...] --from s3://bucket/prefix
     spmd-aot export REF... -o bundle.tar                spmd-aot import bundle.tar
     spmd-aot rm REF...                                  spmd-aot gc --max-size 2G --max-age 7d
@@ -34,7 +35,7 @@ import logging
 import os
 import sys
 import traceback
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import SpmdAotError
 from ..format.allowlist import opted_in
