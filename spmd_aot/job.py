@@ -12,7 +12,8 @@ import importlib
 import importlib.util
 import pathlib
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from .errors import SpmdAotError, TargetError
 

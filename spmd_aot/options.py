@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 from .parallel.dims import PLACEMENT_NAMES
 from .parallel.mixed_precision import DTYPES, MixedPrecisionPolicy

@@ -18,7 +18,8 @@ parameters require gradients is an error, not a silently detached output.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn

@@ -202,7 +202,7 @@ class TrainState:
         slots = []
         if self.optim is None:
             return slots
-        for names, p in self.params:
+        for _names, p in self.params:
             if id(p) in self.untaken:
                 continue
             for key in sorted(self.optim.state.get(p, {})):

@@ -296,7 +296,7 @@ def _adam_pointwise(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiler() -> str:
     """The C++ compiler Inductor used, as its ``--version`` names itself (recorded, not keyed)."""
     import subprocess

@@ -19,7 +19,7 @@ workspace memory are not counted; they depend on the device and allocator, not t
 from __future__ import annotations
 
 import weakref
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.utils._pytree as pytree
@@ -145,7 +145,7 @@ class PeakMemory(TorchDispatchMode):
 
     def live_bytes(self) -> int:
         total = sum(st.nbytes() for st in self._watched.values())
-        for key, ref in list(self._refs.items()):
+        for ref in list(self._refs.values()):
             st = ref()
             if st is not None:
                 total += st.nbytes()  # current size: storages can be resized

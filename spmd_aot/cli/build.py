@@ -6,7 +6,7 @@ import dataclasses
 import os
 import sys
 import traceback
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..errors import SpmdAotError, TargetError
 from .option_flags import check_read, parallel_from_args, run_from_args

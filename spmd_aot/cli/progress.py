@@ -17,7 +17,8 @@ import shutil
 import sys
 import threading
 import time
-from typing import Callable, TextIO
+from typing import TextIO
+from collections.abc import Callable
 
 __all__ = ["Progress"]
 
@@ -47,7 +48,7 @@ class Progress:
         self._ticker: threading.Thread | None = None
         self._drawn = False
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

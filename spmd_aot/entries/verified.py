@@ -35,7 +35,7 @@ import hashlib
 import os
 import pathlib
 import stat
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -38,7 +38,7 @@ class Attention(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
-        heads = lambda z: z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
+        heads = lambda z: z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)  # noqa: E731
         q, k, v = heads(q), heads(k), heads(v)
         scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.n_heads)
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()

@@ -41,8 +41,9 @@ import re
 
 import torch
 
-__all__ = ["ALLOWED_OPS", "ListChoice", "choose_list", "chosen_list", "load_list", "PYTHON_CALLABLES", "REFUSED", "TORCH_RELEASE", "TORCH_RELEASES", "running_release", "ENV_ALLOW_OPS", "refusal",
-           "allowed_ops", "is_allowed", "REFUSED_OVERLOADS", "is_opted_in", "opted_in", "opted_in_ops", "opt_in_names", "extra_ops"]
+__all__ = ["ALLOWED_OPS", "ListChoice", "choose_list", "chosen_list", "load_list", "PYTHON_CALLABLES", "REFUSED",
+           "TORCH_RELEASE", "TORCH_RELEASES", "running_release", "ENV_ALLOW_OPS", "refusal", "allowed_ops", "is_allowed",
+           "REFUSED_OVERLOADS", "is_opted_in", "opted_in", "opted_in_ops", "opt_in_names", "extra_ops"]
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def choose_list(release: str | None = None, directory: pathlib.Path | str | None
     return ListChoice(shared, release, f"shared list, made for torch {header}, not {release}", False)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_list(release: str, directory: str) -> frozenset:
     """The overloads of the list ``choose_list`` picks; warns once per (release, directory) when
     the list was not made for ``release`` (what is not listed is refused, as always)."""

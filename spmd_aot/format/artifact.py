@@ -105,7 +105,8 @@ def amended(blobs: dict[str, bytes], parts: dict[str, bytes], stats: dict) -> di
 
 
 def check_layout(layout, digest: str, world_size: int) -> None:
-    """A layout read back (``entries/read.py``): every field the runtime reads, with its type (the blob's hash only proves who wrote it).
+    """A layout read back (``entries/read.py``): every field the runtime reads, with its type (the blob's
+    hash only proves who wrote it).
 
     Sizes are not taken on the layout's word: a global shape may hold at most ``world_size``
     times its local shape's elements (load limits derive from it), and at load every shape is
@@ -148,11 +149,13 @@ def _is_shape(value) -> bool:
 def layout_mismatch(stored: list[dict], live: list[Slot], plan: Plan) -> str | None:
     """Describe the first difference between an artifact's inputs and the live state, or None."""
     if len(stored) != len(live):
-        kinds = lambda xs: {k: sum(1 for x in xs if x == k) for k in ("param", "buffer", "optim_state", "batch")}
+        def kinds(xs):
+            return {k: sum(1 for x in xs if x == k) for k in ("param", "buffer", "optim_state", "batch")}
+
         return (f"the artifact has {len(stored)} inputs {kinds([s['kind'] for s in stored])}, "
                 f"the live job has {len(live)} {kinds([s.kind for s in live])}")
-    for s, l in zip(stored, live):
-        want = _slot_entry(l, plan)
+    for s, slot in zip(stored, live):
+        want = _slot_entry(slot, plan)
         for field in ("kind", "fqn", "local_shape", "global_shape", "dtype", "placement"):
             if s.get(field) != _plain(want[field]):
                 return (f"input {want['fqn']} ({want['kind']}): expected {field} {s.get(field)} "

@@ -22,7 +22,8 @@ keys); nothing is imported or constructed from type names. Nothing here imports 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import msgpack
 

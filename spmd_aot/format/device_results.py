@@ -39,7 +39,8 @@ dtype and flag combination:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 

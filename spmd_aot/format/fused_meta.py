@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -33,7 +33,7 @@ FUSED_STEPS = (_aten._fused_adamw_.tensor_lr, _aten._fused_adamw_.default,
                _aten._fused_sgd_.tensor_lr, _aten._fused_sgd_.default)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def standin(op) -> Callable[..., None]:
     """A meta kernel for fused step ``op``: raises ``contracts.Broken`` (a ValueError) when the
     arguments break the contract, else returns nothing (the step only writes in place)."""

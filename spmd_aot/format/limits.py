@@ -6,7 +6,8 @@ first: a blob's size before it is read, every stored document's container length
 lengths and total object count while it is decoded (``bounded.py``: the decoder stops before
 allocating past them), a graph's node count and nesting, the work constant folding may do at
 load (``constant_fold.py``), and every tensor a graph would create before it runs
-(``validate.py``, on meta tensors) together with that check's own work (``meta_work``). The defaults fit a Llama-70B-shaped AdamW step for 1024
+(``validate.py``, on meta tensors) together with that check's own work (``meta_work``). The defaults fit a
+Llama-70B-shaped AdamW step for 1024
 ranks with room to spare; ``SPMD_AOT_LOAD_LIMITS`` overrides any of them, e.g.
 ``SPMD_AOT_LOAD_LIMITS="graph_bytes=1G,nodes=4000000,tensor_factor=128"``.
 """

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = ["numpy_lookups_skipped"]
 

@@ -6,7 +6,8 @@ with one key for everything else (``{"r": 3}`` a ``Ref``, ``{"L": [...]}`` a lis
 ``{"k": [[key, value], ...]}`` a dict, ``{"s": [start, stop, step]}`` a slice, ``{"d":
 "float32"}`` a dtype, ``{"m": ...}`` a memory format, ``{"l": ...}`` a layout, ``{"v": "cpu"}``
 a device; ``{"T": [3, 4]}`` and ``{"R": [3, 4]}`` a tuple and a list of ``Ref``s, the commonest
-arguments, in one map instead of one per reference). Reading rebuilds those by name from fixed tables as the bounded decoder meets them
+arguments, in one map instead of one per reference). Reading rebuilds those by name from fixed tables as the
+bounded decoder meets them
 (``bounded.py``: limits set before anything is allocated, no ext types; its map hook, so no
 second pass in Python): nothing is unpickled, imported or called by a name the file holds.
 The decoder calls Python once per map, so a format that holds many repeated descriptions of

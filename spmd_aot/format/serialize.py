@@ -21,7 +21,8 @@ import functools
 import keyword
 import operator
 import re
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import msgpack
 import torch
@@ -293,7 +294,7 @@ _ANY, _GROUP, _DEVICE = "any", "group", "device"
 _NO_OP = (None, (), None)  # ``op_kinds`` of a node that calls nothing
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _argument_kinds(op) -> tuple[tuple[str, ...], dict[str, str]]:
     """(kind of each positional argument, kind of each keyword argument) from the op's schema."""
     positional, keyword_only = [], {}

@@ -245,7 +245,7 @@ def check_node(node: DecodedNode, args: tuple, kwargs: dict, limit: int, *, cont
 # distinct index signature, and every index's result is checked as any op's result is.
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _per_index(op) -> tuple | None:
     """A foreach op's (per-index list argument positions and names, whether it returns
     tensors); None for any other op."""
@@ -295,7 +295,7 @@ def _elements(op, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]] | None:
     return out
 
 
-def _check_foreach(node: DecodedNode, args: tuple, kwargs: dict, elements: list, memo: dict, work: "_Work",
+def _check_foreach(node: DecodedNode, args: tuple, kwargs: dict, elements: list, memo: dict, work: _Work,
                    limit: int, described: dict) -> Any:
     """A foreach call: its contract on the whole call, then each index's call through the memo
     (see above); the whole call's result (None for an in-place op, else the list of results).
@@ -361,7 +361,7 @@ def _written_tensors(op, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _makes_tensors_on_a_device(op) -> bool:
     """Factory ops (``full``, ``empty``, ``arange``, ...): their device is a keyword argument."""
     schema = getattr(op, "_schema", None)

@@ -141,7 +141,7 @@ def _cost(target, args, kwargs, result) -> int:
     return out + sum(inputs)
 
 
-@functools.lru_cache(maxsize=None)  # per op overload: its schema and tags never change
+@functools.cache  # per op overload: its schema and tags never change
 def _pure(target) -> bool:
     if target is operator.getitem:
         return True
@@ -228,7 +228,7 @@ def _facts(target) -> tuple:
     return known
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _schema_returns_alias(target) -> bool:
     schema = getattr(target, "_schema", None)
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
@@ -246,7 +246,7 @@ def _written_refs(node: DecodedNode) -> set[int]:
     return written
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _written_arguments(target) -> tuple[tuple[int, str], ...]:
     """(position, name) of every argument the op's schema marks ``(a!)``."""
     return tuple((pos, arg.name) for pos, arg in enumerate(target._schema.arguments)

@@ -5,7 +5,8 @@ every op's contract on the *meta* results of the ops before it. Several admitted
 results of another shape or dtype on CPU than on meta (``_native_batch_norm_legit_no_training``'s
 saved mean/invstd are ``[C]`` on meta and ``[0]`` on CPU; ``_embedding_bag``'s offset2bag;
 ``mse_loss_backward`` and ``threshold_backward`` on mixed dtypes; ``native_dropout`` on an empty
-input; ``native_group_norm``'s statistics on a bf16 input with fp32 weights). A crafted graph that ``cat``s such a value gets a buffer large on meta and small on CPU,
+input; ``native_group_norm``'s statistics on a bf16 input with fp32 weights). A crafted graph that ``cat``s
+such a value gets a buffer large on meta and small on CPU,
 and an op whose CPU kernel trusts its contract (a fused optimizer step) then writes past the
 real buffer. Contracts proven on meta values hold for the real values only if the real values
 have the same metadata.
@@ -41,7 +42,8 @@ for the 559 values of the 4-layer, d_model 128 bench LM, whose step takes ~70 ms
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -115,7 +116,7 @@ class Program:
         self._bind(template)
 
     @classmethod
-    def from_table(cls, table: ProgramTable, constants: dict[str, torch.Tensor]) -> "Program":
+    def from_table(cls, table: ProgramTable, constants: dict[str, torch.Tensor]) -> Program:
         """The program ``table`` describes (``table.steps``' targets wrapped in their value checks
         as ``__init__`` wraps them), its folded values computed again: the same ops on the same
         arguments, in the same order, so the same values."""

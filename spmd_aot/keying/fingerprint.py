@@ -35,7 +35,8 @@ import re
 import sys
 import types
 import weakref
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 

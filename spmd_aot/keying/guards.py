@@ -37,7 +37,7 @@ import os
 import stat
 import sys
 import sysconfig
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

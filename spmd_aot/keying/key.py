@@ -33,7 +33,8 @@ import logging
 import os
 import pathlib
 import sys
-from typing import Any, Callable, Iterable
+from typing import Any
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.utils._pytree as pytree

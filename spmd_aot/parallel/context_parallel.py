@@ -341,7 +341,7 @@ class _CausalBlocks(torch.autograd.Function):
         cp = mode.size
         whole_key, whole_value = _gather_kv(mode, key, value, "keys and values")
         halves = []
-        for half, terms in enumerate(_causal_terms(query, key, value, whole_key, whole_value, rank, cp)):
+        for terms in _causal_terms(query, key, value, whole_key, whole_value, rank, cp):
             outs = [_flash(q, k, v, causal, n, keep, scale) for q, k, v, causal, n, keep, _ in terms]
             halves.append(_merge(outs, query.dtype))
         out = torch.cat([o for o, _ in halves], dim=-2)

@@ -20,7 +20,7 @@ from ..passes import bucket_gradient_all_reduces
 
 __all__ = ["DataParallelPlacement", "PLACEMENTS", "ReplicateParams", "ShardParams", "AXIS"]
 
-PLACEMENTS: dict[str, "DataParallelPlacement"] = {}  # name -> placement object, in definition order
+PLACEMENTS: dict[str, DataParallelPlacement] = {}  # name -> placement object, in definition order
 
 
 class DataParallelPlacement:

@@ -37,7 +37,7 @@ import dataclasses
 import fnmatch
 import logging
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

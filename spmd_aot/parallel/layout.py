@@ -6,7 +6,8 @@ state and the job-start sharding), so that each of them can import it without a 
 The mesh's dimensions are the data-parallel ones, then, with context parallel, one ``cp``
 dimension, then, with a tensor-parallel plan, one TP dimension last. A tensor is whole over
 ``cp`` (its ranks hold the same parameters and see different tokens), and its gradient is
-averaged over ``cp`` as over a data-parallel dimension. A tensor is first split over TP (``tp_dim``: the tensor dimension split evenly
+averaged over ``cp`` as over a data-parallel dimension. A tensor is first split over TP (``tp_dim``: the
+tensor dimension split evenly
 over the TP ranks, or None when every TP rank holds it whole); that TP-local tensor is what a
 module computes with (``gathered_shape``). Under ``shard`` its dim 0 is then split over the
 data-parallel shard dimension, padded up to a multiple of the shard count as FSDP2 pads, so

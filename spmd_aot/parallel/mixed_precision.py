@@ -20,7 +20,7 @@ tensors (``expand.py``, ``groups.py``) and around module forwards (``casts.py``)
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -66,7 +66,7 @@ class MixedPrecisionPolicy:
                 "which spmd-aot does not do; set reduce_dtype to bf16 or fp32 (e.g. --reduce-dtype fp32)")
 
     @classmethod
-    def of(cls, value) -> "MixedPrecisionPolicy | None":
+    def of(cls, value) -> MixedPrecisionPolicy | None:
         """A policy from ours, torch's FSDP2 one (same fields) or a mapping; None or a policy that
         changes nothing gives None, so such a plan is the plan without one (same key)."""
         if value is None:
@@ -105,7 +105,7 @@ class MixedPrecisionPolicy:
                 "output_dtype": _NAMES.get(self.output_dtype), "cast_forward_inputs": self.cast_forward_inputs}
 
     @classmethod
-    def from_dict(cls, d) -> "MixedPrecisionPolicy":
+    def from_dict(cls, d) -> MixedPrecisionPolicy:
         if not isinstance(d, Mapping) or set(d) != set(_FIELDS):
             raise SpmdAotError(f"a mixed precision policy has exactly the fields {', '.join(_FIELDS)}")
         return cls(**d)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..errors import SpmdAotError
 from .layout import TensorLayout
@@ -166,7 +166,7 @@ class Plan:
         object.__setattr__(self, "expert_capacity_factor", None if factor is None else float(factor))
         return experts
 
-    def for_model(self, model) -> "Plan":
+    def for_model(self, model) -> Plan:
         """This plan with its ``tp_plan`` bound to ``model`` (``tensor_parallel.resolve_tp_plan``:
         the model's own plan for ``"hf"``, transformers' base-model-relative patterns prefixed),
         and ``expert_parallel="auto"`` to the FQNs of the model's expert modules."""
@@ -294,7 +294,7 @@ class Plan:
                    if self.expert_capacity_factor is not None else {})}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Plan":
+    def from_dict(cls, d: Mapping) -> Plan:
         """Inverse of ``to_dict``; raises ``SpmdAotError`` on anything it would not have written."""
         optional = {"tp_plan", "mixed_precision", "context_parallel", "context_parallel_buffers", "expert_parallel",
                     "expert_capacity_factor"}

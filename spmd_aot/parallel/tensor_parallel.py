@@ -82,7 +82,7 @@ __all__ = ["TP_STYLES", "TPStyle", "Colwise", "Rowwise", "ColwiseSeq", "RowwiseS
            "SeqShardOutput", "SeqGatherInput", "ColwiseGatherOutput", "RowwiseSplitInput", "EmbeddingColwise",
            "EmbeddingRowwise", "ReplicatedWithGradAllreduce", "TensorParallel", "planned_modules", "style_for", "AXIS"]
 
-TP_STYLES: dict[str, "TPStyle"] = {}  # name -> style object, in definition order
+TP_STYLES: dict[str, TPStyle] = {}  # name -> style object, in definition order
 
 
 class TPStyle:
@@ -108,7 +108,7 @@ class TPStyle:
                 f"tp_plan puts {fqn} ({type(module).__qualname__}) {self.name}; {self.name} splits "
                 "nn.Linear modules (with nn.Linear's own forward) only")
 
-    def forward(self, tp: "TensorParallel", fqn: str, module: nn.Module, *args, **kwargs):
+    def forward(self, tp: TensorParallel, fqn: str, module: nn.Module, *args, **kwargs):
         raise NotImplementedError
 
 

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+from typing import TYPE_CHECKING
 
 from ..errors import SpmdAotError, UnsupportedError
+
+if TYPE_CHECKING:  # annotations only: this module stays free of torch at import
+    from torch import nn
 
 __all__ = ["SPLIT_DIMS", "STYLE_NAMES", "style_name", "resolve_tp_plan", "first_match", "split_dim",
            "MODEL_PLAN_NAMES", "HF_STYLE_NAMES", "HF_REFUSED_STYLES"]

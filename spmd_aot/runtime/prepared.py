@@ -23,7 +23,8 @@ release, the live groups and the device, so any change there finds no record. On
   file is ignored (and removed), and the load decodes as if there were none;
 * it is tagged plain data (``format/records.py``): msgpack read by the bounded decoder, with
   ``Ref``s, slices, tuples, torch's dtypes, memory formats, layouts and devices as tagged maps
-  rebuilt by name from fixed tables; nothing is unpickled or imported. Ops are stored by name and resolved through the allowlist again (``resolve_target``), so the
+  rebuilt by name from fixed tables; nothing is unpickled or imported. Ops are stored by name and resolved
+  through the allowlist again (``resolve_target``), so the
   allowlist in force still applies;
 * it keeps the meta check's expected shape, strides and dtype of every value the program checks
   at run time (``invariants.py``), so a rebuilt program checks exactly what a decoded one does;

@@ -17,7 +17,8 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -158,14 +159,14 @@ class CompiledStep:
         return bound.run(leaves)
 
     # ------------------------------------------------------------------ first call
-    def _prepare(self, model, optim, batch) -> "_BoundStep":
+    def _prepare(self, model, optim, batch) -> _BoundStep:
         self._zero_fill = ZeroFill()  # the optimizer's fresh state, filled while the graph loads
         try:
             return self._prepare_with(model, optim, batch)
         finally:
             self._zero_fill.wait()
 
-    def _prepare_with(self, model, optim, batch) -> "_BoundStep":
+    def _prepare_with(self, model, optim, batch) -> _BoundStep:
         start = time.perf_counter()
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -352,7 +353,7 @@ class CompiledStep:
         `spmd-aot rm`) is looked up again: its key may have been rebuilt meanwhile.
         """
         found = None
-        for attempt in range(attempts):
+        for _ in range(attempts):
             found = find_entry(store, key)
             digest = found.digest
             if digest is None:

@@ -33,7 +33,7 @@ import re
 import secrets
 import stat
 import tarfile
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..format import bounded
 from ..errors import CorruptArtifactError, SpmdAotError

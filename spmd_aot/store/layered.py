@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..errors import CorruptArtifactError, SpmdAotError
 from .local import LocalStore

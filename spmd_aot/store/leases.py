@@ -28,7 +28,7 @@ import contextlib
 import logging
 import os
 import stat
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..errors import CorruptArtifactError, SpmdAotError
 from .nofollow import LinkError

@@ -35,7 +35,7 @@ import secrets
 import stat
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError, describe_os_error, os_error
 from .cache_dir import ENV_CACHE_DIR, default_cache_dir, resolve_cache_dir

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError
 from .names import check_digest, check_key, digest_of, is_digest, is_key

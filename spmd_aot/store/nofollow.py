@@ -21,7 +21,7 @@ import errno
 import os
 import pathlib
 import stat as stat_mod
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..errors import SpmdAotError
 from . import trust

@@ -25,7 +25,9 @@ complete example, and ``tests/support/store_contract.py`` is the conformance che
 from __future__ import annotations
 
 import dataclasses
-from typing import ContextManager, Iterator, Protocol, runtime_checkable
+from contextlib import AbstractContextManager
+from typing import Protocol, runtime_checkable
+from collections.abc import Iterator
 
 __all__ = ["Store", "BlobProblem", "LOCAL_FILES", "HOLDS", "CAPABILITIES", "supports", "local_files",
            "holds"]
@@ -109,7 +111,7 @@ class Store(Protocol):
     def refs(self) -> dict[str, str]:
         """Every readable ref as key -> digest, sorted by key; damaged refs are skipped."""
 
-    def lock(self, key: str, timeout: float | None = None) -> ContextManager:
+    def lock(self, key: str, timeout: float | None = None) -> AbstractContextManager:
         """Hold the lock named ``key`` among every process that shares this store (as far as the
         backend can reach: see each backend), e.g. while building one artifact. ``timeout`` in
         seconds (None: the store's default, negative: forever); ``LockTimeoutError`` when it

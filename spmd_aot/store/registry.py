@@ -22,7 +22,7 @@ import dataclasses
 import os
 import pathlib
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import SpmdAotError
 from .layered import LayeredStore

@@ -31,7 +31,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..errors import CorruptArtifactError, LockTimeoutError, SpmdAotError
 from .names import check_digest, check_key, check_path_parts, digest_of, is_digest, is_key, parse_ref, ref_bytes

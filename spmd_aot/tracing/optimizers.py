@@ -50,7 +50,7 @@ def as_optimizer(optim):
 class _MergedState(collections.abc.MutableMapping):
     """Parameter -> state entries, read from (and written to) the member that optimizes it."""
 
-    def __init__(self, owner: "OptimizerSet"):
+    def __init__(self, owner: OptimizerSet):
         self.owner = owner
 
     def _member(self, p):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -16,7 +16,8 @@ import contextlib
 import dataclasses
 import functools
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 from unittest import mock
 
 import torch
@@ -324,7 +325,7 @@ class _ModuleStack:
 
         def enter(module, args):
             if id(module) in names:
-                self.stack.append("%s (%s)" % names[id(module)])
+                self.stack.append("{} ({})".format(*names[id(module)]))
 
         def leave(module, args, output):
             if id(module) in names and self.stack:

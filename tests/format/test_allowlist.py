@@ -101,7 +101,7 @@ def test_cli_lists_the_allowlist(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "aten::add.Tensor" in lines and "operator.getitem" in lines
     assert "aten::_reshape_alias.default" not in lines
-    assert len([l for l in lines if not l.startswith("#")]) == len(allowlist.allowed_ops()) + 1
+    assert len([line for line in lines if not line.startswith("#")]) == len(allowlist.allowed_ops()) + 1
 
 
 def _lists(tmp_path, header: str, own: str | None = None):

@@ -468,7 +468,7 @@ def test_modified_signed_manifest_refused(signed):
         "signature removed": lambda m: signing.wrap(body),
         "signed with another key": lambda m: signing.wrap(body, b"key-B"),
     }
-    for name, mutate in cases.items():
+    for mutate in cases.values():
         forged = store.put(mutate(copy.deepcopy(manifest)))  # under its own digest
         assert forged != digest
         with pytest.raises(SignatureError, match="unsigned|mismatch"):

@@ -282,7 +282,9 @@ def test_verify_reports_the_review_cases(tmp_path, capsys):
 
 # ---------------------------------------------------------------- views by contract (contracts/views.py)
 def test_as_strided_may_reach_exactly_to_the_end_of_its_storage_and_no_further():
-    view = lambda offset: [("v", aten.as_strided.default, (Ref(0), [2, 2], [1, 4], offset), {})]
+    def view(offset):
+        return [("v", aten.as_strided.default, (Ref(0), [2, 2], [1, 4], offset), {})]
+
     _accepted([([4, 4], F32)], view(10))  # last element: 10 + 1 + 4 = 15, the storage's last
     _refused([([4, 4], F32)], view(11), r"argument 'stride' makes a view of shape \[2, 2\], strides \[1, 4\], "
                                         r"offset 11 that reaches byte 68 of a 64-byte storage")

@@ -8,8 +8,6 @@ exactly what a load does and printing nothing raw.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import sys
 import time
@@ -257,7 +255,7 @@ def test_show_escapes_terminal_sequences(store, built, capsys):
     evil = "\x1b]0;owned\x07\x1b[2J\u202e"
     manifest = read_manifest(store, built[1])
     manifest["stats"]["comm"] = [{"kind": evil, "label": evil, "bytes": 1, "params": [evil]}]
-    manifest["ingredients"] = {evil: v for v in list(manifest["ingredients"].values())[:1]}
+    manifest["ingredients"] = {evil: next(iter(manifest["ingredients"].values()))}
     manifest["blobs"]["code"] = store.put(f"# {evil}\nx = 1\n".encode())
     store.set_ref("evil", store.put(pack_manifest(manifest)))
     assert cli(["show", "evil", "--code", "--cache-dir", str(store.root)]) == 0

@@ -61,7 +61,8 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_package_import_graph_has_no_cycle():
     edges = _imports()
-    assert "spmd_aot.tracing.trace" in edges and "spmd_aot.parallel.mesh" in edges["spmd_aot.tracing.expand"]  # the walk sees imports
+    # the walk sees imports
+    assert "spmd_aot.tracing.trace" in edges and "spmd_aot.parallel.mesh" in edges["spmd_aot.tracing.expand"]
     assert _cycle(edges) is None, " -> ".join(_cycle(edges))
 
 

@@ -308,7 +308,6 @@ def test_the_crafted_graph_is_refused_in_a_process_under_the_heap_checker(case, 
 def test_a_model_with_frozen_batch_norm_trains_from_the_cache_as_eager(tmp_path, monkeypatch):
     """End to end: conv + batch norm in eval mode (frozen statistics) in a training step, built,
     loaded twice (decoded, then rebuilt from its prepared record), equal to eager."""
-    import copy
 
     import spmd_aot
 

@@ -49,7 +49,7 @@ def test_loaded_artifact_equals_fresh_trace_bit_for_bit(tmp_path):
 def _loss_contract_worker(rank, world, cache_dir):
     _, _, ref_losses = eager_ddp("mlp", "sgd", rank, world, 3)
     _, _, losses, _ = compiled_run("mlp", "sgd", rank, world, 3, cache_dir)
-    return [l.item() for l in ref_losses], [l.item() for l in losses]
+    return [loss.item() for loss in ref_losses], [loss.item() for loss in losses]
 
 
 def test_step_returns_the_rank_local_loss_like_ddp(tmp_path):
@@ -71,7 +71,7 @@ def _start_job_worker(rank, world, cache_dir, forbid_trace):
         spmd_aot.building.pipeline.trace_step = refuse
         spmd_aot.tracing.trace.make_fx = refuse
     _, _, losses, info = compiled_run("transformer", "sgd", rank, world, 2, cache_dir)
-    return info.hit, info.source, info.digest, [l.item() for l in losses]
+    return info.hit, info.source, info.digest, [loss.item() for loss in losses]
 
 
 def _start_job_twice_worker(rank, world, cache_dir):

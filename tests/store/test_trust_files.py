@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import stat
-import sys
 import tarfile
 import threading
 import tracemalloc
@@ -221,7 +220,6 @@ def test_a_cache_others_can_write_is_refused_without_a_key_or_opt_in(tmp_path, m
 
 def test_build_and_compile_take_trust_cache(tmp_path, monkeypatch):
     import spmd_aot
-    from support.jobs import make_job
 
     monkeypatch.delenv(signing.ENV_SIGNING_KEY, raising=False)
     monkeypatch.delenv(ENV_TRUST_CACHE, raising=False)
@@ -232,7 +230,7 @@ def test_build_and_compile_take_trust_cache(tmp_path, monkeypatch):
         spmd_aot.build(make_job("mlp", "sgd"), world_size=1, cache_dir=cache)
     spmd_aot.build(make_job("mlp", "sgd"), world_size=1, cache_dir=cache, trust_cache=True)
     with pytest.raises(UntrustedCacheError):
-        spmd_aot.compile(lambda m, o, b: None, cache_dir=cache).store
+        _ = spmd_aot.compile(lambda m, o, b: None, cache_dir=cache).store  # opening the store refuses
     assert spmd_aot.compile(lambda m, o, b: None, cache_dir=cache, trust_cache=True).store is not None
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import spmd_aot
 from spmd_aot.errors import UnsupportedError

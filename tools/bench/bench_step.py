@@ -61,7 +61,7 @@ for _rule in QUIET.split(","):
 import torch  # noqa: E402
 
 import spmd_aot  # noqa: E402
-from spmd_aot.examples.models import Transformer, train_step
+from spmd_aot.examples.models import Transformer, train_step  # noqa: E402
 
 from bar_chart import write_svg  # noqa: E402  (a sibling file of this script)
 
@@ -454,7 +454,9 @@ def main(argv=None) -> int:
         "quick": dict(layers=[2], d_model=[32], seq=16, batch=2, steps=2, blocks=2, warmup=1,
                       placements="replicate,shard,hsdp"),
     }[mode]
-    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else defaults[name]
+    def pick(name):
+        return getattr(args, name) if getattr(args, name) is not None else defaults[name]
+
     placements = [p for p in pick("placements").split(",") if p]
     unknown = set(placements) - {"replicate", "shard", "hsdp"}
     if unknown:
@@ -467,7 +469,8 @@ def main(argv=None) -> int:
     command = "python tools/bench/bench_step.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     print(f"# {command.strip()}")
     print(f"# torch {torch.__version__}, CPU, gloo, {os.cpu_count()} cores, 1 thread per rank; "
-          f"AdamW{' fused=True' if s.fused_adamw else ' (defaults)'}, vocab {VOCAB}, {HEADS} heads, context {s.seq}, batch {s.batch} per rank; "
+          f"AdamW{' fused=True' if s.fused_adamw else ' (defaults)'}, vocab {VOCAB}, {HEADS} heads, "
+          f"context {s.seq}, batch {s.batch} per rank; "
           f"{s.blocks} blocks x {s.steps} steps after {s.warmup} warm-up" +
           (f"; comm {s.comm}" if s.comm else ""), flush=True)
     rows, failures = [], []

@@ -685,8 +685,10 @@ def main(argv=None) -> int:
                 os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
             else:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved_inductor
+    tolerance = (f"fixed {args.tolerance:.0e}" if args.tolerance is not None
+                 else f"max({BASE_TOL:.0e}, {FLOOR_FACTOR} x floor)")
     print(f"\n# summary ({time.time() - deadline.start:.0f}s of a {args.budget_seconds:.0f}s budget; "
-          f"tolerance: {'fixed ' + format(args.tolerance, '.0e') if args.tolerance is not None else f'max({BASE_TOL:.0e}, {FLOOR_FACTOR} x floor)'})")
+          f"tolerance: {tolerance})")
     print(summary(rows), flush=True)
     count = {k: sum(r["status"] == k for r in rows) for k in ("PASS", "FAIL", "SKIP")}
     failed = [r["check"] for r in rows if r["status"] == "FAIL"]

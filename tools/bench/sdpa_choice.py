@@ -24,7 +24,7 @@ def facts(device: str) -> dict:
     out = {"torch": torch.__version__, "device": device, "cuda_build": torch.version.cuda}
     if device == "cuda":
         out["gpu"] = torch.cuda.get_device_name(0)
-        out["capability"] = "sm%d%d" % torch.cuda.get_device_capability(0)
+        out["capability"] = "sm{}{}".format(*torch.cuda.get_device_capability(0))
         out["cudnn"] = torch.backends.cudnn.version()
     out["flags"] = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")()
                     for name in ("flash", "mem_efficient", "math", "cudnn")}

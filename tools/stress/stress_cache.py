@@ -354,7 +354,7 @@ def cmd_gc(args) -> int:
         p.join()
     totals = collections.Counter()
     errors = []
-    for role, counts, errs in results:
+    for _role, counts, errs in results:
         totals.update(counts)
         errors += errs
     print(f"gc stress for {args.seconds} s: " + ", ".join(f"{k} {v}" for k, v in sorted(totals.items())))

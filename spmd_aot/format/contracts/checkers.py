@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .rules import Args, _broadcast, _contiguous, _dtype_eq, _ints, _last_dim_dense, _need, _one_value, _opmath, _shape, _shape_eq, _wrap
+from .rules import (Args, _broadcast, _contiguous, _dtype_eq, _ints, _last_dim_dense, _need, _one_value, _opmath, _shape,
+                    _shape_eq, _wrap)
 
 
 def unchecked_by_design(a: Args) -> None:
@@ -484,7 +485,7 @@ def collective(a: Args, *, kind: str) -> None:
         n = a.get("group_size")
         _need(isinstance(n, int) and n > 0, "group_size", f"= {n!r} must be positive")
         if kind == "reduce_scatter":
-            for i, t in enumerate(tensors):
+            for t in tensors:
                 _need(t.shape[0] % n == 0, "input", f"dim 0 ({t.shape[0]}) must divide by group_size {n}")
         if a.t("out") is not None:
             x = tensors[0]

@@ -46,7 +46,7 @@ class Args(dict):
         return list(v)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _schema(op) -> tuple:
     """(argument names, defaults, indices of written arguments) of an overload."""
     args = op._schema.arguments

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 
 from ..allowlist import is_opted_in
 from .rules import _bind, _general
-from .checkers import attention_cpu, batch_norm, batch_norm_writes, collective, convolution, dims, elementwise, factory, fft, foreach, fused_step, grid_sampler, group_norm, index_values, layer_norm, matmul, nll_loss, pooling, softmax, unchecked_by_design
+from .checkers import (attention_cpu, batch_norm, batch_norm_writes, collective, convolution, dims, elementwise, factory,
+                       fft, foreach, fused_step, grid_sampler, group_norm, index_values, layer_norm, matmul, nll_loss,
+                       pooling, softmax, unchecked_by_design)
 from .all_to_all import all_to_all_single
 from .views import complex_view, conj_view, polar, real_view, split_views, strided_view
 

@@ -4,7 +4,7 @@ such call, and before folding a constant at load."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
