@@ -18,15 +18,19 @@ What a rank computes:
   when ``context_parallel_buffers`` names them, as torch's ``context_parallel(buffers=...)``
   shards them.
 - **Attention.** Every ``scaled_dot_product_attention`` call of the step runs on the rank's
-  queries against the keys and values of the whole sequence: keys and values are all_gathered
-  over ``cp`` (one ``all_gather_into_tensor`` of both per call, inside the traced step; its
-  backward is one ``reduce_scatter`` of their gradients, summed), and the causal mask is built
-  from the static global positions of the local queries and the gathered keys. Non-causal
-  attention needs no mask. The result is the unsplit attention for the local queries, forward
-  and backward. A model's own mask is accepted when it is computed from no input and is the
-  causal (or the all-allowed) mask over the local length, as transformers builds it while
-  tracing: it is evaluated once at build time and replaced by the global one; any other mask
-  (padding from the batch, sliding windows, additive biases) is refused.
+  queries against the keys and values of the whole sequence, all_gathered over ``cp`` (one
+  ``all_gather_into_tensor`` of both per call, inside the traced step; their gradients go back
+  with one ``reduce_scatter``, summed). Full attention is one SDPA call over them, no mask.
+  Causal attention is computed block by block with no mask (``_CausalBlocks``): each local
+  chunk attends causally to its own block (square: ``is_causal=True`` is exact) and fully to
+  the earlier blocks, by CPU flash attention per block, merged by the log-sum-exp rule; only
+  the rank's own tensors are kept for backward, which gathers the keys and values again. (On
+  another device the causal call keeps the additive mask of the global positions.) The result
+  is the unsplit attention for the local queries, forward and backward. A model's own mask is
+  accepted when it is computed from no input and is the causal (or the all-allowed) mask over
+  the local length, as transformers builds it while tracing: it is evaluated once at build time
+  and dropped; any other mask (padding from the batch, sliding windows, additive biases) is
+  refused.
 - **Gradients.** The ``cp`` ranks hold the same parameters and see different tokens: their
   gradients are averaged over ``cp`` as over a data-parallel dimension (``layout.py``:
   ``dp_mesh_dims``; under ``shard`` after the shard group's reduce_scatter, as HSDP averages
@@ -36,10 +40,10 @@ What a rank computes:
   as under torch's ``context_parallel``; the mean over the ``cp`` ranks is the unsplit loss.
 
 Limits, refused at build with the construct named: a batch tensor without a sequence dimension
-(dim 1) of the common length, or a length that does not divide into ``2 * cp`` chunks; attention
-whose query or key length is not this rank's share (cross-attention, a KV cache); a model mask
-that depends on the batch or is neither causal nor all-allowed; a step with no
-``scaled_dot_product_attention`` call. Not detected: attention written with plain ops
+(dim 1) of the common length, or a length that does not divide into ``2 * cp`` chunks; causal
+attention with dropout (the CPU flash kernel has none); attention whose query or key length is
+not this rank's share (cross-attention, a KV cache); a model mask that depends on the batch or is
+neither causal nor all-allowed; a step with no ``scaled_dot_product_attention`` call. Not detected: attention written with plain ops
 (``softmax(q @ k.T)``) beside SDPA calls (it would see local keys only); positions built from
 ``arange`` of the local length; labels shifted inside the model (transformers' ``labels=``
 shifts within the local tokens): pass targets shifted before the step.

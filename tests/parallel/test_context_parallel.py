@@ -332,6 +332,61 @@ def test_load_balanced_positions_are_torch_head_tail_chunks():
     assert tensor_rank.tolist() == held[2]
 
 
+class _OneRank:
+    """What ``_CausalBlocks`` asks of the context-parallel mode, for rank ``rank`` of ``size`` in
+    one process: ``gather`` returns the whole sequence's keys and values (given, in rank order);
+    ``scatter`` keeps the whole sequence's gradient it is given (this rank's queries' share) and
+    returns this rank's rows of it."""
+
+    def __init__(self, size, rank, whole_flat):
+        self.size, self.rank, self.whole_flat, self.scattered = size, rank, whole_flat, None
+
+    def gather(self, t, what):
+        return self.whole_flat
+
+    def scatter(self, t, what):
+        self.scattered = t
+        return t.unflatten(0, (self.size, -1))[self.rank]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_blockwise_causal_attention_equals_sdpa_on_the_whole_sequence(cp):
+    """Every rank's output and gradients (queries; keys and values at every global position)
+    equal those of causal SDPA over the whole sequence for that rank's queries: grouped-query
+    heads, a scale, fp32; the rank-dependent blocks are dropped on the right ranks."""
+    from spmd_aot.parallel.context_parallel import _CausalBlocks, _tokens_first, load_balanced_keys
+
+    b, h, hk, seq, e, scale = 2, 4, 2, 48 * cp, 8, 0.3
+    g = torch.Generator().manual_seed(cp)
+    q_all, k_all, v_all = (torch.randn(b, heads, seq, e, generator=g) for heads in (h, hk, hk))
+    keys = load_balanced_keys(seq, cp)
+    whole_flat = torch.cat([_tokens_first(k_all[:, :, keys]), _tokens_first(v_all[:, :, keys])], dim=1)
+    worst = 0.0
+    for rank in range(cp):
+        pos = load_balanced_positions(seq, cp, rank)
+        q, k, v = (t[:, :, pos].clone().requires_grad_() for t in (q_all, k_all, v_all))
+        mode = _OneRank(cp, rank, whole_flat)
+        out = _CausalBlocks.apply(q, k, v, torch.tensor([rank]), mode, scale)
+        grad = torch.randn(out.shape, generator=g)
+        (out * grad).sum().backward()
+        ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in (q_all, k_all, v_all))
+        ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=True, scale=scale, enable_gqa=True)
+        (ref[:, :, pos] * grad).sum().backward()
+        # the keys' and values' gradient at every position: the whole share passed to the
+        # reduce_scatter (gathered order) plus the rank's own block's (k.grad less its rows of it)
+        whole_k, whole_v = (x.reshape(seq, b, hk, e).movedim(0, 2)
+                            for x in mode.scattered.split([b * hk * e] * 2, dim=1))
+        mine_k, mine_v = (x.reshape(len(pos), b, hk, e).movedim(0, 2)
+                          for x in mode.scatter(mode.scattered, "").split([b * hk * e] * 2, dim=1))
+        for got_whole, mine, local, ref_grad in ((whole_k, mine_k, k, ref_k), (whole_v, mine_v, v, ref_v)):
+            total = torch.zeros_like(ref_grad)
+            total[:, :, keys] += got_whole
+            total[:, :, pos] += local.grad - mine
+            worst = max(worst, (total - ref_grad.grad).abs().max().item())
+        worst = max(worst, (out - ref[:, :, pos]).abs().max().item(), (q.grad - ref_q.grad[:, :, pos]).abs().max().item())
+    assert worst < 1e-5, worst
+
+
 class _PlainAttention(nn.Module):
     """Attention written with plain ops: context parallel cannot see it."""
 
@@ -364,13 +419,20 @@ class _WindowNet(CPNet):
         return self.head(h)
 
 
+class _DropoutNet(CPNet):
+    def forward(self, idx, pos):
+        x = self.tok(idx)[:, None]
+        return self.head(F.scaled_dot_product_attention(x, x, x, dropout_p=0.1, is_causal=True)[:, 0])
+
+
 @pytest.mark.parametrize("model,batch,message", [
     (_PlainAttention, make_batch, "called no scaled_dot_product_attention"),
+    (_DropoutNet, make_batch, "dropout_p=0.1"),
     (_PaddedLlama, make_batch, "computed from the step's inputs"),
     (_WindowNet, make_batch, "neither the causal nor the all-allowed mask"),
     (CPNet, lambda share=0, s=0: make_batch(share, s, seq=14), "multiple of 4"),
     (CPNet, lambda share=0, s=0: {**make_batch(share, s), "scale": torch.ones(2)}, "splits dim 1"),
-], ids=["plain-attention", "padding-mask", "sliding-window", "length", "no-sequence-dim"])
+], ids=["plain-attention", "dropout", "padding-mask", "sliding-window", "length", "no-sequence-dim"])
 def test_what_context_parallel_cannot_split_is_refused_at_build(tmp_path, model, batch, message):
     def step(model, optim, batch):
         logits = model(batch["input_ids"], batch["position_ids"])
