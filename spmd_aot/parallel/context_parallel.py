@@ -43,8 +43,9 @@ Limits, refused at build with the construct named: a batch tensor without a sequ
 (dim 1) of the common length, or a length that does not divide into ``2 * cp`` chunks; causal
 attention with dropout (the CPU flash kernel has none); attention whose query or key length is
 not this rank's share (cross-attention, a KV cache); a model mask that depends on the batch or is
-neither causal nor all-allowed; a step with no ``scaled_dot_product_attention`` call. Not detected: attention written with plain ops
-(``softmax(q @ k.T)``) beside SDPA calls (it would see local keys only); positions built from
+neither causal nor all-allowed; a step with no ``scaled_dot_product_attention`` call. Not
+detected: attention written with plain ops (``softmax(q @ k.T)``) beside SDPA calls (it would
+see local keys only); positions built from
 ``arange`` of the local length; labels shifted inside the model (transformers' ``labels=``
 shifts within the local tokens): pass targets shifted before the step.
 """
