@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import spmd_aot
+from spmd_aot.examples.models import train_step
 from spmd_aot.building.peak_memory import PeakMemory, state_tensors
 from spmd_aot.planning.candidates import candidates, plan_fit
 from spmd_aot.planning.footprint import checkpoint_blocks, measure_activations, measure_optimizer, measure_params
@@ -69,14 +70,7 @@ class Llama(nn.Module):
         return self.out(self.norm(x))
 
 
-def step(model, optim, batch):
-    x, y = batch
-    logits = model(x)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+step = train_step  # the canonical step: forward, cross-entropy, backward, AdamW, zero grads
 
 
 def adamw(model):

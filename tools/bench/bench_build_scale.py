@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import spmd_aot
+from spmd_aot.examples.models import train_step
 
 
 class RMSNorm(nn.Module):
@@ -108,14 +109,7 @@ class Llama(nn.Module):
         return self.out(self.norm(x))
 
 
-def step(model, optim, batch):
-    x, y = batch
-    logits = model(x)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+step = train_step  # the canonical step: forward, cross-entropy, backward, AdamW, zero grads
 
 
 # (module, attribute, stage): the functions whose CPU seconds --stages reports
