@@ -103,3 +103,25 @@ def test_bench_start_quick_prints_every_row(tmp_path, monkeypatch, capsys):
                             for h, e in zip(starts["spmd-aot hit"], starts["eager"]))
     assert rows["spmd-aot hit"].split("|")[6].strip() == f"{own:+.3f} s"
     assert 0 < hit["setup_s"] and 0 <= eager["setup_s"] < hit["setup_s"]  # eager imports no spmd_aot
+
+
+def test_context_and_expert_parallel_rows_match_their_eager_references(tmp_path, monkeypatch, capsys):
+    """--context-parallel and --expert-parallel: cp at world 2, dp_shard x cp and dp_shard x ep at
+    world 4, each loaded from its artifact and doing the same training as its eager reference."""
+    rows_file = tmp_path / "rows.json"
+    import bench_step
+
+    monkeypatch.setattr(bench_step, "rank_context", preloaded_context)
+    code = bench_step.main(["--quick", "--context-parallel", "--expert-parallel", "--layers", "1", "--d-model", "16",
+                            "--seq", "8", "--json", str(rows_file), "--plot", str(tmp_path / "chart.svg")])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    rows = json.loads(rows_file.read_text())["rows"]
+    assert [(r["world"], r["placement"], r["eager_kind"]) for r in rows] == [
+        (2, "cp", "eager, whole seq"), (4, "shard x cp", "FSDP2 dp 2, whole seq"), (4, "shard x ep", "FSDP2")]
+    for r in rows:
+        assert r["cache_hit"] and r["loaded_ms"] > 0 and r["eager_ms"] > 0 and r["ops"] > 0
+        assert r["delta_loss"] < 1e-4, r  # cp: the cp ranks' mean loss is the unsplit sequence's
+    assert "torch's own context_parallel does not run on CPU/gloo" in out
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(rows) and all(line.split("|")[10].strip() == "-" for line in table[1:])

@@ -6,6 +6,8 @@
     python tools/bench/bench_step.py --with-torch-compile --worlds 2 --placements replicate
     python tools/bench/bench_step.py --sweep --fused-adamw   # every variant's AdamW fused=True
     python tools/bench/bench_step.py --kernels --with-torch-compile --layers 12 --batch 2   # compiled kernels
+    python tools/bench/bench_step.py --context-parallel --seq 256   # cp 2 at world 2, dp_shard 2 x cp 2 at 4
+    python tools/bench/bench_step.py --expert-parallel              # dp_shard 2 x ep 2 at world 4
 
 For each (world, placement) the artifact is built offline first (``spmd_aot.build``), then
 one process group per world size runs every configuration of that world. Each rank holds
@@ -26,6 +28,23 @@ The optimizer is ``AdamW(lr=1e-3)`` with torch's defaults, as users write it; th
 then runs the fused AdamW kernel (see docs/models.md "Optimizer implementation") where eager runs
 torch's per-tensor loop on CPU. ``--fused-adamw`` gives every variant ``fused=True``, so the
 ratio shows what is left without that choice.
+
+``--context-parallel`` and ``--expert-parallel`` measure those axes instead (either or both):
+
+  cp        the example transformer masks its scores by hand, and context parallel splits SDPA
+            calls, so a causal SDPA model with RoPE from position ids in the batch (the one
+            tests/parallel/test_context_parallel.py checks parity on) is built with
+            ``context_parallel=True``: ``cp`` (cp 2, world 2) and ``shard x cp`` (dp_shard 2 x
+            cp 2, world 4). The cp ranks of a data-parallel share pass the same batch. torch's own
+            ``context_parallel`` does not run on CPU/gloo (no sharding strategy for the CPU flash
+            attention op), so eager is the same model on the unsplit sequence: plain eager at
+            world 2, ``fully_shard`` over dp_shard only at world 4; each cp rank of a share runs
+            that same job, so eager's ms is what a job on world/cp ranks takes. Δloss compares the
+            mean of the cp ranks' losses (each its tokens' mean) with eager's.
+  ep        a MoE of our own (4 experts, top 2, a shared expert per block; the one
+            tests/parallel/test_expert_parallel.py checks parity on) built with
+            ``expert_parallel="auto"``: ``shard x ep`` (dp_shard 2 x ep 2, world 4), against eager
+            ``fully_shard`` of the unsplit model over the 4 ranks, each rank its own batch.
 
 Every variant is warmed up, then timed in interleaved blocks (the order rotates each block),
 each block framed by barriers so it ends when the slowest rank does. ms/step is rank 0's
@@ -59,6 +78,8 @@ for _rule in QUIET.split(","):
     warnings.filterwarnings("ignore", message=_rule.split(":", 1)[1])
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 import spmd_aot  # noqa: E402
 from spmd_aot.examples.models import Transformer, train_step  # noqa: E402
@@ -67,23 +88,167 @@ from bar_chart import write_svg  # noqa: E402  (a sibling file of this script)
 
 VOCAB, HEADS = 256, 4
 TARGET = {1: 0.95}  # loaded/eager the project aims for; 0.90 at world > 1
-EAGER_NAME = {"single": "eager", "replicate": "DDP", "shard": "FSDP2", "hsdp": "FSDP2 2x2"}
+EAGER_NAME = {"single": "eager", "replicate": "DDP", "shard": "FSDP2", "hsdp": "FSDP2 2x2",
+              "cp": "eager, whole seq", "shard x cp": "FSDP2 dp 2, whole seq", "shard x ep": "FSDP2"}
+# context / expert parallel configurations: placement -> (spmd_aot placement, mesh shape, extra options)
+AXIS_PLACEMENTS = {"cp": ("replicate", None, dict(context_parallel=True)),
+                   "shard x cp": ("shard", (2, 2), dict(context_parallel=True)),
+                   "shard x ep": ("shard", (2, 2), dict(expert_parallel="auto"))}
+EXPERTS, TOP_K = 4, 2
+
+
+# ---------------------------------------------------------------------------- the cp and ep models
+class RopeAttention(nn.Module):
+    """RoPE on the position ids the batch carries (global ones, so they stay exact when context
+    parallel splits the sequence), then causal SDPA: the call context parallel splits."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.heads = n_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model, bias=False) for _ in range(4))
+        head_dim = d_model // n_heads
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)),
+                             persistent=False)
+
+    def forward(self, x, pos):
+        b, t, d = x.shape
+        freqs = pos[..., None].float() * self.inv_freq  # [b, t, head_dim / 2]
+        cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]
+
+        def heads(z, rope=True):
+            z = z.view(b, t, self.heads, -1).transpose(1, 2)
+            if not rope:
+                return z
+            z1, z2 = z[..., 0::2], z[..., 1::2]
+            return torch.stack([z1 * cos - z2 * sin, z1 * sin + z2 * cos], dim=-1).flatten(-2)
+
+        out = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x), rope=False),
+                                             is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, t, d))
+
+
+class CPBlock(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.RMSNorm(d_model), nn.RMSNorm(d_model)
+        self.attn = RopeAttention(d_model, n_heads)
+        self.up, self.down = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x, pos):
+        x = x + self.attn(self.ln1(x), pos)
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class CPNet(nn.Module):
+    """A causal SDPA transformer whose forward returns the loss over the tokens it is given."""
+
+    def __init__(self, vocab: int, d_model: int, n_heads: int, n_layers: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.blocks = nn.ModuleList([CPBlock(d_model, n_heads) for _ in range(n_layers)])
+        self.ln_f, self.head = nn.RMSNorm(d_model), nn.Linear(d_model, vocab)
+
+    def forward(self, input_ids, position_ids, targets):
+        x = self.tok(input_ids)
+        for block in self.blocks:
+            x = block(x, position_ids)
+        return F.cross_entropy(self.head(self.ln_f(x)).flatten(0, 1), targets.flatten())
+
+
+class Experts(nn.Module):
+    """The expert-module contract (``num_experts``, parameters stacked per expert,
+    ``forward(hidden [T, D], top_k_index [T, k], top_k_weights [T, k])``), with static shapes:
+    every expert over every row, weighted by its share of each row's routing weights."""
+
+    def __init__(self, experts: int, d: int, hidden: int):
+        super().__init__()
+        self.num_experts = experts
+        self.w_in = nn.Parameter(torch.randn(experts, hidden, d) * d ** -0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, d, hidden) * hidden ** -0.5)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            weight = (top_k_weights * (top_k_index == e)).sum(-1, keepdim=True)
+            out = out + F.linear(F.silu(F.linear(x, self.w_in[e])), self.w_out[e]) * weight
+        return out
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.up, self.down = nn.Linear(d_model, 2 * d_model), nn.Linear(2 * d_model, d_model)
+        self.router = nn.Linear(d_model, EXPERTS, bias=False)
+        self.experts = Experts(EXPERTS, d_model, 2 * d_model)
+        self.shared = nn.Sequential(nn.Linear(d_model, d_model), nn.SiLU(), nn.Linear(d_model, d_model))
+
+    def forward(self, x):
+        x = x + self.down(F.gelu(self.up(self.norm1(x))))
+        h = self.norm2(x).reshape(-1, x.shape[-1])
+        weights, index = self.router(h).softmax(-1).topk(TOP_K, -1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        return x + (self.experts(h, index, weights) + self.shared(h)).view_as(x)
+
+
+class MoENet(nn.Module):
+    """A MoE language model whose forward returns the loss."""
+
+    def __init__(self, vocab: int, d_model: int, n_layers: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.blocks = nn.ModuleList(MoEBlock(d_model) for _ in range(n_layers))
+        self.norm, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, vocab)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), labels.flatten())
+
+
+def loss_step(model, optim, batch):
+    """The step of the cp and ep models, whose forward returns the loss."""
+    loss = model(**batch)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     world: int
-    placement: str  # "single" (world 1), "replicate", "shard", or "hsdp" (shard on a 2x2 mesh)
+    placement: str  # "single" (world 1), "replicate", "shard", "hsdp" (shard on a 2x2 mesh), or AXIS_PLACEMENTS
     layers: int
     d_model: int
 
     @property
+    def axis(self) -> str | None:
+        """"cp" or "ep" for a context / expert parallel configuration."""
+        return self.placement.rsplit(" ", 1)[-1] if self.placement in AXIS_PLACEMENTS else None
+
+    @property
     def spmd_placement(self) -> str:
+        if self.axis:
+            return AXIS_PLACEMENTS[self.placement][0]
         return "shard" if self.placement in ("shard", "hsdp") else "replicate"
 
     @property
     def mesh_shape(self):
+        if self.axis:
+            return AXIS_PLACEMENTS[self.placement][1]
         return (2, 2) if self.placement == "hsdp" else None
+
+    @property
+    def options(self) -> dict:
+        """What build and compile take for this configuration, besides the communication options."""
+        extra = AXIS_PLACEMENTS[self.placement][2] if self.axis else {}
+        return dict(placement=self.spmd_placement, mesh_shape=self.mesh_shape, **extra)
+
+    @property
+    def step(self):
+        return loss_step if self.axis else train_step
 
     @property
     def label(self) -> str:
@@ -109,23 +274,34 @@ def _adamw(params, s: Settings):
 
 def _model_and_optim(cfg: Config, s: Settings):
     torch.manual_seed(0)  # identical copies on every rank and for every variant
-    model = Transformer(vocab=VOCAB, d_model=cfg.d_model, n_heads=HEADS, n_layers=cfg.layers, max_len=s.seq)
+    if cfg.axis == "cp":
+        model = CPNet(vocab=VOCAB, d_model=cfg.d_model, n_heads=HEADS, n_layers=cfg.layers)
+    elif cfg.axis == "ep":
+        model = MoENet(vocab=VOCAB, d_model=cfg.d_model, n_layers=cfg.layers)
+    else:
+        model = Transformer(vocab=VOCAB, d_model=cfg.d_model, n_heads=HEADS, n_layers=cfg.layers, max_len=s.seq)
     return model, _adamw(model.parameters(), s)
 
 
-def _batch(s: Settings, rank: int):
-    g = torch.Generator().manual_seed(1000 + rank)
-    return (torch.randint(0, VOCAB, (s.batch, s.seq), generator=g),
+def _batch(s: Settings, rank: int, cfg: Config | None = None):
+    axis = cfg.axis if cfg is not None else None
+    share = rank // 2 if axis == "cp" else rank  # the cp ranks of a share (cp is 2, the last dim) pass one batch
+    g = torch.Generator().manual_seed(1000 + share)
+    if axis == "cp":  # targets shifted before the step, global position ids: both follow the split
+        tokens = torch.randint(0, VOCAB, (s.batch, s.seq + 1), generator=g)
+        return {"input_ids": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous(),
+                "position_ids": torch.arange(s.seq).expand(s.batch, s.seq).contiguous()}
+    x, y = (torch.randint(0, VOCAB, (s.batch, s.seq), generator=g),
             torch.randint(0, VOCAB, (s.batch, s.seq), generator=g))
+    return {"input_ids": x, "labels": y} if axis == "ep" else (x, y)
 
 
 def build(cfg: Config, s: Settings, cache_dir: str) -> float:
     """Build the artifact offline, as CI would; returns seconds (0 when it was cached)."""
-    job = spmd_aot.Job(step=train_step, model=lambda: _model_and_optim(cfg, s)[0],
+    job = spmd_aot.Job(step=cfg.step, model=lambda: _model_and_optim(cfg, s)[0],
                        optimizer=lambda m: _adamw(m.parameters(), s),
-                       batch=lambda: _batch(s, 0))
-    result = spmd_aot.build(job, world_size=cfg.world, placement=cfg.spmd_placement,
-                            mesh_shape=cfg.mesh_shape, cache_dir=cache_dir, **s.comm)
+                       batch=lambda: _batch(s, 0, cfg))
+    result = spmd_aot.build(job, world_size=cfg.world, cache_dir=cache_dir, **cfg.options, **s.comm)
     seconds = result.seconds if result.traced else 0.0
     if s.kernels:
         with_kernels = spmd_aot.build(job, world_size=cfg.world, placement=cfg.spmd_placement,
@@ -140,15 +316,18 @@ def build(cfg: Config, s: Settings, cache_dir: str) -> float:
 def _eager_model(cfg: Config, world: int, s: Settings):
     """The eager oracle for this placement: (module to call, its optimizer)."""
     model, optim = _model_and_optim(cfg, s)
-    if world == 1:
+    if world == 1 or cfg.placement == "cp":  # cp alone: every rank runs the unsplit sequence
         return model, optim
     if cfg.spmd_placement == "replicate":
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(model), optim
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    shape = cfg.mesh_shape or (world,)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+    if cfg.axis == "cp":  # over dp_shard only; the cp ranks of a share run the same job
+        mesh = init_device_mesh("cpu", cfg.mesh_shape, mesh_dim_names=("dp_shard", "cp"))["dp_shard"]
+    else:  # ep: the unsplit model over the whole world
+        shape = (world,) if cfg.axis == "ep" else cfg.mesh_shape or (world,)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -188,18 +367,17 @@ def median_ratio(numerators: list[float], denominators: list[float]) -> float:
 
 
 def _measure(cfg: Config, s: Settings, cache_dir: str, rank: int, world: int) -> dict:
-    batch = _batch(s, rank)
+    batch = _batch(s, rank, cfg)
     variants = {}
     model, optim = _model_and_optim(cfg, s)
-    step = spmd_aot.compile(train_step, placement=cfg.spmd_placement, mesh_shape=cfg.mesh_shape,
-                            cache_dir=cache_dir, require_hit=True, **s.comm)
+    step = spmd_aot.compile(cfg.step, cache_dir=cache_dir, require_hit=True, **cfg.options, **s.comm)
     variants["loaded"] = lambda: step(model, optim, batch)
     eager, eager_optim = _eager_model(cfg, world, s)
-    variants["eager"] = lambda: train_step(eager, eager_optim, batch)
+    variants["eager"] = lambda: cfg.step(eager, eager_optim, batch)
     if s.with_compile:
         compiled_module, compiled_optim = _eager_model(cfg, world, s)
         compiled_module = torch.compile(compiled_module)
-        variants["compiled"] = lambda: train_step(compiled_module, compiled_optim, batch)
+        variants["compiled"] = lambda: cfg.step(compiled_module, compiled_optim, batch)
     if s.kernels:
         variants.update(_kernel_variants(cfg, s, cache_dir, world, batch))
 
@@ -215,6 +393,8 @@ def _measure(cfg: Config, s: Settings, cache_dir: str, rank: int, world: int) ->
     last = {}
     times = timed_blocks(variants, s.blocks, s.steps, lambda: _sync(world), last)
     names = list(variants)
+    if cfg.axis == "cp":  # each cp rank's loss is its tokens' mean: their mean is the unsplit loss
+        last["loaded"] = _mean_over_cp(last["loaded"].detach().clone())
     losses = {name: float(loss.detach().float()) for name, loss in last.items()}
     program = getattr(getattr(step, "_bound", None), "program", None)  # op count, if exposed
     row = dict(world=world, placement=cfg.placement, layers=cfg.layers, d_model=cfg.d_model,
@@ -234,6 +414,13 @@ def _measure(cfg: Config, s: Settings, cache_dir: str, rank: int, world: int) ->
             row[f"{name}_first_s"] = first_s[name]
             row[f"{name}_delta_loss"] = abs(losses[name] - losses["eager"])
     return row
+
+
+def _mean_over_cp(loss):
+    """The mean over this rank's cp group: consecutive pairs of ranks (cp is the last mesh dim, size 2)."""
+    group, _ = torch.distributed.new_subgroups(2)
+    torch.distributed.all_reduce(loss, group=group)
+    return loss / 2
 
 
 def _kernel_variants(cfg: Config, s: Settings, cache_dir: str, world: int, batch) -> dict:
@@ -350,9 +537,11 @@ def table(rows: list[dict], with_compile: bool) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
         ok = "yes" if r["loaded_ratio"] <= _target(r["world"]) else "no"
+        # the targets are set for the data-parallel rows; cp and ep have none
+        target = "-" if r["placement"] in AXIS_PLACEMENTS else f"<={_target(r['world']):.2f} {ok}"
         cells = [r["world"], r["placement"], r["layers"], r["d_model"], r["ops"] if r["ops"] is not None else "-",
                  f"{r['loaded_ms']:.2f}", r["eager_kind"], f"{r['eager_ms']:.2f}", f"{r['loaded_ratio']:.3f}",
-                 f"<={_target(r['world']):.2f} {ok}", f"{r['delta_loss']:.0e}"]
+                 target, f"{r['delta_loss']:.0e}"]
         if with_compile:
             cells += [f"{r['compiled_ms']:.2f}", f"{r['compiled_ratio']:.3f}", f"{r['compile_s']:.1f}"]
         if kernels:
@@ -416,6 +605,14 @@ def configs_for(worlds, placements, layer_list, d_model_list) -> list[Config]:
     return configs
 
 
+def axis_configs(worlds, context: bool, expert: bool, layer_list, d_model_list) -> list[Config]:
+    """Context parallel at world 2 (cp 2) and 4 (dp_shard 2 x cp 2); expert parallel at world 4
+    (dp_shard 2 x ep 2)."""
+    wanted = ([(2, "cp"), (4, "shard x cp")] if context else []) + ([(4, "shard x ep")] if expert else [])
+    return [Config(world, placement, layers, d_model) for world in worlds for layers in layer_list
+            for d_model in d_model_list for w, placement in wanted if w == world]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=_ints, help="comma-separated (default 4; --sweep: 2,12)")
@@ -442,6 +639,12 @@ def main(argv=None) -> int:
                              "step's own choice of the fused kernel (torch's default on CPU is the per-tensor loop)")
     parser.add_argument("--kernels", action="store_true",
                         help="also build with kernels=True and time the compiled-kernels step (trusted cache)")
+    parser.add_argument("--context-parallel", action="store_true",
+                        help="instead: context parallel on a causal SDPA model, world 2 (cp 2) and 4 (dp_shard 2 x "
+                             "cp 2), against eager on the unsplit sequence over the data-parallel ranks")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="instead: expert parallel on a MoE, world 4 (dp_shard 2 x ep 2), against eager FSDP2 "
+                             "of the unsplit model")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per world before giving up")
     args = parser.parse_args(argv)
 
@@ -464,7 +667,17 @@ def main(argv=None) -> int:
     s = Settings(seq=pick("seq"), batch=pick("batch"), steps=pick("steps"), blocks=pick("blocks"),
                  warmup=max(1, pick("warmup")), with_compile=args.with_torch_compile,
                  comm=_parse_comm(args.comm), fused_adamw=args.fused_adamw, kernels=args.kernels)
-    configs = configs_for(args.worlds, placements, pick("layers"), pick("d_model"))
+    axes = args.context_parallel or args.expert_parallel
+    if axes and args.kernels:
+        parser.error("--kernels measures the data-parallel rows only; drop it with --context-parallel/--expert-parallel")
+    if args.context_parallel and pick("seq") % 4:
+        parser.error(f"--context-parallel splits the sequence into 4 chunks (2 per cp rank): --seq {pick('seq')} "
+                     "does not divide by 4")
+    if axes:
+        configs = axis_configs(args.worlds, args.context_parallel, args.expert_parallel, pick("layers"),
+                               pick("d_model"))
+    else:
+        configs = configs_for(args.worlds, placements, pick("layers"), pick("d_model"))
 
     command = "python tools/bench/bench_step.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     print(f"# {command.strip()}")
@@ -473,6 +686,14 @@ def main(argv=None) -> int:
           f"context {s.seq}, batch {s.batch} per rank; "
           f"{s.blocks} blocks x {s.steps} steps after {s.warmup} warm-up" +
           (f"; comm {s.comm}" if s.comm else ""), flush=True)
+    if args.context_parallel:
+        print("# context parallel: causal SDPA model with RoPE, batch per data-parallel share (the cp ranks of a "
+              "share pass the same one); torch's own context_parallel does not run on CPU/gloo, so eager is the "
+              "unsplit sequence (plain, or fully_shard over dp_shard), run by each cp rank; Δloss: the cp ranks' "
+              "mean loss", flush=True)
+    if args.expert_parallel:
+        print(f"# expert parallel: MoE with {EXPERTS} experts, top {TOP_K}, a shared expert per block; eager is "
+              "fully_shard of the unsplit model over every rank", flush=True)
     rows, failures = [], []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_step_cache_") as cache_dir:
