@@ -102,19 +102,11 @@ class PipelineStep:
         replicas = Replicas(plan, device_type)  # collective with replicas: every rank makes the mesh
         key = pipeline_key(model, self.loss_fn, batch, self.pipeline, plan)
         ranks.check_ranks_agree(key, world)
-        status, payload, hit, traced, error = "ok", "", False, False, None
+        decision, _ = ranks.rank0_decides(lambda: self._resolve_on_rank0(model, batch, plan, key), rank, world)
+        hit, traced = decision.hit, decision.traced
         if rank == 0:
-            try:
-                payload, hit, traced = self._resolve_on_rank0(model, batch, plan, key)
-            except Exception as exc:  # any failure reaches every rank: none is left waiting
-                status, payload, error = type(exc).__name__, str(exc), exc
             self._traces += int(traced)
-        status, payload, hit, traced = ranks.broadcast_decision((status, payload, hit, traced), world)
-        if error is not None:
-            raise error
-        if status != "ok":
-            raise ranks.error_from_rank0(status, payload)
-        digest, failure, bound = payload, None, None
+        digest, failure, bound = decision.payload, None, None
         try:
             with reading(self.store, digest):
                 manifest = read_pipeline_manifest(self.store, digest)

@@ -21,7 +21,7 @@ from .device_check import DeviceMismatchError
 from ..errors import ArtifactMismatchError, SpmdAotError
 
 __all__ = ["ERRORS", "error_from_rank0", "comm_device", "broadcast_model_once", "check_ranks_agree",
-           "Decision", "broadcast_decision", "needs_blobs", "broadcast_blobs", "all_ranks_ok", "all_ranks_allow",
+           "Decision", "broadcast_decision", "rank0_decides", "needs_blobs", "broadcast_blobs", "all_ranks_ok", "all_ranks_allow",
            "live_groups"]
 
 # Rank 0's failure reaches the other ranks by class name; the error types the other ranks raise
@@ -110,6 +110,25 @@ def broadcast_decision(decision, world: int) -> Decision:
     data = f"{status}\n{int(hit)}{int(traced)}\n{payload}".encode() if dist.get_rank() == 0 else None
     status, flags, payload = _broadcast_bytes(data).decode().split("\n", 2)
     return Decision(status, payload, flags[0] == "1", flags[1] == "1")
+
+
+def rank0_decides(resolve, rank: int, world: int):
+    """Run ``resolve()`` on rank 0 only (it returns the digest, hit, traced and anything else
+    rank 0 keeps) and give every rank the same ``Decision``; rank 0's failure is raised on every
+    rank, so none is left waiting. Returns ``(decision, rest)``: ``rest`` is what ``resolve``
+    returned past its first three values, on rank 0 (``()`` elsewhere)."""
+    status, payload, hit, traced, rest, error = "ok", "", False, False, (), None
+    if rank == 0:
+        try:
+            payload, hit, traced, *rest = resolve()
+        except Exception as exc:  # any failure reaches every rank: none is left waiting
+            status, payload, error = type(exc).__name__, str(exc), exc
+    decision = broadcast_decision((status, payload, hit, traced), world)
+    if error is not None:
+        raise error
+    if decision.status != "ok":
+        raise error_from_rank0(decision.status, decision.payload)
+    return decision, tuple(rest)
 
 
 def needs_blobs(have_artifact: bool, world: int) -> bool:

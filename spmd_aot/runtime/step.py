@@ -189,19 +189,12 @@ class CompiledStep:
 
         # Reader leases keep gc from deleting the artifact until every rank has loaded it.
         with contextlib.ExitStack() as leases:
-            status, payload, hit, traced, artifact, error = "ok", "", False, False, None, None
+            decision, rest = ranks.rank0_decides(
+                lambda: self._resolve_on_rank0(state, plan, key, mesh, leases), rank, world)
+            digest, hit, traced = decision.payload, decision.hit, decision.traced
+            artifact = rest[0] if rest else None
             if rank == 0:
-                try:
-                    payload, hit, traced, artifact = self._resolve_on_rank0(state, plan, key, mesh, leases)
-                except Exception as exc:  # any failure reaches every rank: none is left waiting
-                    status, payload, error = type(exc).__name__, str(exc), exc
                 self._traces += int(traced)
-            status, payload, hit, traced = ranks.broadcast_decision((status, payload, hit, traced), world)
-            if error is not None:
-                raise error
-            if status != "ok":
-                raise ranks.error_from_rank0(status, payload)
-            digest = payload
             kernels_refused = self._kernels_refused(world)
             program, failure = None, None
             try:
