@@ -31,15 +31,14 @@ def cmd_ls(args) -> int:
 
 
 def _ls_columns(store, entry) -> list:
-    from ..entries import manifest_blobs, read_manifest
+    from ..entries import manifest_blobs
+    from ..entries.pipeline_artifact import read_any_manifest
 
     if entry.error:
         return [f"CORRUPT: {entry.error}"]
-    from ..entries.pipeline_artifact import pipeline_manifest_or_none
-
     try:
-        pipeline = pipeline_manifest_or_none(store, entry.digest)
-        manifest = pipeline or read_manifest(store, entry.digest)
+        manifest, is_pipeline = read_any_manifest(store, entry.digest)
+        pipeline = manifest if is_pipeline else None
         size = 0
         for name, digest in manifest_blobs(manifest, entry.digest):
             blob_size = store.size(digest)

@@ -25,10 +25,11 @@ import torch
 from ..format import bounded, signing
 from ..errors import CorruptArtifactError
 from ..format.limits import load_limits
+from ..format.manifest import decode_manifest
 from ..format.serialize import decode_graph, encode_graph
 
 __all__ = ["KIND", "encode_pipeline", "read_pipeline_manifest", "read_stage", "LoadedStage", "is_pipeline_manifest",
-           "check_pipeline_blobs", "check_pipeline_entry", "pipeline_manifest_or_none", "backward_inputs"]
+           "check_pipeline_blobs", "check_pipeline_entry", "pipeline_manifest_or_none", "read_any_manifest", "backward_inputs"]
 
 KIND = "pipeline"
 FORMAT = 1
@@ -77,8 +78,33 @@ def is_pipeline_manifest(manifest) -> bool:
 
 def read_pipeline_manifest(store, digest: str) -> dict:
     """The validated pipeline manifest ``digest``; with a signing key set, only a signed one."""
+    return _decode_pipeline_manifest(store.get(digest, limit=load_limits().part_bytes), digest)
+
+
+def read_any_manifest(store, digest: str) -> tuple[dict, bool]:
+    """The validated manifest ``digest`` of either kind, its bytes read once, and whether it is a
+    pipeline entry's; for the commands that read every kind (``ls``)."""
+    from .read import blob_limit, read_blob
+
+    data = read_blob(store, digest, max(blob_limit("manifest"), load_limits().part_bytes), "manifest")
+    if _is_pipeline_bytes(data, digest):
+        return _decode_pipeline_manifest(data, digest), True
+    return decode_manifest(data, digest), False
+
+
+def _is_pipeline_bytes(data: bytes, digest: str) -> bool:
     limits = load_limits()
-    data = store.get(digest, limit=limits.part_bytes)
+    try:
+        _, body = signing.split(data, f"manifest {digest[:12]}")
+        m = bounded.unpack(body, f"manifest {digest[:12]}", objects=limits.objects, max_array=limits.items,
+                           max_map=limits.items)
+    except CorruptArtifactError:
+        return False
+    return is_pipeline_manifest(m)
+
+
+def _decode_pipeline_manifest(data: bytes | None, digest: str) -> dict:
+    limits = load_limits()
     if data is None or hashlib.sha256(data).hexdigest() != digest:
         raise CorruptArtifactError(f"pipeline manifest {digest[:12]} is missing or does not match its digest")
     body = signing.verified_body(data, digest)
@@ -217,17 +243,10 @@ def check_pipeline_blobs(blobs: dict[str, bytes]) -> None:
 def pipeline_manifest_or_none(store, digest: str) -> dict | None:
     """The validated pipeline manifest ``digest``, or None when ``digest`` is another kind of entry
     (which its own reader checks); for the commands that read every kind (``show``, ``ls``, ``verify``)."""
-    limits = load_limits()
-    data = store.get(digest, limit=limits.part_bytes)
-    if data is None:
+    data = store.get(digest, limit=load_limits().part_bytes)
+    if data is None or not _is_pipeline_bytes(data, digest):
         return None
-    try:
-        _, body = signing.split(data, f"manifest {digest[:12]}")
-        m = bounded.unpack(body, f"manifest {digest[:12]}", objects=limits.objects, max_array=limits.items,
-                           max_map=limits.items)
-    except CorruptArtifactError:
-        return None
-    return read_pipeline_manifest(store, digest) if is_pipeline_manifest(m) else None
+    return _decode_pipeline_manifest(data, digest)
 
 
 def check_pipeline_entry(store, digest: str) -> dict:
