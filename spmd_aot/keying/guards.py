@@ -30,8 +30,10 @@ fails the guard too; ``artifact`` refuses a manifest holding one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
+import importlib.util
 import importlib.metadata
 import os
 import stat
@@ -113,9 +115,19 @@ def _files_outside_observers(stats, observers: frozenset) -> set[str]:
     return {codes[i].co_filename for i in reached if i in codes}
 
 
+@functools.lru_cache(maxsize=1)
+def _typing_shim() -> str | None:
+    """``typing_extensions``' file: it patches the stdlib's ``typing`` internals, so whether its
+    code runs during a trace depends on ``typing``'s own LRU caches (process history: torch builds
+    ``Optional[...]`` in ``record_function``), not on the step. It only makes annotation objects."""
+    spec = importlib.util.find_spec("typing_extensions")
+    return os.path.abspath(spec.origin) if spec is not None and spec.origin else None
+
+
 def _guarded(path: str) -> bool:
-    """Code whose file a guard must cover: not stdlib, torch or spmd-aot's own (keyed) modules."""
-    if path.startswith(_TORCH_DIRS):
+    """Code whose file a guard must cover: not stdlib (nor its ``typing_extensions`` shim), torch
+    or spmd-aot's own (keyed) modules."""
+    if path.startswith(_TORCH_DIRS) or path == _typing_shim():
         return False
     if path.startswith(_PACKAGE_DIR + os.sep):
         return path.startswith(_EXAMPLES_DIR)  # examples are user code
