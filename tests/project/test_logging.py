@@ -52,5 +52,6 @@ def test_miss_hint_for_a_job_with_python_hooks_names_spmd_aot_build(tmp_path):
     with pytest.raises(spmd_aot.CacheMissError) as exc:
         compiled_run("mlp", "sgd", 0, 1, 1, tmp_path, require_hit=True, gm_transformation=lambda gm: gm)
     message = str(exc.value)
-    assert "spmd_aot.build(job, world_size=1, placement='replicate', ...)" in message
+    assert "spmd_aot.build(job, parallel=..., run=..., world_size=1)" in message
+    assert "same ParallelOptions and RunOptions" in message
     assert "gm_transformation" in message and "spmd-aot build" not in message
