@@ -68,6 +68,39 @@ def tensor_limit(inputs: list[dict], limits: LoadLimits) -> int:
     return max([limits.tensor_floor, limits.tensor_factor * max(sizes, default=0), sum(sizes)])
 
 
+def _meta_value(v, env: list):
+    """A decoded argument with each reference replaced by its node's meta value (decoded values
+    are of these exact types; the isinstance tests are a fallback)."""
+    kind = type(v)
+    if kind is Ref:
+        return env[v.index]
+    if kind is tuple or kind is list:
+        return kind([_meta_value(x, env) for x in v])
+    if kind in _SCALARS:
+        return v
+    if kind is dict:
+        return {k: _meta_value(x, env) for k, x in v.items()}
+    if isinstance(v, Ref):
+        return env[v.index]
+    if isinstance(v, torch.device):
+        return _META
+    if isinstance(v, (list, tuple)):
+        return type(v)(_meta_value(x, env) for x in v)
+    if isinstance(v, dict):
+        return {k: _meta_value(x, env) for k, x in v.items()}
+    if isinstance(v, slice):
+        return slice(_meta_value(v.start, env), _meta_value(v.stop, env), _meta_value(v.step, env))
+    return v
+
+
+def _input_value(entry: dict, i: int, limit: int) -> torch.Tensor:
+    """The meta tensor of layout input ``i``, refused past the graph's tensor limit."""
+    shape, dtype = _shape(entry.get("local_shape"), "local shape"), _dtype(entry.get("dtype"))
+    if _bytes(shape, dtype) > limit:
+        raise CorruptArtifactError(f"layout input {i} is {_bytes(shape, dtype)} bytes, over the limit")
+    return torch.empty(shape, dtype=dtype, device=_META)
+
+
 def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], inputs: list[dict],
                 limits: LoadLimits | None = None, *, device_type: str) -> list[Any]:
     """Run ``nodes`` on meta tensors shaped as ``inputs`` (the layout) and check every result;
@@ -96,35 +129,12 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
     # nodes hold every op until the check returns), the memo's key included.
     facts: dict[int, tuple] = {}
 
-    def meta(v):  # decoded values are of these exact types; the isinstance tests are a fallback
-        kind = type(v)
-        if kind is Ref:
-            return env[v.index]
-        if kind is tuple or kind is list:
-            return kind([meta(x) for x in v])
-        if kind in _SCALARS:
-            return v
-        if kind is dict:
-            return {k: meta(x) for k, x in v.items()}
-        if isinstance(v, Ref):
-            return env[v.index]
-        if isinstance(v, torch.device):
-            return _META
-        if isinstance(v, (list, tuple)):
-            return type(v)(meta(x) for x in v)
-        if isinstance(v, dict):
-            return {k: meta(x) for k, x in v.items()}
-        if isinstance(v, slice):
-            return slice(meta(v.start), meta(v.stop), meta(v.step))
-        return v
+    def meta(v):
+        return _meta_value(v, env)
 
     for i, node in enumerate(nodes):
         if node.op == "placeholder":
-            entry = inputs[i]
-            shape, dtype = _shape(entry.get("local_shape"), "local shape"), _dtype(entry.get("dtype"))
-            if _bytes(shape, dtype) > limit:
-                raise CorruptArtifactError(f"layout input {i} is {_bytes(shape, dtype)} bytes, over the limit")
-            env[i] = torch.empty(shape, dtype=dtype, device=_META)
+            env[i] = _input_value(inputs[i], i, limit)
         elif node.op == "get_attr":
             if node.target not in constants:
                 raise CorruptArtifactError(f"graph reads constant {node.target!r}, which is not stored")
