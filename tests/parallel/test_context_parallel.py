@@ -333,7 +333,7 @@ def test_load_balanced_positions_are_torch_head_tail_chunks():
 
 
 class _OneRank:
-    """What ``_CausalBlocks`` asks of the context-parallel mode, for rank ``rank`` of ``size`` in
+    """What ``CausalBlocks`` asks of the context-parallel mode, for rank ``rank`` of ``size`` in
     one process: ``gather`` returns the whole sequence's keys and values (given, in rank order);
     ``scatter`` keeps the whole sequence's gradient it is given (this rank's queries' share) and
     returns this rank's rows of it."""
@@ -354,7 +354,8 @@ def test_blockwise_causal_attention_equals_sdpa_on_the_whole_sequence(cp):
     """Every rank's output and gradients (queries; keys and values at every global position)
     equal those of causal SDPA over the whole sequence for that rank's queries: grouped-query
     heads, a scale, fp32; the rank-dependent blocks are dropped on the right ranks."""
-    from spmd_aot.parallel.context_parallel import _CausalBlocks, _tokens_first, load_balanced_keys
+    from spmd_aot.parallel.context_parallel import load_balanced_keys
+    from spmd_aot.parallel.cp_attention import CausalBlocks, _tokens_first
 
     b, h, hk, seq, e, scale = 2, 4, 2, 48 * cp, 8, 0.3
     g = torch.Generator().manual_seed(cp)
@@ -366,7 +367,7 @@ def test_blockwise_causal_attention_equals_sdpa_on_the_whole_sequence(cp):
         pos = load_balanced_positions(seq, cp, rank)
         q, k, v = (t[:, :, pos].clone().requires_grad_() for t in (q_all, k_all, v_all))
         mode = _OneRank(cp, rank, whole_flat)
-        out = _CausalBlocks.apply(q, k, v, torch.tensor([rank]), mode, scale)
+        out = CausalBlocks.apply(q, k, v, torch.tensor([rank]), mode, scale)
         grad = torch.randn(out.shape, generator=g)
         (out * grad).sum().backward()
         ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in (q_all, k_all, v_all))
