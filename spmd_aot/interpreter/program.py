@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 from collections.abc import Callable, Sequence
 
 import torch
@@ -273,13 +273,25 @@ def _unpacked_items(nodes: list[DecodedNode], folded: set[int]) -> dict[int, tup
     return out
 
 
+class _Call(NamedTuple):
+    """One node as the step loop runs it (unpacked positionally, in this order, per call)."""
+
+    fn: Callable  # the op's C++ handle, or a wrapper that fills its keyword arguments
+    index: int  # the node's slot in the environment
+    gather: Callable[[list], tuple]  # env -> positional arguments
+    kwargs: dict
+    unpack: tuple  # (slot, position, expectation) of each item of a multi-output result kept
+    frees: tuple  # slots this node reads last (emptied after it runs)
+    expect: Any  # what the load's check derived for the result (run-time invariants)
+
+
 def _compile_call(index: int, target, args: tuple, kwargs: dict, unpack: Sequence[tuple[int, int, Any]],
-                  frees: Sequence[int], expect: Any):
-    """(callable, index, gather(env) -> positional args, kwargs, unpack, frees, expect) for one node."""
+                  frees: Sequence[int], expect: Any) -> _Call:
+    """The ``_Call`` of one node."""
     fn = getattr(target, "_op", target)  # the C++ handle behind an OpOverload
     unpack, frees = tuple(unpack), tuple(frees)
     if not has_ref(kwargs):
-        return (fn, index, _gatherer(args), kwargs, unpack, frees, expect)
+        return _Call(fn, index, _gatherer(args), kwargs, unpack, frees, expect)
     if all(isinstance(v, Ref) or not has_ref(v) for v in kwargs.values()):
         # a kwarg that is a value (``mm.out(a, b, out=bucket_slice)``): gathered like the args
         gather, constant = _gatherer(args), {k: v for k, v in kwargs.items() if not isinstance(v, Ref)}
@@ -290,11 +302,11 @@ def _compile_call(index: int, target, args: tuple, kwargs: dict, unpack: Sequenc
             for k, i in refs:
                 kwargs[k] = env[i]
             return _f(*gather(env), **kwargs)
-        return (value_kwargs, index, lambda env: (env,), {}, unpack, frees, expect)
+        return _Call(value_kwargs, index, lambda env: (env,), {}, unpack, frees, expect)
 
     def with_kwargs(env, _f=fn, _a=args, _kw=kwargs):  # rare: a kwarg holds values deeper
         return _f(*_materialize(_a, env), **_materialize(_kw, env))
-    return (with_kwargs, index, lambda env: (env,), {}, unpack, frees, expect)
+    return _Call(with_kwargs, index, lambda env: (env,), {}, unpack, frees, expect)
 
 
 def _gatherer(args: tuple) -> Callable[[list], tuple]:
