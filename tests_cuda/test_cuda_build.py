@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import spmd_aot
-from spmd_aot.format.artifact import read_manifest
+from spmd_aot.entries import read_manifest
 from spmd_aot.store import LocalStore
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
