@@ -60,8 +60,10 @@ def test_example_builds_for_cuda(cache, placement):
 
     result = spmd_aot.build(quickstart.job(), device="cuda", cache_dir=cache, **PLACEMENTS[placement])
     ops = _check_cuda_graph(cache, result)
-    # eager AdamW on CUDA tensors defaults to foreach (not fused): the graph holds the same
-    assert "aten::_foreach_lerp_.Scalar" in ops and "aten::_fused_adamw_.tensor_lr" not in ops
+    # eager AdamW on CUDA tensors defaults to foreach (not fused): the graph holds the same form
+    # (eager's per-tensor arithmetic as foreach ops: tracing/optimizers.py)
+    assert any(op.startswith("aten::_foreach_addcmul_") for op in ops), sorted(ops)
+    assert not any("fused_adam" in op for op in ops), sorted(ops)
     if placement != "replicate":
         assert "_c10d_functional::reduce_scatter_tensor.default" in ops
 
