@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["MLP", "Transformer", "train_step"]
+__all__ = ["MLP", "Transformer", "StackedExperts", "train_step"]
 
 
 class MLP(nn.Module):
@@ -89,3 +89,23 @@ def train_step(model, optim, batch):
     optim.step()
     optim.zero_grad()
     return loss
+
+
+class StackedExperts(nn.Module):
+    """A mixture-of-experts expert module in the form expert parallel splits (``num_experts``,
+    parameters stacked per expert, ``forward(hidden [T, D], top_k_index [T, k], top_k_weights
+    [T, k])``, as transformers' MoE experts), with static shapes: every expert over every row,
+    weighted by its share of each row's routing weights."""
+
+    def __init__(self, experts: int, d: int, hidden: int):
+        super().__init__()
+        self.num_experts = experts
+        self.w_in = nn.Parameter(torch.randn(experts, hidden, d) * d ** -0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, d, hidden) * hidden ** -0.5)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            weight = (top_k_weights * (top_k_index == e)).sum(-1, keepdim=True)
+            out = out + F.linear(F.silu(F.linear(x, self.w_in[e])), self.w_out[e]) * weight
+        return out

@@ -16,6 +16,7 @@ from torch import nn
 
 import spmd_aot
 from spmd_aot.errors import SpmdAotError, UnsupportedError
+from spmd_aot.examples.models import StackedExperts
 from spmd_aot.parallel.expert_parallel import capacity, expert_modules, planned_experts
 from spmd_aot.parallel.plan import Plan
 from support import corpus
@@ -27,23 +28,6 @@ VOCAB, D = 64, 16
 
 
 # ---------------------------------------------------------------- a MoE of our own
-class Experts(nn.Module):
-    """The expert-module contract: ``num_experts``, parameters stacked per expert,
-    ``forward(hidden [T, D], top_k_index [T, k], top_k_weights [T, k])``; static shapes (every
-    expert over every row, weighted by its share of each row's routing weights)."""
-
-    def __init__(self, experts: int, d: int, hidden: int):
-        super().__init__()
-        self.num_experts = experts
-        self.w_in = nn.Parameter(torch.randn(experts, hidden, d) * d ** -0.5)
-        self.w_out = nn.Parameter(torch.randn(experts, d, hidden) * hidden ** -0.5)
-
-    def forward(self, x, top_k_index, top_k_weights):
-        out = torch.zeros_like(x)
-        for e in range(self.num_experts):
-            weight = (top_k_weights * (top_k_index == e)).sum(-1, keepdim=True)
-            out = out + F.linear(F.silu(F.linear(x, self.w_in[e])), self.w_out[e]) * weight
-        return out
 
 
 class Block(nn.Module):
@@ -53,7 +37,7 @@ class Block(nn.Module):
         self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
         self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
         self.router = nn.Linear(D, experts, bias=False)
-        self.experts = Experts(experts, D, 2 * D)
+        self.experts = StackedExperts(experts, D, 2 * D)
         self.shared = nn.Sequential(nn.Linear(D, D), nn.SiLU(), nn.Linear(D, D))  # a shared expert
 
     def forward(self, x):
@@ -336,7 +320,7 @@ def _dropping_worker(rank, world, factor):
     from spmd_aot.parallel.mesh import device_mesh
 
     torch.manual_seed(0)
-    experts = Experts(8, D, 2 * D)
+    experts = StackedExperts(8, D, 2 * D)
     whole = {n: p.detach().clone() for n, p in experts.named_parameters()}
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(12, D, generator=g)

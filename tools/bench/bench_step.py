@@ -82,7 +82,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import spmd_aot  # noqa: E402
-from spmd_aot.examples.models import Transformer, train_step  # noqa: E402
+from spmd_aot.examples.models import StackedExperts, Transformer, train_step  # noqa: E402
 
 from bar_chart import write_svg  # noqa: E402  (a sibling file of this script)
 
@@ -155,32 +155,13 @@ class CPNet(nn.Module):
         return F.cross_entropy(self.head(self.ln_f(x)).flatten(0, 1), targets.flatten())
 
 
-class Experts(nn.Module):
-    """The expert-module contract (``num_experts``, parameters stacked per expert,
-    ``forward(hidden [T, D], top_k_index [T, k], top_k_weights [T, k])``), with static shapes:
-    every expert over every row, weighted by its share of each row's routing weights."""
-
-    def __init__(self, experts: int, d: int, hidden: int):
-        super().__init__()
-        self.num_experts = experts
-        self.w_in = nn.Parameter(torch.randn(experts, hidden, d) * d ** -0.5)
-        self.w_out = nn.Parameter(torch.randn(experts, d, hidden) * hidden ** -0.5)
-
-    def forward(self, x, top_k_index, top_k_weights):
-        out = torch.zeros_like(x)
-        for e in range(self.num_experts):
-            weight = (top_k_weights * (top_k_index == e)).sum(-1, keepdim=True)
-            out = out + F.linear(F.silu(F.linear(x, self.w_in[e])), self.w_out[e]) * weight
-        return out
-
-
 class MoEBlock(nn.Module):
     def __init__(self, d_model: int):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.up, self.down = nn.Linear(d_model, 2 * d_model), nn.Linear(2 * d_model, d_model)
         self.router = nn.Linear(d_model, EXPERTS, bias=False)
-        self.experts = Experts(EXPERTS, d_model, 2 * d_model)
+        self.experts = StackedExperts(EXPERTS, d_model, 2 * d_model)
         self.shared = nn.Sequential(nn.Linear(d_model, d_model), nn.SiLU(), nn.Linear(d_model, d_model))
 
     def forward(self, x):
