@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..passes.ops import is_wait
 
-__all__ = ["graph_peak_bytes", "PeakMemory", "state_tensors"]
+__all__ = ["graph_peak_bytes", "PeakMemory", "state_tensors", "fsdp2_storages"]
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -109,6 +109,20 @@ def state_tensors(*trees) -> list[torch.Tensor]:
             out += [t for s in tree.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         else:
             out += _tensors(tree)
+    return out
+
+
+def fsdp2_storages(model: torch.nn.Module) -> list[torch.Tensor]:
+    """FSDP2's unsharded-parameter storages in ``model`` (allocated and freed by resizing,
+    outside any op, so ``PeakMemory`` must be told of them to count an eager FSDP2 step)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            for p in group.fsdp_params if group else ():
+                out += list(p.all_gather_outputs)
     return out
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 import spmd_aot
 from spmd_aot.examples.models import train_step
-from spmd_aot.building.peak_memory import PeakMemory, state_tensors
+from spmd_aot.building.peak_memory import PeakMemory, fsdp2_storages, state_tensors
 from spmd_aot.planning.candidates import candidates, plan_fit
 from spmd_aot.planning.footprint import checkpoint_blocks, measure_activations, measure_optimizer, measure_params
 from spmd_aot.planning.memory_model import Candidate, estimate
@@ -96,19 +96,6 @@ CONFIGS = {  # name: (world, the plan's candidate)
 }
 
 
-def _fsdp2_storages(model):
-    """FSDP2's unsharded-parameter storages (allocated and freed by resizing, outside any op)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    out = []
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            group = m._get_fsdp_state()._fsdp_param_group
-            for p in group.fsdp_params if group else ():
-                out += list(p.all_gather_outputs)
-    return out
-
-
 def _eager_worker(rank, world, config):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -142,7 +129,7 @@ def _eager_worker(rank, world, config):
     optim = adamw(model)
     step(model, optim, batch(dp_rank, 0))
     b = batch(dp_rank, 1)
-    with PeakMemory(state_tensors(model, optim, b) + _fsdp2_storages(model)) as measured:
+    with PeakMemory(state_tensors(model, optim, b) + fsdp2_storages(model)) as measured:
         step(model, optim, b)
     return measured.peak
 

@@ -49,19 +49,6 @@ def _job(layers):
     return model, optim, batch
 
 
-def _fsdp2_storages(model):
-    """FSDP2's unsharded-parameter storages (allocated and freed by resizing, outside any op)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    out = []
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            group = m._get_fsdp_state()._fsdp_param_group
-            for p in group.fsdp_params if group else ():
-                out += list(p.all_gather_outputs)
-    return out
-
-
 def _worker(rank, world, port, layers, reshard, cache_dir, queue):
     try:
         _setup(rank, world, port)
@@ -72,7 +59,7 @@ def _worker(rank, world, port, layers, reshard, cache_dir, queue):
         import spmd_aot
         from spmd_aot.entries import read_manifest
         from spmd_aot.examples.models import train_step
-        from spmd_aot.building.peak_memory import PeakMemory, state_tensors
+        from spmd_aot.building.peak_memory import PeakMemory, fsdp2_storages, state_tensors
         from spmd_aot.store import LocalStore
 
         make_model, make_optim, batch = _job(layers)
@@ -85,7 +72,7 @@ def _worker(rank, world, port, layers, reshard, cache_dir, queue):
         ref_optim = make_optim(ref)
         train_step(ref, ref_optim, batch(rank, 0))
         b = batch(rank, 1)
-        with PeakMemory(state_tensors(ref, ref_optim, b) + _fsdp2_storages(ref)) as eager:
+        with PeakMemory(state_tensors(ref, ref_optim, b) + fsdp2_storages(ref)) as eager:
             train_step(ref, ref_optim, b)
 
         torch.manual_seed(0)
