@@ -305,8 +305,10 @@ def _locate(rel: str) -> list[str]:
     path = getattr(module, "__file__", None)
     if isinstance(path, str) and os.path.abspath(path).endswith(os.sep + rel):
         return [os.path.abspath(path)]
+    # a loaded file names ``rel`` only if ``record`` would have named it so: a script ``train.py``
+    # at a sys.path root is not a library's ``pkg/sub/train.py``, whose path merely ends alike
     found = sorted({p for p in _loaded_files().get(os.path.basename(rel), ())
-                    if p == rel or p.endswith(os.sep + rel)})
+                    if (p == rel or p.endswith(os.sep + rel)) and relative_name(p) == rel})
     if found:
         return found
     for root in _roots():

@@ -40,3 +40,27 @@ def test_a_module_found_by_an_import_hook_is_named_by_its_dotted_name(tmp_path, 
     assert guards._locate(rel) == [str(hooked / "models.py")]
     # the file on sys.path keeps its sys.path-relative name
     assert guards.relative_name(str(other / "models.py")) == "otherpkg/models.py"
+
+
+def test_a_script_is_not_confused_with_a_library_module_of_the_same_file_name(tmp_path, monkeypatch):
+    """A training script ``probe.py`` at a sys.path root is guarded as ``probe.py``; a loaded
+    library module ``libpkg/sub/probe.py`` (urllib3 ships ``urllib3/http2/probe.py``) ends with
+    the same name but is another file: it must not stand for the script (every rank then saw
+    "changed since the entry was traced" and refused the entry)."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "probe.py").write_text("STEP = 1\n")
+    lib = tmp_path / "site" / "libpkg" / "sub"
+    lib.mkdir(parents=True)
+    for d in (lib.parent, lib):
+        (d / "__init__.py").write_text("")
+    (lib / "probe.py").write_text("OTHER = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.syspath_prepend(str(scripts))
+    for name in ("__probe_main__", "libpkg", "libpkg.sub", "libpkg.sub.probe"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    _load("__probe_main__", scripts / "probe.py")  # run as a script: its module is not named ``probe``
+    import libpkg.sub.probe  # noqa: F401
+
+    assert guards.relative_name(str(scripts / "probe.py")) == "probe.py"
+    assert guards._locate("probe.py") == [str(scripts / "probe.py")]
