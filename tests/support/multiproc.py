@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -112,13 +113,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world, port, args, queue, inherited):
+def _packed(fn, args) -> bytes:
+    """``fn`` and its arguments pickled in the caller, unpickled by the process once it has adopted
+    the caller's stdout/stderr: a module the process cannot import (the file that defines ``fn``
+    off its path, a syntax error) is then reported as the process's error, with its traceback,
+    instead of a traceback written to the server's /dev/null and a launch waiting for its timeout."""
+    return pickle.dumps((fn, tuple(args)))
+
+
+def _worker(packed, rank, world, port, queue, inherited):
     inherited.adopt()
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
+        fn, args = pickle.loads(packed)
         if world > 0:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=world)
@@ -131,30 +141,61 @@ def _worker(fn, rank, world, port, args, queue, inherited):
             dist.destroy_process_group()
 
 
+def _gather(procs, queue, timeout: float) -> dict:
+    """Each rank's ``(status, value)`` from the queue. A rank that ended without reporting (killed by a
+    signal, ``os._exit``, a crash in torch) fails the launch at once, by name and exit status, rather than
+    leaving its peers waiting for it until ``timeout``."""
+    import queue as queue_mod
+
+    results: dict = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs):
+        try:
+            rank, status, value = queue.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+            results[rank] = (status, value)
+            continue
+        except queue_mod.Empty:
+            pass
+        gone = {r: p.exitcode for r, p in enumerate(procs) if r not in results and p.exitcode is not None}
+        if gone:
+            with contextlib.suppress(queue_mod.Empty):  # what they put before exiting is in the pipe
+                while len(results) < len(procs):
+                    rank, status, value = queue.get(timeout=1.0)
+                    results[rank] = (status, value)
+            gone = {r: code for r, code in gone.items() if r not in results}
+            if gone:
+                raise RuntimeError("rank process ended without reporting a result: " + ", ".join(
+                    f"rank {r} (exit status {code})" for r, code in sorted(gone.items()))
+                    + f"; the others reported {sorted(results)} (its own output, if any, is in the test's"
+                    " captured stderr)")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"ranks did not finish in {timeout}s (got {sorted(results)})")
+    return results
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 240.0, expect_errors: bool = False):
     """``fn(rank, world, *args)`` on ``world`` processes; returns results by rank.
 
     ``world=0`` runs one process with no process group (a plain single-process job).
-    With ``expect_errors`` returns ``(status, value)`` pairs instead of raising.
+    With ``expect_errors`` returns ``(status, value)`` pairs instead of raising. A rank process that
+    ends without reporting raises ``RuntimeError`` at once, whatever ``expect_errors`` says.
     """
     ctx = preloaded_context()
     queue = ctx.Queue()
     port = free_port()
     n = max(world, 1)
     inherited = Inherited()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue, inherited))
+    packed = _packed(fn, args)
+    procs = [ctx.Process(target=_worker, args=(packed, r, world, port, queue, inherited))
              for r in range(n)]
     try:
         for p in procs:
             p.start()
-        results = {}
-        import queue as queue_mod
-        for _ in range(n):
-            try:
-                rank, status, value = queue.get(timeout=timeout)
-            except queue_mod.Empty:
-                raise TimeoutError(f"ranks did not finish in {timeout}s (got {sorted(results)})") from None
-            results[rank] = (status, value)
+        results = _gather(procs, queue, timeout)
+    except BaseException:
+        for p in procs:  # peers of a rank that failed the launch wait on it: end them now
+            p.kill()
+        raise
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -194,12 +235,13 @@ def run_launches(*launches, timeout: float = 240.0) -> list:
     return [f.result() for f in futures]
 
 
-def _call(fn, args, conn, inherited):
+def _call(packed, conn, inherited):
     inherited.adopt()
     import torch
 
     torch.set_num_threads(1)
     try:
+        fn, args = pickle.loads(packed)
         conn.send(("ok", fn(*args)))
     except BaseException as exc:  # report, never leave the parent guessing
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -220,7 +262,7 @@ def run_processes(fn, arg_lists, *, parallel: int = 4, timeout: float = 240.0):
         try:
             for args in arg_lists[start:start + parallel]:
                 recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_call, args=(fn, tuple(args), send, inherited))
+                proc = ctx.Process(target=_call, args=(_packed(fn, args), send, inherited))
                 proc.start()
                 send.close()  # the child holds the only write end: its death reads as EOF
                 running.append((proc, recv))
