@@ -21,10 +21,12 @@ Input mutation: the stored graph updates parameters and optimizer state in place
 steps (``_fused_adamw_`` ...) have no functionalization rule that accepts graph inputs, so they
 are rewritten to their functional form plus ``copy_`` before compiling (``_functional_steps``).
 
-Group names: the graph names mesh dimension ``d`` ``spmd_aot.kernels.d<d>``; a load registers
-the live group of that dimension under that name (``kernel_load``), so one artifact serves every
-rank and job. Meshes of more than one dimension are not compiled (their world-group collectives
-would need one more name): they run interpreted, and the build says so.
+Group names: the graph names mesh dimension ``d`` ``spmd_aot.kernels.d<d>``, and on a mesh of
+several dimensions the world group (every rank: HSDP's loss average, a gradient averaged over
+every data-parallel dimension at once) ``spmd_aot.kernels.world``; on a 1-D mesh the world is
+dimension 0. A load registers the live group of each dimension, and the default group, under
+those names (``kernel_load``), as the interpreter binds the same stored dimensions to the same
+live groups; so one artifact serves every rank and job.
 
 The blob is native code: it loads only from a signed entry or a cache the user trusts
 (``kernel_load``). This module only builds it; its format and check as data are
@@ -45,7 +47,7 @@ import msgpack
 import torch
 
 from ..errors import UnsupportedError
-from ..format.kernels_blob import ENTRY, INDUCTOR_SETTINGS, KERNELS_FORMAT, group_name
+from ..format.kernels_blob import ENTRY, INDUCTOR_SETTINGS, KERNELS_FORMAT, WORLD_GROUP, group_name
 from . import kernel_collectives, kernel_library
 
 __all__ = ["kernel_parts", "compile_graph", "KernelsUnavailable"]
@@ -91,9 +93,6 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
     from ..format.limits import load_limits
     from ..format.serialize import decode_graph, to_fx_graph
 
-    if len(plan.mesh_shape) > 1:
-        raise KernelsUnavailable(f"a {len(plan.mesh_shape)}-D mesh {tuple(plan.mesh_shape)} (kernels are "
-                                 "compiled for one mesh dimension)")
     device = torch.device(plan.device_type)
     if device.type != "cpu":
         raise KernelsUnavailable(
@@ -101,14 +100,14 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
             "from files by path, which the kernels blob does not hold (and Inductor's CUDA lowering needs the "
             "GPU at build time)")
     groups = [group_name(d) for d in range(len(plan.mesh_shape))] if plan.world_size > 1 else []
-    nodes = decode_graph(graph, groups=groups, device=device)
+    world = WORLD_GROUP if len(groups) > 1 else None  # 1-D: the world is dimension 0
+    nodes = decode_graph(graph, groups=groups, device=device, world=world or (groups[0] if groups else None))
     root = torch.nn.Module()
     for name, tensor in load_safetensors(constants).items():
         root.register_buffer(name, tensor.to(device))
     gm = torch.fx.GraphModule(root, to_fx_graph(nodes))
     _functional_steps(gm)
     _out_of_place_collectives(gm)
-    _world_as_dimension(gm, groups)
     _shimmable_collectives(gm)
     slots = unpack_bounded(layout, "layout", objects=load_limits().objects)["inputs"]
     fake = FakeTensorMode(shape_env=ShapeEnv())
@@ -117,7 +116,7 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
     # Inductor's cache pointed at a fresh directory: every kernel is built there (none reused from
     # the user's cache), so all that the compile built can be collected
     with tempfile.TemporaryDirectory(prefix="spmd-aot-inductor-") as cache_dir, temporary_cache_dir(cache_dir), \
-            registered(), _build_groups(groups), inductor_settings():
+            registered(), _build_groups(plan, groups, world), inductor_settings():
         try:
             torch._inductor.standalone_compile(
                 gm, example, dynamic_shapes="from_example_inputs", options=dict(requested["options"]),
@@ -130,9 +129,11 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
             native = kernel_library.library(pathlib.Path(cache_dir))
         except kernel_library.NotPlain as exc:
             raise KernelsUnavailable(str(exc)) from exc
-    return msgpack.packb({"format": KERNELS_FORMAT, "requested": requested, "groups": groups, "cxx": _compiler(),
-                          "library": native, "entry": ENTRY, "inputs": len(slots), "outputs": outputs},
-                         use_bin_type=True)
+    doc = {"format": KERNELS_FORMAT, "requested": requested, "groups": groups, "cxx": _compiler(),
+           "library": native, "entry": ENTRY, "inputs": len(slots), "outputs": outputs}
+    if world is not None:  # only then: blobs of 1-D meshes keep the fields they always had
+        doc["world"] = world
+    return msgpack.packb(doc, use_bin_type=True)
 
 
 _OUT_OF_PLACE_COLLECTIVES = {
@@ -173,21 +174,6 @@ def _read_after(source, position: int, order, skip, depth: int = 0):
     return None
 
 
-def _world_as_dimension(gm: torch.fx.GraphModule, groups: list[str]) -> None:
-    """On a 1-D mesh the world group is dimension 0's: collectives the decoder bound to the build
-    process's world group name get the compiled name instead."""
-    import torch.distributed as dist
-
-    if not groups or not dist.is_initialized():
-        return
-    world = dist.group.WORLD.group_name
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "namespace", "") == "_c10d_functional":
-            node.args = tuple(groups[0] if a == world else a for a in node.args)
-            node.kwargs = {k: groups[0] if v == world else v for k, v in node.kwargs.items()}
-    gm.recompile()
-
-
 def _shimmable_collectives(gm: torch.fx.GraphModule) -> None:
     """All-gathers and reduce-scatters as ``kernel_collectives``' operators, which the C++ wrapper
     calls through the dispatcher (the functional ones it cannot call: see that module)."""
@@ -198,22 +184,29 @@ def _shimmable_collectives(gm: torch.fx.GraphModule) -> None:
 
 
 @contextlib.contextmanager
-def _build_groups(groups: list[str]):
-    """The build's (fake) world group under each compiled name while Inductor lowers collectives."""
+def _build_groups(plan, groups: list[str], world: str | None):
+    """While Inductor lowers collectives: each compiled dimension name bound to the build's (fake)
+    group of that mesh dimension, and the compiled world name to the build's default group."""
     import torch.distributed as dist
     from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+
+    from ..parallel.mesh import device_mesh
 
     if not groups:
         yield
         return
     if not dist.is_initialized():
         raise KernelsUnavailable("collectives are compiled under the build's process group, and none is initialized")
-    for name in groups:
-        _register_process_group(name, dist.group.WORLD)
+    mesh = device_mesh(plan)
+    bound = {name: (mesh.get_group(d) if mesh.ndim > 1 else dist.group.WORLD) for d, name in enumerate(groups)}
+    if world is not None:
+        bound[world] = dist.group.WORLD
+    for name, group in bound.items():
+        _register_process_group(name, group)
     try:
         yield
     finally:
-        for name in groups:
+        for name in bound:
             _unregister_process_group(name)
 
 

@@ -19,8 +19,8 @@ import torch
 from ..errors import CorruptArtifactError
 from .bounded import unpack as unpack_bounded
 
-__all__ = ["KERNELS_FORMAT", "ENTRY", "OPTIONS", "INDUCTOR_SETTINGS", "ingredient", "group_name", "decode", "check",
-           "unpack", "describe"]
+__all__ = ["KERNELS_FORMAT", "ENTRY", "OPTIONS", "INDUCTOR_SETTINGS", "WORLD_GROUP", "ingredient", "group_name",
+           "decode", "check", "unpack", "describe"]
 
 #: Version of the ``kernels`` blob's layout.
 KERNELS_FORMAT = 2
@@ -64,6 +64,12 @@ def group_name(dim: int) -> str:
     return f"spmd_aot.kernels.d{dim}"
 
 
+#: The process-group name compiled into kernels for the world group (every rank) on a mesh of
+#: several dimensions: a gradient averaged over every data-parallel dimension at once, a loss
+#: or norm reduced over all ranks. On a 1-D mesh the world is dimension 0 and is compiled as that.
+WORLD_GROUP = "spmd_aot.kernels.world"
+
+
 def decode(data: bytes, where: str) -> dict:
     """The blob's top-level map, decoded as bounded msgpack and not yet checked (a load reads its
     ``format`` first: an older blob is skipped, not misread)."""
@@ -94,6 +100,9 @@ def check(doc: dict, where: str) -> dict:
     groups = doc.get("groups")
     if not isinstance(groups, list) or groups != [group_name(d) for d in range(len(groups))]:
         bad(f"names groups {str(groups)[:80]}")
+    world = doc.get("world")  # absent in blobs of 1-D meshes, which compile the world as dimension 0
+    if world is not None and (world != WORLD_GROUP or len(groups) < 2):
+        bad(f"names world group {str(world)[:80]} for {len(groups)} mesh dimensions")
     return doc
 
 

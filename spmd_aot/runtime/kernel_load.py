@@ -15,7 +15,8 @@ read first, nothing else of it). A trusted load writes the one library into a fr
 directory (``mkdtemp``: mode 0700), loads it as the Python extension module it is
 (``importlib.machinery.ExtensionFileLoader``: a ``dlopen`` and its ``PyInit``), and registers the
 live process group of each mesh dimension under the name the kernels were compiled with
-(``kernels_blob.group_name``). No ``torch._inductor`` or ``torch._dynamo`` import: the build
+(``kernels_blob.group_name``), and on a mesh of several dimensions the default group under
+``kernels_blob.WORLD_GROUP``. No ``torch._inductor`` or ``torch._dynamo`` import: the build
 proved a bare call of the library is the whole step (``building/kernel_library.py``); calling it
 is the two conversions Inductor's own wrapper makes, tensors to handles and back.
 """
@@ -110,7 +111,7 @@ def load_kernels(artifact, live_groups: list[str], trust_cache: bool | None, dev
     if doc["requested"] != here:
         interpreting(artifact.digest, f"its kernels were built for {doc['requested']}, this process is {here}")
         return None
-    _register_groups(doc["groups"], live_groups)
+    _register_groups(doc["groups"], live_groups, doc.get("world"))
     from ..building import kernel_collectives  # noqa: F401  (defines the operators the library calls)
 
     directory, path = _private_library(doc["library"])
@@ -120,13 +121,19 @@ def load_kernels(artifact, live_groups: list[str], trust_cache: bool | None, dev
     return KernelProgram(entry, doc["inputs"], doc["outputs"], directory)
 
 
-def _register_groups(names: list[str], live: list[str]) -> None:
-    """Each compiled group name resolves to the live group of its mesh dimension."""
+def _register_groups(names: list[str], live: list[str], world: str | None) -> None:
+    """Each compiled group name resolves to the live group of its mesh dimension, and the
+    compiled world name (meshes of several dimensions) to the default group: what the
+    interpreter binds the same stored dimensions and world to (``format/serialize.py``)."""
+    import torch.distributed as dist
     from torch._C._distributed_c10d import _register_process_group, _resolve_process_group, _unregister_process_group
 
     if len(names) != len(live):
         raise CorruptArtifactError(f"kernels compiled for {len(names)} mesh dimensions, the job has {len(live)}")
-    for name, live_name in zip(names, live):
+    pairs = list(zip(names, live))
+    if world is not None:
+        pairs.append((world, dist.group.WORLD.group_name))
+    for name, live_name in pairs:
         group = _resolve_process_group(live_name)
         try:
             if _resolve_process_group(name) is group:

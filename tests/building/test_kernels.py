@@ -1,8 +1,9 @@
 """Compiled kernels in the artifact (``kernels.py``, ``kernel_load.py``): parity with eager and
 the interpreter, native code only from a trusted entry, tampering caught by ``verify``.
 
-One world-1 and one world-2 build of the MLP with kernels (Inductor's CPU compile of the example
-transformer takes a minute on these cores, the MLP seconds); the world-1 build serves every test.
+Builds of the MLP with kernels (Inductor's CPU compile of the example transformer takes a minute
+on these cores, the MLP seconds): one at world 1 that serves most tests, world 2 replicate and
+shard, and world 4 on 2-D meshes (HSDP, FSDP x TP: one build each, one launch for both).
 """
 
 import logging
@@ -328,3 +329,91 @@ def test_library_collectives_return_with_nothing_in_flight():
         assert in_flight == 0
         assert gathered == [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]
         assert scattered == [2.0 * v for v in range(4 * rank, 4 * rank + 4)]
+
+
+# ---------------------------------------------------------------------------- meshes of two dimensions
+_TP_PLAN = {"fc1": "colwise", "fc2": "rowwise"}
+# HSDP with the biases whole: they average over both dimensions at once, one collective over the
+# world group (the compiled ``spmd_aot.kernels.world``); FSDP x TP: dp_shard and tp groups
+_MESHES = {"hsdp": dict(placement="shard", mesh_shape=(2, 2), param_placements={"*bias": "replicate"}),
+           "fsdp_tp": dict(placement="shard", mesh_shape=(2, 2), tp_plan=_TP_PLAN)}
+
+
+def _mesh_oracle(config, rank):
+    """Eager FSDP2 on the same 2x2 mesh (HSDP), or ``parallelize_module`` over tp then
+    ``fully_shard`` over dp_shard (FSDP x TP); the TP ranks of a share pass the same batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from support.jobs import OPTIMIZERS, fresh_objects, make_batch
+    from spmd_aot.examples.models import train_step
+
+    model, _ = fresh_objects("mlp", "adamw")
+    if config == "hsdp":
+        fully_shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp_shard"])
+    optim = OPTIMIZERS["adamw"](model)
+    share = rank if config == "hsdp" else rank // 2
+    return model, optim, [train_step(model, optim, make_batch("mlp", share, s)).detach() for s in range(3)], share
+
+
+def _mesh_run(config, share, cache_dir, trust):
+    import spmd_aot.runtime.kernel_load as kernel_load
+    from support.jobs import fresh_objects, make_batch
+    from spmd_aot.examples.models import train_step
+
+    model, optim = fresh_objects("mlp", "adamw")
+    step = spmd_aot.compile(train_step, cache_dir=cache_dir, require_hit=True, kernels=True, trust_cache=trust,
+                            **_MESHES[config])
+    dirs = len(kernel_load.loaded_dirs())
+    losses = [step(model, optim, make_batch("mlp", share, s)).detach() for s in range(3)]
+    return model, optim, losses, (step.cache_info.hit, type(step._bound.program).__name__,
+                                  len(kernel_load.loaded_dirs()) - dirs)
+
+
+def _meshes_worker(rank, world, caches):
+    from support.features import max_diffs
+
+    out = {}
+    for config, cache_dir in caches.items():
+        ref_model, ref_optim, ref_losses, share = _mesh_oracle(config, rank)
+        model, optim, losses, ran = _mesh_run(config, share, cache_dir, True)
+        interp = _mesh_run(config, share, cache_dir, False)
+        out[config] = (max_diffs(ref_model, ref_optim, model, optim, ref_losses, losses),
+                       max_diffs(interp[0], interp[1], model, optim, interp[2], losses), ran, interp[3])
+    return out
+
+
+def test_two_dimensional_meshes_run_kernels_matching_eager_and_the_interpreter(tmp_path):
+    """HSDP 2x2 (biases whole: a world-group all-reduce too) and FSDP x TP 2x2, in one world-4
+    launch: each build compiles kernels naming each mesh dimension's group (and the world's);
+    the load binds them to the live groups; both hit with no trace and match eager and the
+    interpreted graph of the same entry within 1e-4 after 3 steps."""
+    import msgpack
+
+    from spmd_aot.cli.app import main
+    from spmd_aot.entries import read_artifact, read_manifest
+    from spmd_aot.store import open_store
+
+    caches = {}
+    for config, options in _MESHES.items():
+        caches[config] = str(tmp_path / config)
+        result = spmd_aot.build(make_job("mlp", "adamw"), world_size=4, cache_dir=caches[config], kernels=True,
+                                **options)
+        assert result.stats["kernels"] == "compiled", result.stats
+        store = open_store(caches[config])
+        doc = msgpack.unpackb(store.get(read_manifest(store, result.digest)["blobs"]["kernels"]))
+        groups = {e["group"] for e in read_artifact(store, result.digest).schema["nodes"].values() if "collective" in e}
+        if config == "hsdp":
+            assert "world" in groups and doc["world"] == "spmd_aot.kernels.world", (groups, doc.get("world"))
+        assert doc["groups"] == ["spmd_aot.kernels.d0", "spmd_aot.kernels.d1"] and {0, 1} <= groups, groups
+    assert main(["verify", "--cache-dir", caches["hsdp"]]) == 0
+    for rank, per_rank in enumerate(run_ranks(_meshes_worker, 4, caches, timeout=600)):
+        for config, (vs_eager, vs_interpreted, ran, interpreted) in per_rank.items():
+            assert ran == (True, "KernelProgram", 1) and interpreted == (True, "Program", 0), (rank, config, ran)
+            assert max(vs_eager.values()) < TOL, (rank, config, vs_eager)
+            assert max(vs_interpreted.values()) < TOL, (rank, config, vs_interpreted)
