@@ -140,10 +140,9 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
                 raise CorruptArtifactError(f"graph reads constant {node.target!r}, which is not stored")
             env[i] = constants[node.target].to(_META)
         elif node.op == "call_function":
-            args, kwargs = meta(node.args), meta(node.kwargs)
             target = node.target
-            if target is operator.getitem and not kwargs and len(args) == 2:
-                seq, k = args
+            if target is operator.getitem and not node.kwargs and len(node.args) == 2:
+                seq, k = meta(node.args)
                 if type(seq) in (list, tuple) and type(k) is int and -len(seq) <= k < len(seq):
                     # an item of a multi-output op's result, checked when that op ran: itself
                     work.spend(node, 1)
@@ -152,23 +151,23 @@ def check_graph(nodes: list[DecodedNode], constants: dict[str, torch.Tensor], in
             fact = facts.get(id(target))
             if fact is None:
                 fact = facts[id(target)] = (_makes_tensors_on_a_device(target), _per_index(target))
-            if fact[0] and kwargs.get("device") is None:
+            tensors: list[torch.Tensor] = []
+            storages: dict[int, int] = {}  # storage id -> index of the first tensor on it
+            # the meta arguments and the memo's key of them, in one walk (``_keyed``); a foreach
+            # op over every parameter (a list of over 16) is unique in its graph: no key
+            args, key = _keyed_args(node.args, env, tensors, storages, described)
+            if fact[0] and node.kwargs.get("device") is None:
+                kwargs = meta(node.kwargs)
                 kwargs["device"] = _META  # no device: the default (CPU) would allocate for real
+                kwargs_key = _signature_or_none(kwargs, tensors, storages, described) if key is not None else None
+            else:
+                kwargs, kwargs_key = _keyed(node.kwargs, env, tensors, storages, described)
             elements = _elements(target, args, kwargs) if fact[1] else None
             if elements is not None:
                 env[i] = corrected(device_type, target, args, kwargs,
                                    _check_foreach(node, args, kwargs, elements, memo, work, limit, described))
                 continue
-            tensors: list[torch.Tensor] = []
-            storages: dict[int, int] = {}  # storage id -> index of the first tensor on it
-            if any(isinstance(a, (list, tuple)) and len(a) > 16 for a in args):
-                key = None  # a foreach op over every parameter: unique in its graph, never a memo hit
-            else:
-                try:
-                    key = (id(target), _signature(args, tensors, storages, described),
-                           _signature(kwargs, tensors, storages, described))
-                except TypeError:  # an unhashable argument: no memo, run it
-                    key = None
+            key = None if key is None or kwargs_key is None else (id(target), key, kwargs_key)
             known = memo.get(key) if key is not None else None
             if known is not None:  # same op on the same metadata: same (already checked) result
                 work.spend(node, 1)
@@ -267,10 +266,11 @@ def _per_index(op) -> tuple | None:
     return (lists, bool(schema.returns)) if lists else None
 
 
-def _elements(op, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]] | None:
-    """The per-index calls (args, kwargs) of a foreach call, each with one-element lists; None
-    for other ops and for calls that do not split evenly (lists of different or zero length,
-    a tensor argument of one value per index), which run whole."""
+def _elements(op, args: tuple, kwargs: dict) -> tuple[list, int] | None:
+    """How a foreach call splits into per-index calls, each with one-element lists: (the list
+    arguments, as (("a", position) or ("k", name), list), the number of indices); None for
+    other ops and for calls that do not split evenly (lists of different or zero length, a
+    tensor argument of one value per index), which run whole."""
     spec = _per_index(op)
     if spec is None:
         return None
@@ -293,19 +293,21 @@ def _elements(op, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]] | None:
     for name, a in kwargs.items():
         if name not in names and isinstance(a, torch.Tensor) and a.dim() != 0:
             return None
-    out = []
-    for k in range(n):
-        eargs, ekwargs = list(args), dict(kwargs)
-        for (kind, where), value in found:
-            if kind == "a":
-                eargs[where] = [value[k]]
-            else:
-                ekwargs[where] = [value[k]]
-        out.append((tuple(eargs), ekwargs))
-    return out
+    return found, n
 
 
-def _check_foreach(node: DecodedNode, args: tuple, kwargs: dict, elements: list, memo: dict, work: _Work,
+def _element(args: tuple, kwargs: dict, found: list, k: int) -> tuple[tuple, dict]:
+    """Index ``k``'s call (args, kwargs) of a foreach call split as ``_elements`` says."""
+    eargs, ekwargs = list(args), dict(kwargs)
+    for (kind, where), value in found:
+        if kind == "a":
+            eargs[where] = [value[k]]
+        else:
+            ekwargs[where] = [value[k]]
+    return tuple(eargs), ekwargs
+
+
+def _check_foreach(node: DecodedNode, args: tuple, kwargs: dict, elements: tuple, memo: dict, work: _Work,
                    limit: int, described: dict) -> Any:
     """A foreach call: its contract on the whole call, then each index's call through the memo
     (see above); the whole call's result (None for an in-place op, else the list of results).
@@ -315,13 +317,17 @@ def _check_foreach(node: DecodedNode, args: tuple, kwargs: dict, elements: list,
                     for x in (a if isinstance(a, (list, tuple)) else (a,)))
     work.spend(node, RUN_COST + TENSOR_COST * n_tensors)
     _check_contract(node, args, kwargs)
+    found, n = elements
+    try:
+        parts = _index_key_parts(args, kwargs, found, described)
+    except TypeError:  # an unhashable argument: every index runs
+        parts = None
     results = []
-    for eargs, ekwargs in elements:
+    for k in range(n):
         tensors: list[torch.Tensor] = []
         storages: dict[int, int] = {}
         try:
-            key = (id(node.target), _signature(eargs, tensors, storages, described),
-                   _signature(ekwargs, tensors, storages, described))
+            key = None if parts is None else _index_key(node.target, parts, k, tensors, storages, described)
         except TypeError:
             key = None
         known = memo.get(key) if key is not None else None
@@ -330,6 +336,7 @@ def _check_foreach(node: DecodedNode, args: tuple, kwargs: dict, elements: list,
             value = _rebuild(known, tensors)
         else:
             work.spend(node, RUN_COST)
+            eargs, ekwargs = _element(args, kwargs, found, k)
             value = check_node(node, eargs, ekwargs, limit, contract=False)
             if key is not None:
                 memo[key] = _describe(value, storages)
@@ -337,6 +344,39 @@ def _check_foreach(node: DecodedNode, args: tuple, kwargs: dict, elements: list,
     if not _per_index(node.target)[1]:
         return None
     return [v for value in results for v in value]
+
+
+def _index_key_parts(args: tuple, kwargs: dict, found: list, described: dict) -> tuple[list, list]:
+    """What each argument adds to an index's memo key (``_index_key``): ("list", its list) for a
+    per-index list, ("same", its signature) for one that holds no tensor (the same at every
+    index, computed once), ("each", the value) for one whose signature depends on the tensors
+    before it (its storage's position)."""
+    lists = dict(found)
+
+    def part(where, value):
+        if where in lists:
+            return ("list", value)
+        probe: list = []
+        signature = _signature(value, probe, {}, described)
+        return ("same", signature) if not probe else ("each", value)
+    return ([part(("a", pos), a) for pos, a in enumerate(args)],
+            [(name, part(("k", name), a)) for name, a in kwargs.items()])
+
+
+def _index_key(target, parts: tuple[list, list], k: int, tensors: list, storages: dict[int, int],
+               described: dict) -> tuple:
+    """The memo key of index ``k``'s call: exactly ``(id(op), _signature(args), _signature(kwargs))``
+    of the call ``_element`` builds, without building it."""
+    def one(part):
+        kind, value = part
+        if kind == "list":  # the index's call holds a one-element list
+            return ("list", (_signature(value[k], tensors, storages, described),))
+        if kind == "same":
+            return value
+        return _signature(value, tensors, storages, described)
+    args_parts, kwargs_parts = parts
+    return (id(target), ("tuple", tuple([one(p) for p in args_parts])),
+            ("D", tuple([(name, one(p)) for name, p in kwargs_parts])))
 
 
 def _check_contract(node: DecodedNode, args: tuple, kwargs: dict) -> None:
@@ -415,6 +455,64 @@ def _signature(v, tensors: list, storages: dict[int, int], described: dict[int, 
         return ("F", v.hex())
     hash(v)
     return (type(v).__name__, v)
+
+
+def _signature_or_none(v, tensors: list, storages: dict[int, int], described: dict[int, tuple]) -> Any:
+    """``_signature``, or None for an unhashable argument (no memo: the node runs)."""
+    try:
+        return _signature(v, tensors, storages, described)
+    except TypeError:
+        return None
+
+
+def _keyed(v, env: list, tensors: list, storages: dict[int, int], described: dict[int, tuple]) -> tuple:
+    """(``_meta_value(v, env)``, ``_signature`` of that value) in one walk of a decoded argument,
+    the signature None where it is unhashable. Exactly the two functions' results: decoded
+    references, tuples, lists and plain scalars are handled here (nearly every argument); any
+    other value is passed to the two functions themselves."""
+    kind = type(v)
+    if kind is Ref:
+        x = env[v.index]
+        if type(x) is _TENSOR:
+            tensors.append(x)
+            known = described.get(id(x))
+            if known is None:
+                storage = x.untyped_storage()
+                known = described[id(x)] = ((tuple(x.shape), x.stride(), x.storage_offset(), x.dtype,
+                                             storage.nbytes()), storage._cdata)
+            return x, ("T", known[0], storages.setdefault(known[1], len(tensors) - 1))
+        return x, _signature_or_none(x, tensors, storages, described)
+    if kind is tuple or kind is list:
+        values, keys = [], []
+        for a in v:
+            value, key = _keyed(a, env, tensors, storages, described)
+            values.append(value)
+            keys.append(key)
+        return kind(values), (None if None in keys else (kind.__name__, tuple(keys)))
+    if kind is float:
+        return v, ("F", v.hex())  # -0.0, nan: exact
+    if kind in _SCALARS:
+        return v, (kind.__name__, v)
+    if kind is dict:
+        values, keys = {}, []
+        for k, a in v.items():
+            value, key = _keyed(a, env, tensors, storages, described)
+            values[k] = value
+            keys.append((k, key))
+        return values, (None if any(key is None for _, key in keys) else ("D", tuple(keys)))
+    value = _meta_value(v, env)
+    return value, _signature_or_none(value, tensors, storages, described)
+
+
+def _keyed_args(args: tuple, env: list, tensors: list, storages: dict[int, int],
+                described: dict[int, tuple]) -> tuple:
+    """``_keyed`` of a node's positional arguments; no key (None) when one is a list or tuple of
+    more than 16 (a foreach op over every parameter: unique in its graph, never a memo hit)."""
+    for a in args:
+        value = env[a.index] if type(a) is Ref else a
+        if isinstance(value, (list, tuple)) and len(value) > 16:
+            return _meta_value(args, env), None
+    return _keyed(args, env, tensors, storages, described)
 
 
 def _describe(value: Any, storages: dict[int, int]) -> Any:

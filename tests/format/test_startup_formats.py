@@ -82,6 +82,46 @@ def test_repeated_shapes_run_the_meta_kernel_once_per_distinct_index(monkeypatch
     assert runs == ["inplace", "inplace"]  # indices 0 and 2 share shapes: the memo answers index 2
 
 
+@pytest.mark.parametrize("call", _calls(), ids=lambda c: c[0])
+def test_an_index_key_is_the_signature_of_the_index_call_it_stands_for(call):
+    """``_index_key`` builds index k's memo key without building its call: it must be exactly the
+    signature of the call ``_element`` builds (tensors collected in the same order: ``_rebuild``
+    and aliasing read their positions)."""
+    _, op, args, kwargs = call
+    env = [torch.empty(s, device=META) for s, _ in LAYOUT]
+    args, kwargs = validate._meta_value(args, env), validate._meta_value(kwargs, env)
+    found, n = validate._elements(op, args, kwargs)
+    parts = validate._index_key_parts(args, kwargs, found, {})
+    for k in range(n):
+        eargs, ekwargs = validate._element(args, kwargs, found, k)
+        want_tensors, want_storages, tensors, storages = [], {}, [], {}
+        want = (id(op), validate._signature(eargs, want_tensors, want_storages, {}),
+                validate._signature(ekwargs, want_tensors, want_storages, {}))
+        assert validate._index_key(op, parts, k, tensors, storages, {}) == want
+        assert [id(t) for t in tensors] == [id(t) for t in want_tensors] and storages == want_storages
+
+
+def test_a_keyed_argument_is_its_meta_value_and_that_values_signature():
+    """``_keyed`` walks a decoded argument once for what ``_meta_value`` and ``_signature`` give."""
+    env = [torch.empty(s, device=META) for s, _ in LAYOUT]
+    env.append([env[0], env[1]])  # a multi-output result read whole
+    view = env[0][1:]
+    env.append(view)  # a view: shares its storage with input 0
+    for value in [(Ref(0), Ref(0), Ref(11)), (Ref(1), [Ref(2), 2.0, -0.0], {"alpha": 1, "out": Ref(11)}),
+                  (Ref(10), True, None, "mean", torch.float32), (slice(1, None), torch.device("cpu"), float("nan")),
+                  ({1, 2},), ([Ref(0)], (Ref(3), 1, 1.0))]:
+        want_tensors, want_storages, tensors, storages = [], {}, [], {}
+        meta = validate._meta_value(value, env)
+        try:
+            want = validate._signature(meta, want_tensors, want_storages, {})
+        except TypeError:
+            want = None
+        got_meta, got = validate._keyed(value, env, tensors, storages, {})
+        assert repr(got_meta) == repr(meta) and got == want
+        if want is not None:
+            assert [id(t) for t in tensors] == [id(t) for t in want_tensors] and storages == want_storages
+
+
 def test_the_whole_calls_contract_still_refuses_a_mismatched_index():
     p, g, s, _ = _lists()
     g = [g[0], g[0], g[2]]  # index 1: a [4, 3] gradient for a [3] parameter
