@@ -252,6 +252,7 @@ def _adam_on_tensors(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, stat
     local = _local_shards(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
     exact = local is not None and exp_avgs[0].dtype in (torch.float32, torch.float64)
     if exact:
+        _mark_updated(params)
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = local
         state_steps = _local_shards(state_steps)[0]  # replicated counters (a 0-d parameter's, under shard)
     grads = torch._foreach_mul(grads, -1.0) if maximize else list(grads)
@@ -288,6 +289,18 @@ def _adam_on_tensors(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, stat
         updates = torch._foreach_div(exp_avgs, denoms)
         torch._foreach_mul_(updates, step_sizes)
         torch._foreach_sub_(params, updates)
+
+
+def _mark_updated(params) -> None:
+    """Bump the version of each DTensor parameter about to be updated through its local shard:
+    an in-place op on the shard leaves the DTensor's own version alone, and a shard group's
+    gather (``parallel/groups.py``) reads versions to refuse a forward that would read the
+    values it gathered before this update (the model's eval forward after ``optim.step()``)."""
+    from torch.distributed.tensor import DTensor
+
+    for p in params:
+        if isinstance(p, DTensor):
+            torch.autograd.graph.increment_version(p)
 
 
 def _local_shards(*lists):

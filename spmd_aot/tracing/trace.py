@@ -240,7 +240,18 @@ class _StepTracer:
                     "numbers, strings or None"
                 )
         tensors = [v for v in out_leaves if isinstance(v, torch.Tensor)]
-        return [v.to_local() if hasattr(v, "to_local") else v for v in tensors]
+        return [_unpartial(v).to_local() if hasattr(v, "to_local") else v for v in tensors]
+
+
+def _unpartial(v):
+    """A DTensor output reduced over its Partial dimensions: a value the step computed across
+    shards (clip_grad_norm_'s total norm under shard is Partial(max) for norm_type=inf) is
+    returned whole, as eager's DTensor reads; Shard and Replicate dimensions stay as they are."""
+    from torch.distributed.tensor import Replicate
+
+    if not any(p.is_partial() for p in v.placements):
+        return v
+    return v.redistribute(v.device_mesh, [Replicate() if p.is_partial() else p for p in v.placements])
 
 
 def _dead_readers(node: torch.fx.Node) -> list[torch.fx.Node] | None:
