@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -30,14 +31,43 @@ __all__ = ["Artifact"]
 class Artifact:
     digest: str  # of the manifest
     manifest: dict
-    graph: bytes
-    code: str
-    schema_blob: bytes  # decoded on first use (``schema``): inspection reads it, a load does not
+    _graph: bytes | None  # the parts below: None until first read when ``unread`` can read them
+    _code: str | None
+    _schema_blob: bytes | None  # decoded on first use (``schema``): inspection reads it, a load does not
     layout: dict
     constants: dict[str, torch.Tensor]
     spec: pytree.TreeSpec | None = None  # the decoded output spec (``read_artifact`` sets it)
     kernels: bytes | None = None  # the compiled kernels blob, when the entry has one (verified, not decoded)
     program_blob: bytes | None = None  # the ``program`` part, read only when the manifest's signature verified
+    # reads a part ("graph", "code" or "schema") on first use, verified as ``read_artifact`` verifies
+    # it: an entry that loads from its signed program part never needs its graph (``read_artifact``)
+    unread: Callable[[str], bytes] | None = None
+
+    def _part(self, name: str, field: str):
+        value = getattr(self, field)
+        if value is None and self.unread is not None:
+            value = self.unread(name)
+            if name == "code":
+                try:
+                    value = value.decode()
+                except UnicodeDecodeError:
+                    raise CorruptArtifactError(f"artifact {self.digest[:12]}: code blob is not UTF-8") from None
+            setattr(self, field, value)
+        return value
+
+    @property
+    def graph(self) -> bytes:
+        """The encoded graph (``format/serialize.py``)."""
+        return self._part("graph", "_graph")
+
+    @property
+    def code(self) -> str:
+        """The graph's readable Python, for people (never run)."""
+        return self._part("code", "_code")
+
+    @property
+    def schema_blob(self) -> bytes:
+        return self._part("schema", "_schema_blob")
 
     @property
     def plan(self) -> Plan:

@@ -54,25 +54,38 @@ def artifact_bytes(store, digest: str) -> dict[str, bytes]:
             for name, d in manifest_blobs(read_manifest(store, digest), digest)}
 
 
-def read_artifact(store, digest: str) -> Artifact:
-    """Load and verify every blob of the artifact whose manifest is ``digest``."""
+def read_artifact(store, digest: str, manifest: dict | None = None) -> Artifact:
+    """Load and verify every blob of the artifact whose manifest is ``digest``.
+
+    ``manifest``: that manifest as ``read_manifest`` returned it moments ago (a lookup read it to
+    check its guards); it is named by its digest, so it is the same manifest, not read twice.
+    A signed entry with a ``program`` part is built from that part, never from its graph: its
+    graph, readable code and schema are read (and verified the same way) only if something asks
+    for them (``Artifact.graph``: a fallback to the full check, ``verify``, ``show``)."""
     from safetensors.torch import load as load_safetensors
 
     signed = signing.signing_key() is not None  # then read_manifest verifies the signature
-    manifest = read_manifest(store, digest)
+    if manifest is None:
+        manifest = read_manifest(store, digest)
     limits = load_limits()
-    parts = {name: read_blob(store, manifest["blobs"][name], blob_limit(name), name) for name in PARTS}
+    deferred = ("graph", "code", "schema") if signed and "program" in manifest["blobs"] else ()
+    parts = {name: read_blob(store, manifest["blobs"][name], blob_limit(name), name)
+             for name in PARTS if name not in deferred}
     try:
         constants = load_safetensors(parts["constants"])
     except Exception as exc:
         raise CorruptArtifactError(f"artifact {digest[:12]}: constants blob unreadable: {exc}") from None
-    try:
-        code = parts["code"].decode()
-    except UnicodeDecodeError:
-        raise CorruptArtifactError(f"artifact {digest[:12]}: code blob is not UTF-8") from None
+    code = None
+    if "code" in parts:
+        try:
+            code = parts["code"].decode()
+        except UnicodeDecodeError:
+            raise CorruptArtifactError(f"artifact {digest[:12]}: code blob is not UTF-8") from None
     layout = unpack(parts["layout"], f"layout of {digest[:12]}", limits)
     check_layout(layout, digest, plan_from_manifest(manifest["plan"]).world_size)
-    artifact = Artifact(digest, manifest, parts["graph"], code, parts["schema"], layout, constants)
+    artifact = Artifact(digest, manifest, parts.get("graph"), code, parts.get("schema"), layout, constants)
+    if deferred:
+        artifact.unread = lambda name: read_blob(store, manifest["blobs"][name], blob_limit(name), name)
     if "kernels" in manifest["blobs"]:
         artifact.kernels = read_blob(store, manifest["blobs"]["kernels"], blob_limit("kernels"), "kernels")
     if signed and "program" in manifest["blobs"]:  # unsigned: never read, the graph is checked in full
@@ -87,6 +100,7 @@ def check_entry(store, key: str, digest: str) -> Artifact:
     naming another key's manifest is refused), the graph must pass ``Artifact.check`` and a
     kernels blob must be well formed (``kernels_blob.unpack``)."""
     artifact = read_artifact(store, digest)
+    artifact.graph, artifact.code  # noqa: B018  (read and verified here, however the entry loads)
     artifact.schema  # noqa: B018  (decoded here: a load never reads it, verify must)
     if artifact.manifest["key"] != key:
         raise CorruptArtifactError(f"ref {key[:64]} leads to manifest {digest[:12]}, which is the manifest "

@@ -30,6 +30,8 @@ class Lookup:
     digest: str | None  # the manifest that may serve, or None (a miss)
     head: str | None  # the newest readable manifest of this key (``previous`` of a new entry)
     misses: tuple[str, ...]  # why each newer entry could not serve (a failed guard, named)
+    # the serving entry's manifest, as read and verified here (``read_artifact`` need not read it again)
+    manifest: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def explain(self) -> str:
         return "; ".join(self.misses)
@@ -55,7 +57,7 @@ def find_entry(store, key: CacheKey) -> Lookup:
         head = head or digest
         problem = guards.check(manifest["guards"], key)
         if problem is None:
-            return Lookup(digest, head, tuple(misses))
+            return Lookup(digest, head, tuple(misses), manifest)
         log.info("entry %s of key %s does not serve: %s", digest[:12], key.key[:12], problem)
         misses.append(f"entry {digest[:12]}: {problem}")
         digest = manifest["previous"]

@@ -354,7 +354,7 @@ class CompiledStep:
             try:
                 lease = leases.enter_context(contextlib.ExitStack())
                 lease.enter_context(reading(store, digest))
-                artifact = read_artifact(store, digest)  # every blob verified
+                artifact = read_artifact(store, digest, found.manifest)  # every blob verified
             except ArtifactGoneError as exc:
                 lease.close()
                 log.info("artifact %s vanished before it was loaded (%s); looking it up again", digest[:12], exc)
