@@ -163,6 +163,24 @@ def test_a_tampered_program_part_is_refused(signed, tmp_path, monkeypatch):
         hit_and_eager(tmp_path / "signed", steps=1)
 
 
+def test_a_signed_load_reads_its_graph_only_when_asked_and_verifies_it_then(signed):
+    """The program part is what a signed load runs: its graph, code and schema are read (and
+    re-hashed) only if asked for, so a damaged graph blob is refused when read, by verify too."""
+    from spmd_aot.entries import check_entry
+
+    store, key, digest = signed
+    graph = read_manifest(store, digest)["blobs"]["graph"]
+    path = store.blob_path(graph)
+    os.chmod(path, 0o600)
+    path.write_bytes(path.read_bytes()[:-1] + b"\0")
+    art = read_artifact(store, digest)  # not read: the entry loads from its program part
+    assert program_blob.program(art, [], torch.device("cpu")) is not None
+    with pytest.raises(CorruptArtifactError, match=graph[:16]):
+        art.graph  # noqa: B018
+    with pytest.raises(CorruptArtifactError, match=graph[:16]):  # now quarantined: missing
+        check_entry(store, key, digest)
+
+
 def test_an_unsigned_entry_with_a_forged_program_part_is_checked_in_full(tmp_path, state, checks):
     store, key, digest = _build(tmp_path / "plain")
     assert program_blob.PART not in read_manifest(store, digest)["blobs"]  # unsigned builds store none
