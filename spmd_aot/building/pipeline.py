@@ -76,6 +76,8 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
              "peak_bytes": graph_peak_bytes(gm)}
     if traced.micro_batches > 1:  # only then: entries without accumulation keep the stats they had
         stats["micro_batches"] = traced.micro_batches
+    if traced.blocks:  # a deep stack of identical blocks: stamped from three, or why not (tracing/repeated.py)
+        stats["blocks"] = traced.blocks
     if plan.tp_skipped:  # patterns of the model's own tp_plan that name modules it lacks (skipped)
         stats["tp_plan_skipped"] = list(plan.tp_skipped)
     _check_collectives(stats, slots, plan, traced.groups, traced.axis_budget, state.forward_only)

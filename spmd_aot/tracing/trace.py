@@ -30,6 +30,7 @@ from ..format import fused_meta
 from . import grouped_mm
 from .accumulation import Accumulation
 from .casts import forward_casts
+from . import repeated
 from ..errors import UnsupportedError
 from .expand import Expander
 from ..parallel.groups import GroupGather, ParamGroup, assign_groups, resharding
@@ -54,27 +55,38 @@ class TracedStep:
     micro_batches: int = 1  # backward() calls accumulated before one optimizer step
     # ids of parameters no gradient reaches, whose optimizer state the graph does not take
     untaken: set[int] = dataclasses.field(default_factory=set)
+    # how a stack of identical blocks was traced: stamped from three (repeated.py), or why not
+    blocks: dict = dataclasses.field(default_factory=dict)
 
 
 def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list[torch.Tensor],
-               transform_model: Callable | None = None) -> TracedStep:
+               transform_model: Callable | None = None, by_blocks: bool = True) -> TracedStep:
     """Trace ``step(model, optim, batch)``, or ``step(model, batch)`` for a forward-only state
     (``state.optim is None``); ``inputs`` (real or fake) follow ``state.slots()``.
 
     ``transform_model`` is a context manager factory applied around the step while tracing
     (module overrides swap submodules there). A step that accumulates gradients (several
     ``backward()`` before a step) is traced a second time with its reductions deferred to the
-    last backward before each step (``accumulation.py``).
+    last backward before each step (``accumulation.py``). A model with a deep stack of
+    identical blocks is traced with three and four blocks and its graph stamped from them
+    (``stamp.py``) unless ``by_blocks`` is false; the same graph as the full trace's, or the
+    full trace where that cannot be shown (``TracedStep.blocks`` says which, and why).
     """
     state.untaken = set()  # ``inputs`` hold every state tensor; the trace finds which the step takes
+    stamped = _stamped_trace(step, state, plan, mesh, inputs) if by_blocks and transform_model is None else None
+    if isinstance(stamped, TracedStep):
+        return stamped
     recorded = Accumulation()
     traced = _StepTracer(step, state, plan, mesh, transform_model, recorded).trace(inputs)
+    traced.blocks = {"full_trace": stamped} if stamped else {}
     points = recorded.sync_points() if plan.world_size > 1 and mesh is not None else None
     if points is None:
         state.untaken = traced.untaken
         return traced
     deferred = Accumulation(points)
+    blocks = traced.blocks
     traced = _StepTracer(step, state, plan, mesh, transform_model, deferred).trace(inputs)
+    traced.blocks = blocks
     state.untaken = traced.untaken
     traced.micro_batches = recorded.micro_batches
     # a resharded group is gathered in each micro-batch's forward and backward (as FSDP2)
@@ -86,14 +98,35 @@ def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list
     return traced
 
 
+def _stamped_trace(step, state: TrainState, plan: Plan, mesh, inputs) -> TracedStep | str | None:
+    """The step of a model with a deep stack of identical blocks, stamped from traces of three
+    and four blocks (``repeated.py``, ``stamp.py``); why not (a str), or None (no such stack)."""
+    def trace_cut(cut_state, cut_inputs, recorder):
+        accumulation = Accumulation()
+        traced = _StepTracer(step, cut_state, plan, mesh, None, accumulation, recorder).trace(cut_inputs)
+        if plan.world_size > 1 and mesh is not None and accumulation.sync_points() is not None:
+            raise repeated.NotRepeatable("the step accumulates gradients over several backward() calls")
+        return traced
+
+    done = repeated.stamped(state, plan, inputs, trace_cut)
+    if not isinstance(done, tuple):
+        return done
+    gm, gradient_collectives, template, blocks = done
+    groups = _StepTracer(step, state, plan, mesh, None, Accumulation()).groups
+    return TracedStep(gm, template.out_spec, template.out_constants, _group_names(gm, mesh, plan),
+                      gradient_collectives, groups, template.axis_budget, blocks=blocks)
+
+
 class _StepTracer:
     """One make_fx trace of the step over flat inputs in ``state.slots()`` order: the parameter
     leaves the expander makes, the module attributes bound to them, the optimizer's state swapped
     for traced tensors, and the axes' and accumulation's contexts around the user's call."""
 
-    def __init__(self, step, state: TrainState, plan: Plan, mesh, transform_model, accumulation: Accumulation):
+    def __init__(self, step, state: TrainState, plan: Plan, mesh, transform_model, accumulation: Accumulation,
+                 recorder=None):
         self.step, self.state, self.plan, self.mesh = step, state, plan, mesh
         self.transform_model, self.accumulation = transform_model, accumulation
+        self.recorder = recorder  # a repeated.BlockRecorder while a cut model is traced
         self.forward_only = state.forward_only
         self.slots = state.slots()
         self.expander = Expander(plan, mesh)
@@ -179,10 +212,12 @@ class _StepTracer:
         batch = pytree.tree_unflatten(batch_leaves, state.batch_spec)
         gathers = self._gathers(leaves)
         computes = _ComputeOnAccess(leaves, [s.layout for s in self.param_slots], self.expander, gathers)
+        on_step = self.recorder.step if self.recorder is not None else None
         optimizer = contextlib.nullcontext() if forward_only else \
             _each_optimizer_swapped(state.optim, by_real, traced_state, hypers, self.accumulation,
-                                    self.without_gradient)
-        with (self.transform_model() if self.transform_model else contextlib.nullcontext()), \
+                                    self.without_gradient, on_step)
+        recording = self.recorder.recording() if self.recorder is not None else contextlib.nullcontext()
+        with recording, (self.transform_model() if self.transform_model else contextlib.nullcontext()), \
                 stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
                 optimizer, self.where.tracking(state.model), self.axis_contexts, self.accumulation.recording(), \
                 forward_casts(state.model, self.plan):
@@ -206,6 +241,8 @@ class _StepTracer:
                 leaf.register_hook(note)
                 if self.accumulation.deferred and not s.layout.sharded:
                     self.accumulation.reduce_at_sync(leaf, self.expander.world_mesh.get_group().group_name, note)
+                if self.recorder is not None:
+                    self.recorder.leaf(names[0], leaf)
         return leaves
 
     def _optimizer_state(self, by_real: dict, values: list) -> dict:
@@ -452,7 +489,8 @@ def _is_traced(value) -> bool:
 
 
 @contextlib.contextmanager
-def _optimizer_swapped(optim, by_real: dict, traced_state, hypers: dict, accumulation=None, without_gradient=None):
+def _optimizer_swapped(optim, by_real: dict, traced_state, hypers: dict, accumulation=None, without_gradient=None,
+                       on_step=None):
     """Point the optimizer at the traced leaves and take its compile-friendly path.
 
     With ``torch.compiler.is_compiling()`` true and ``capturable=True`` the built-in optimizers
@@ -468,6 +506,8 @@ def _optimizer_swapped(optim, by_real: dict, traced_state, hypers: dict, accumul
     own_step = optim.__dict__.get("step")  # an instance attribute: an lr scheduler's wrapper
 
     def compile_path_step(*args, **kwargs):
+        if on_step is not None:
+            on_step()
         if accumulation is not None:
             accumulation.note_step()
         if without_gradient is not None:
@@ -513,7 +553,7 @@ def _optimizer_swapped(optim, by_real: dict, traced_state, hypers: dict, accumul
 
 @contextlib.contextmanager
 def _each_optimizer_swapped(optim, by_real: dict, traced_state, hypers: dict, accumulation=None,
-                            without_gradient=None):
+                            without_gradient=None, on_step=None):
     """``_optimizer_swapped`` for each optimizer of a set (``optimizers.OptimizerSet``), each with
     its own groups' hyperparameter inputs (``hypers`` is indexed over the set's concatenated groups)."""
     with contextlib.ExitStack() as stack:
@@ -522,6 +562,6 @@ def _each_optimizer_swapped(optim, by_real: dict, traced_state, hypers: dict, ac
             n = len(member.param_groups)
             own = {i - first: values for i, values in hypers.items() if first <= i < first + n}
             stack.enter_context(_optimizer_swapped(member, by_real, traced_state, own, accumulation,
-                                                   without_gradient))
+                                                   without_gradient, on_step))
             first += n
         yield
