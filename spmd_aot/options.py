@@ -23,7 +23,9 @@ from typing import Any
 from collections.abc import Callable, Mapping
 
 from .parallel.dims import PLACEMENT_NAMES
+from .errors import SpmdAotError
 from .parallel.mixed_precision import DTYPES, MixedPrecisionPolicy
+from .parallel.pipeline_parallel import SCHEDULES, Pipeline
 from .parallel.plan import Plan
 
 __all__ = ["Flag", "ParallelOptions", "RunOptions", "option_doc", "split_options"]
@@ -147,6 +149,16 @@ def _expert_modules(entries: list) -> tuple | str:
     return "auto" if entries == ["auto"] else tuple(entries)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected a positive whole number, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"expected a positive whole number, got {value}")
+    return value
+
+
 def _pair_text(pair) -> str:
     return f"{pair[0]}={pair[1]}"
 
@@ -161,8 +173,12 @@ def _x_text(shape) -> str:
 
 # --------------------------------------------------------------------------- the options
 _DP, _TP, _COMM, _MP = "data parallel", "tensor parallel", "communication", "mixed precision"
-_CACHE = "cache and trust"
+_CACHE, _PP = "cache and trust", "pipeline parallel"
 _POLICY_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+# a pipeline is its own entry kind (``parallel/pipeline_parallel.py``), not a ``Plan``: these fields
+# become a ``Pipeline`` (``ParallelOptions.pipeline``), keyed with it
+_PIPELINE_FIELDS = ("pipeline_stages", "microbatches", "schedule", "split_points")
+_BUILD_ONLY = ("build",)  # ``explain`` looks up whole-step entries only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +265,22 @@ class ParallelOptions:
              help="Mixed precision: leave the model's floating-point inputs in their dtype "
                   "(cast_forward_inputs=False)."))
 
+    pipeline_stages: int = option(1, """Pipeline parallel: the number of stages the model is cut into. Each
+        stage runs on its own ranks of a first 'pp' mesh dimension, before the others: the world is
+        pipeline_stages x the ranks of mesh_shape (a stage's data-parallel replicas, then its TP ranks with a
+        tp_plan), and the step is the loss function (docs/pipeline_parallel.md).""",
+        Flag("--pipeline-stages", _PP, metavar="N", parse=_positive_int, commands=_BUILD_ONLY))
+    microbatches: int = option(1, """Pipeline parallel: the micro-batches each step's batch is split into on
+        dim 0. Every stage runs a forward and a backward per micro-batch; gradients are the mean over them.""",
+        Flag("--microbatches", _PP, metavar="N", parse=_positive_int, commands=_BUILD_ONLY))
+    schedule: str = option("gpipe", """Pipeline parallel: the order of micro-batch forwards and backwards,
+        'gpipe' or '1f1b'. As torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B; keyed as data.""",
+        Flag("--schedule", _PP, metavar="SCHEDULE", choices=SCHEDULES, commands=_BUILD_ONLY))
+    split_points: tuple[str, ...] = option((), """Pipeline parallel: the module FQNs that begin stages 1 and
+        later, in forward order. pipeline_stages - 1 of them, as pipeline()'s SplitPoint.BEGINNING; default: the
+        model's repeated blocks cut where the stages' parameter counts come nearest to equal.""",
+        Flag("--split-point", _PP, "repeat", "FQN", commands=_BUILD_ONLY))
+
     def __post_init__(self):
         # dtypes by name or torch dtype, checked as FSDP2's policy (fp16 reductions refused)
         policy = MixedPrecisionPolicy(*(getattr(self, f) for f in _POLICY_FIELDS))
@@ -263,6 +295,43 @@ class ParallelOptions:
             object.__setattr__(self, name, getattr(checked, name))
         if not isinstance(self.tp_plan, str):  # a string names the model's own plan, bound per model
             object.__setattr__(self, "tp_plan", checked.tp_plan)
+        object.__setattr__(self, "split_points", (self.split_points,) if isinstance(self.split_points, str)
+                           else tuple(self.split_points))
+        self.pipeline()  # the pipeline fields' checks that need no world size
+
+    def pipeline(self, world_size: int | None = None) -> Pipeline | None:
+        """The ``Pipeline`` these options ask for (None when ``pipeline_stages`` is 1): its stages,
+        schedule, placement over a stage's replicas and TP inside the stages. ``world_size`` checks
+        the world against ``mesh_shape`` and sizes TP when no ``mesh_shape`` gives it."""
+        if self.pipeline_stages == 1:
+            stray = [f for f in _PIPELINE_FIELDS[1:] if getattr(self, f) != _DEFAULTS[f]]
+            if stray:
+                raise SpmdAotError(f"{stray[0]}={getattr(self, stray[0])!r} is set without pipeline_stages; "
+                                   "set pipeline_stages=N (2 or more) or drop it")
+            return None
+        unsupported = [f for f in _NOT_WITH_PIPELINES if getattr(self, f) != _DEFAULTS[f]]
+        if isinstance(self.tp_plan, str):
+            unsupported.insert(0, "tp_plan")
+        if unsupported:
+            raise SpmdAotError(
+                f"pipeline_stages={self.pipeline_stages} does not combine with {unsupported[0]}="
+                f"{getattr(self, unsupported[0])!r} (docs/pipeline_parallel.md lists what a pipeline supports); "
+                f"drop {unsupported[0]}" + (" or name the modules (PATTERN=STYLE)" if unsupported[0] == "tp_plan" else ""))
+        per_stage = math.prod(self.mesh_shape) if self.mesh_shape else None
+        if world_size is not None:
+            if per_stage is not None and world_size != self.pipeline_stages * per_stage:
+                raise SpmdAotError(
+                    f"pipeline_stages={self.pipeline_stages} x mesh_shape {_x_text(self.mesh_shape)} is "
+                    f"{self.pipeline_stages * per_stage} ranks, but the world size is {world_size}; the mesh_shape "
+                    "of a pipeline is one stage's (its replicas, then its TP ranks)")
+            per_stage = per_stage or max(world_size // self.pipeline_stages, 1)
+        tp = 1
+        if self.tp_plan:
+            tp = self.mesh_shape[-1] if self.mesh_shape else per_stage
+            if tp is None:  # no world size yet: a placeholder TP size for the checks that need none
+                tp = 2
+        return Pipeline(self.pipeline_stages, self.microbatches, self.schedule, self.split_points, self.placement,
+                        tp, self.tp_plan)
 
     @property
     def mixed_precision(self) -> MixedPrecisionPolicy | None:
@@ -272,7 +341,8 @@ class ParallelOptions:
     def plan(self, world_size: int, device_type: str = "cpu", **replace) -> Plan:
         """The configuration these options give at ``world_size`` ranks of ``device_type``: the one
         place options become the stored, hashed ``Plan`` (a field here is the Plan field of its name)."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _POLICY_FIELDS}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name not in _POLICY_FIELDS + _PIPELINE_FIELDS}
         values.update(replace)
         return Plan(world_size, device_type=device_type, mixed_precision=self.mixed_precision, **values)
 
@@ -282,7 +352,7 @@ class ParallelOptions:
         policy = plan.mixed_precision or MixedPrecisionPolicy()
         mesh = plan.mesh_shape if len(plan.mesh_shape) > 1 else None
         values = {f.name: getattr(plan, f.name) for f in dataclasses.fields(cls)
-                  if f.name not in _POLICY_FIELDS and f.name != "mesh_shape"}
+                  if f.name not in _POLICY_FIELDS + _PIPELINE_FIELDS and f.name != "mesh_shape"}
         return cls(mesh_shape=mesh, **values, **{f: getattr(policy, f) for f in _POLICY_FIELDS})
 
     @classmethod
@@ -337,6 +407,13 @@ class ParallelOptions:
                 if f.name not in skip and getattr(self, f.name) != f.default
                 and applies(f.metadata["flag"], self.placement, axes)
                 for w in f.metadata["flag"].words(getattr(self, f.name))]
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelOptions)}
+# options a pipeline does not read: refused beside pipeline_stages rather than silently ignored
+_NOT_WITH_PIPELINES = ("param_placements", "bucket_cap_mb", "first_bucket_cap_mb", "shard_groups",
+                       "reshard_after_forward", "context_parallel", "context_parallel_buffers", "expert_parallel",
+                       "expert_capacity_factor", *_POLICY_FIELDS)
 
 
 def applies(flag: Flag, placement: str, other_axes: bool) -> bool:

@@ -69,6 +69,10 @@ def build(job: Job, *, parallel: ParallelOptions | None = None, run: RunOptions 
         parallel, run = split_options(parallel, run, options, "build")
         if world_size is None:
             raise TypeError("build() needs world_size (or a plan)")
+        if parallel.pipeline_stages > 1:  # a pipeline entry: the job's step is its loss function
+            from .pipeline_build import build_with_options
+
+            return build_with_options(job, parallel, run, world_size, device)
         plan = parallel.plan(world_size, device)
     else:
         spread = sorted(set(options) - {f.name for f in dataclasses.fields(RunOptions)})

@@ -26,10 +26,12 @@ from ..parallel.pipeline_parallel import Pipeline, bubble_fraction, even_split_p
 from ..passes import ask_conv_weight_grads, fold_views, remove_detach, rewrite_inplace_views, strip_profiler_ops
 from ..store import open_store
 from ..tracing.fake_factories import fake_factories
+from ..tracing.stage_tp import StageTP
 from ..tracing.stages import trace_stages
 from .peak_memory import _storage, graph_peak_bytes
 
-__all__ = ["build_pipeline", "PipelineBuild", "pipeline_plan", "micro_batch", "trace_pipeline_blobs", "resolve_split"]
+__all__ = ["build_pipeline", "build_with_options", "check_run_options", "PipelineBuild", "pipeline_plan",
+           "micro_batch", "trace_pipeline_blobs", "resolve_split"]
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +43,33 @@ class PipelineBuild:
     traced: bool
     stats: dict
     seconds: float
+    config: str = ""  # the pipeline and world size, as ``spmd-aot build`` lists them
+
+    def describe(self) -> str:
+        return self.config
 
 
 def pipeline_plan(pipeline: Pipeline, world_size: int, device_type: str, split_points) -> dict:
     """The entry's plan: world size, the mesh ``(pp,)`` or ``(pp, dp_replicate)`` (each stage
     replicated over ``world_size / stages`` ranks that see different batches, their gradients
     averaged after the last micro-batch, as DDP under pipelining) or ``(pp, dp_shard)`` (the
-    same with the stage's parameters sharded, as FSDP2), device, the split points. The stage
-    graphs are the same for every mesh: they compute on a micro-batch of one replica's batch."""
-    if world_size % pipeline.stages:
+    same with the stage's parameters sharded, as FSDP2), with a last ``tp`` dimension when the
+    stages are tensor parallel; device, the split points. The stage graphs are the same for
+    every data-parallel replica: they compute on a micro-batch of one replica's batch (and on
+    TP-local parameters, the same graph for every TP rank)."""
+    per_stage = pipeline.stages * pipeline.tp
+    if world_size % per_stage:
+        tp = f" x tp {pipeline.tp}" if pipeline.tp > 1 else ""
         raise SpmdAotError(
-            f"a pipeline of {pipeline.stages} stages runs on a multiple of {pipeline.stages} ranks (each stage "
-            f"on world_size / {pipeline.stages} data-parallel replicas), got world size {world_size}")
-    dp = world_size // pipeline.stages
+            f"a pipeline of {pipeline.stages} stages{tp} runs on a multiple of {per_stage} ranks (each stage "
+            f"on world_size / {per_stage} data-parallel replicas), got world size {world_size}")
+    dp = world_size // per_stage
     dp_role = "dp_shard" if pipeline.placement == "shard" else "dp_replicate"
-    mesh, roles = ([pipeline.stages, dp], ["pp", dp_role]) if dp > 1 else ([pipeline.stages], ["pp"])
+    mesh, roles = [pipeline.stages], ["pp"]
+    if dp > 1:
+        mesh, roles = mesh + [dp], roles + [dp_role]
+    if pipeline.tp > 1:
+        mesh, roles = mesh + [pipeline.tp], roles + ["tp"]
     return {"world_size": world_size, "mesh_shape": mesh, "mesh_roles": roles, "device_type": device_type,
             "split_points": list(split_points)}
 
@@ -74,6 +88,25 @@ def micro_batch(batch, microbatches: int):
                                f"micro-batches; use a batch size that is a multiple of {microbatches}")
         return t.narrow(0, 0, t.shape[0] // microbatches)
     return pytree.tree_map(first, tuple(batch))
+
+
+def check_run_options(run) -> None:
+    """Refuse the ``RunOptions`` a pipeline does not read yet (ignoring them would build or load
+    something other than asked)."""
+    unread = [f for f in ("allow_ops", "kernels", "module_override", "gm_transformation", "extra_sources")
+              if getattr(run, f)]
+    if unread:
+        raise SpmdAotError(f"a pipeline does not take RunOptions.{unread[0]} yet (docs/pipeline_parallel.md); "
+                           "drop it")
+
+
+def build_with_options(job: Job, parallel, run, world_size: int, device: str = "cpu") -> PipelineBuild:
+    """``spmd_aot.build`` with ``ParallelOptions(pipeline_stages=N, ...)``: the same entry as
+    ``build_pipeline(job, parallel.pipeline(world_size), ...)``. Of the ``RunOptions`` a pipeline
+    reads where its entry goes and what a load trusts; the others are refused, not ignored."""
+    check_run_options(run)
+    return build_pipeline(job, parallel.pipeline(world_size), world_size=world_size, cache_dir=run.cache_dir,
+                          store=run.store, device=device, trust_cache=run.trust_cache)
 
 
 def build_pipeline(job: Job, pipeline: Pipeline, *, world_size: int | None = None, cache_dir=None, store=None,
@@ -99,7 +132,8 @@ def build_pipeline(job: Job, pipeline: Pipeline, *, world_size: int | None = Non
             try:
                 manifest = read_pipeline_manifest(store, digest)
                 if manifest["key"] == key.key:
-                    return PipelineBuild(key.key, digest, False, manifest["stats"], time.perf_counter() - start)
+                    return PipelineBuild(key.key, digest, False, manifest["stats"], time.perf_counter() - start,
+                                         f"world={world_size} {pipeline.describe()}")
             except CorruptArtifactError as exc:
                 log.warning("pipeline entry for key %s is damaged (%s); rebuilding it", key.key[:12], exc)
         blobs = trace_pipeline_blobs(model, job.step, batch, pipeline, plan, key)
@@ -108,13 +142,14 @@ def build_pipeline(job: Job, pipeline: Pipeline, *, world_size: int | None = Non
     seconds = time.perf_counter() - start
     log.info("build %s world=%d: key %s, digest %s, %.2f s", pipeline.describe(), world_size, key.key[:12],
              digest[:12], seconds)
-    return PipelineBuild(key.key, digest, True, stats, seconds)
+    return PipelineBuild(key.key, digest, True, stats, seconds, f"world={world_size} {pipeline.describe()}")
 
 
 def trace_pipeline_blobs(model, loss_fn, batch, pipeline: Pipeline, plan: dict, key) -> dict[str, bytes]:
     """Trace, clean, check: the entry's blobs (what a job-start miss stores too)."""
     start = time.perf_counter()
-    stages = trace_stages(model, loss_fn, micro_batch(batch, pipeline.microbatches), tuple(plan["split_points"]))
+    tp = StageTP(pipeline.tp_plan, pipeline.tp, len(plan["mesh_shape"]) - 1) if pipeline.tp > 1 else None
+    stages = trace_stages(model, loss_fn, micro_batch(batch, pipeline.microbatches), tuple(plan["split_points"]), tp)
     for st in stages:
         for gm in (st.forward, st.backward):
             strip_profiler_ops(gm)
@@ -128,7 +163,8 @@ def trace_pipeline_blobs(model, loss_fn, batch, pipeline: Pipeline, plan: dict, 
              "bubble_fraction": round(bubble_fraction(pipeline), 4),
              "peak_bytes": [st.stats["peak_bytes"] for st in stages],
              "trace_seconds": round(time.perf_counter() - start, 4)}
-    blobs = encode_pipeline(stages, key, plan, pipeline.to_dict(), stats)
+    # a TP collective's group is stored as the mesh's TP dimension
+    blobs = encode_pipeline(stages, key, plan, pipeline.to_dict(), stats, {tp.group_name: tp.mesh_dim} if tp else {})
     try:
         check_pipeline_blobs(blobs)  # what a load would refuse is never stored
     except CorruptArtifactError as exc:

@@ -16,8 +16,25 @@ from .stores import cache_root, store_at
 
 def plan_for(args, world_size: int, placement: str):
     """One configuration: the command line's options for ``placement`` (only those it reads,
-    ``ParallelOptions.for_placement``) at ``world_size`` ranks of ``--device``."""
-    return parallel_from_args(args, placement).plan(world_size, args.device)
+    ``ParallelOptions.for_placement``) at ``world_size`` ranks of ``--device``; with
+    ``--pipeline-stages`` a ``PipelineConfig`` (a pipeline is its own entry kind, not a plan)."""
+    options = parallel_from_args(args, placement)
+    if options.pipeline_stages > 1:
+        options.pipeline(world_size)  # a world the pipeline cannot use fails before any build
+        return PipelineConfig(options, world_size, args.device)
+    return options.plan(world_size, args.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """A pipeline-parallel configuration of ``spmd-aot build``: its options at one world size."""
+
+    options: object
+    world_size: int
+    device: str
+
+    def describe(self) -> str:
+        return f"world={self.world_size} {self.options.pipeline(self.world_size).describe()}"
 
 
 def cmd_build(args) -> int:
@@ -40,7 +57,9 @@ def cmd_build(args) -> int:
         with Progress(len(plans)) as bar:
             for plan in plans:
                 bar.start(plan.describe())
-                result = build(job, plan=plan, run=dataclasses.replace(run, store=store))
+                where = dataclasses.replace(run, store=store)
+                result = build(job, plan=plan, run=where) if not isinstance(plan, PipelineConfig) else \
+                    build(job, parallel=plan.options, world_size=plan.world_size, device=plan.device, run=where)
                 results.append(result)
                 bar.finish("built" if result.traced else "cached")
     except (SpmdAotError, OSError) as exc:
@@ -60,7 +79,7 @@ def cmd_build(args) -> int:
 def _print_build_table(results) -> None:
     if not results:
         return
-    rows = [[r.plan.describe(), r.key[:12], r.digest[:12], r.stats.get("nodes", "?"),
+    rows = [[(r.plan if hasattr(r, "plan") else r).describe(), r.key[:12], r.digest[:12], r.stats.get("nodes", "?"),
              r.stats.get("collectives", "?"), f"{r.seconds:.2f}", "built" if r.traced else "cached"]
             for r in results]
     print_table(["CONFIG", "KEY", "DIGEST", "NODES", "COLLECTIVES", "SECONDS", "STATUS"], rows,

@@ -37,8 +37,11 @@ _PORT_FIELDS = {"name", "shape", "dtype", "grad"}
 _GRAPHS = ("forward", "backward")
 
 
-def encode_pipeline(stages, key, plan: dict, pipeline: dict, stats: dict) -> dict[str, bytes]:
-    """Every blob of a pipeline entry, ``"manifest"`` last. ``stages``: ``tracing.stages.StageGraphs``."""
+def encode_pipeline(stages, key, plan: dict, pipeline: dict, stats: dict,
+                    group_names: dict[str, int] | None = None) -> dict[str, bytes]:
+    """Every blob of a pipeline entry, ``"manifest"`` last. ``stages``: ``tracing.stages.StageGraphs``;
+    ``group_names``: the traced process-group name of each mesh dimension the graphs' collectives
+    use (tensor parallel inside the stages), stored as the dimension."""
     from safetensors.torch import save as save_safetensors
 
     blobs: dict[str, bytes] = {}
@@ -46,7 +49,7 @@ def encode_pipeline(stages, key, plan: dict, pipeline: dict, stats: dict) -> dic
     for st in stages:
         constants = {}
         for part, gm in zip(_GRAPHS, (st.forward, st.backward)):
-            blobs[f"stage{st.index}.{part}"] = encode_graph(gm.graph, {})
+            blobs[f"stage{st.index}.{part}"] = encode_graph(gm.graph, group_names or {})
             for node in gm.graph.nodes:
                 if node.op == "get_attr":
                     value = getattr(gm, node.target)
@@ -164,9 +167,12 @@ def backward_inputs(ports: dict) -> list[dict]:
     return list(ports["saved"]) + [p for p in ports["outputs"] if p["grad"]]
 
 
-def read_stage(store, manifest: dict, stage: int, device: torch.device, device_type: str = "cpu") -> LoadedStage:
+def read_stage(store, manifest: dict, stage: int, device: torch.device, device_type: str = "cpu",
+               groups: list[str] | None = None) -> LoadedStage:
     """Stage ``stage``'s parts: re-hashed, decoded against the allowlist and the load limits, and
-    run on meta tensors laid out by its ports."""
+    run on meta tensors laid out by its ports. ``groups``: the live process-group name of each
+    mesh dimension (a collective in a stage graph names its dimension); placeholders by default,
+    for checking without process groups."""
     from safetensors.torch import load as load_safetensors
 
     from ..format.validate import check_graph
@@ -189,7 +195,10 @@ def read_stage(store, manifest: dict, stage: int, device: torch.device, device_t
     layouts = {"forward": ports["inputs"], "backward": backward_inputs(ports)}
     decoded, expected = {}, {}
     for part in _GRAPHS:
-        nodes = decode_graph(parts[part], groups=[], device=device)
+        if groups is None:
+            shape = manifest["plan"].get("mesh_shape")
+            groups = [str(d) for d in range(len(shape) if isinstance(shape, list) and len(shape) <= 8 else 0)]
+        nodes = decode_graph(parts[part], groups=groups, device=device)
         inputs = [{"local_shape": p["shape"], "dtype": p["dtype"]} for p in layouts[part]]
         values = check_graph(nodes, constants, inputs, device_type=device_type)
         _check_outputs(nodes, values, ports, part, stage)

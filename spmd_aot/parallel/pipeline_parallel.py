@@ -20,6 +20,11 @@ the mean of the micro-batch losses.
 Split points are module FQNs, each the *first* module of a new stage (``SplitPoint.BEGINNING``,
 as ``pipeline(split_spec=...)`` takes them); with none, ``even_split_points`` picks them so the
 stages hold about equal parameter counts.
+
+Tensor parallelism inside a stage (``tp > 1`` with a ``tp_plan``, in ``tensor_parallel.py``'s
+vocabulary) splits each stage's planned modules over ``tp`` ranks: the mesh is ``(pp, dp, tp)``
+in row-major order, and the stage graphs compute on TP-local parameters with the TP collectives
+in them, one graph for every TP rank of the stage.
 """
 
 from __future__ import annotations
@@ -51,9 +56,13 @@ class Pipeline:
     # "replicate" (DDP: whole parameters, gradients averaged) or "shard" (FSDP2: parameters
     # Shard(0) DTensors, gathered for the step, gradients reduce-scattered)
     placement: str = "replicate"
+    # tensor parallel inside each stage: ``tp`` ranks per stage replica (the last mesh
+    # dimension) and the plan of module FQN patterns -> styles (``parallel/tensor_parallel.py``)
+    tp: int = 1
+    tp_plan: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
-        for name in ("stages", "microbatches"):
+        for name in ("stages", "microbatches", "tp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SpmdAotError(f"Pipeline({name}={value!r}): a positive integer is needed")
@@ -72,23 +81,51 @@ class Pipeline:
         if self.placement not in ("replicate", "shard"):
             raise SpmdAotError(f"Pipeline(placement={self.placement!r}): expected 'replicate' (DDP over a stage's "
                                "replicas) or 'shard' (FSDP2)")
+        object.__setattr__(self, "tp_plan", _tp_plan(self.tp_plan))
+        if (self.tp > 1) != bool(self.tp_plan):
+            raise SpmdAotError(
+                f"Pipeline(tp={self.tp}, tp_plan={self.tp_plan!r}): tensor parallel inside the stages needs both a "
+                "tp of 2 or more ranks and a tp_plan naming the modules it splits (or neither)")
 
     def to_dict(self) -> dict:
         """The text form stored in the manifest and hashed into the key (the schedule itself too)."""
-        return {"stages": self.stages, "microbatches": self.microbatches, "schedule": self.schedule,
-                "split_points": list(self.split_points), "placement": self.placement,
-                "actions": [[f"{a}{m}" for a, m in acts] for acts in schedule_actions(self)]}
+        d = {"stages": self.stages, "microbatches": self.microbatches, "schedule": self.schedule,
+             "split_points": list(self.split_points), "placement": self.placement,
+             "actions": [[f"{a}{m}" for a, m in acts] for acts in schedule_actions(self)]}
+        if self.tp > 1:  # only then: entries without TP keep the form they had
+            d.update(tp=self.tp, tp_plan=[list(entry) for entry in self.tp_plan])
+        return d
 
     @classmethod
     def from_dict(cls, d) -> Pipeline:
         if not isinstance(d, dict) or not isinstance(d.get("split_points"), list):
             raise SpmdAotError("a stored pipeline is a map with stages, microbatches, schedule and split_points")
+        tp_plan = d.get("tp_plan", [])
+        if not isinstance(tp_plan, list) or not all(isinstance(e, list) for e in tp_plan):
+            raise SpmdAotError("a stored pipeline's tp_plan is a list of [pattern, style] pairs")
         return cls(d.get("stages"), d.get("microbatches"), d.get("schedule"), tuple(d["split_points"]),
-                   d.get("placement"))
+                   d.get("placement"), d.get("tp", 1), tuple(map(tuple, tp_plan)))
 
     def describe(self) -> str:
         shard = " (stages sharded over their replicas)" if self.placement == "shard" else ""
-        return f"pp={self.stages} {self.schedule} x{self.microbatches} micro-batches{shard}"
+        tp = f", tp={self.tp} inside each stage" if self.tp > 1 else ""
+        return f"pp={self.stages} {self.schedule} x{self.microbatches} micro-batches{shard}{tp}"
+
+
+def _tp_plan(tp_plan) -> tuple[tuple[str, str], ...]:
+    """``tp_plan`` as (pattern, style name) pairs, transformers' style names mapped."""
+    from collections.abc import Mapping
+
+    from .tp_plan import style_name
+
+    if isinstance(tp_plan, str):
+        raise SpmdAotError(f"Pipeline(tp_plan={tp_plan!r}): name the modules, {{PATTERN: STYLE, ...}}; a "
+                           "model's own plan by name is not supported inside pipeline stages")
+    pairs = tuple(tp_plan.items()) if isinstance(tp_plan, Mapping) else tuple(map(tuple, tp_plan))
+    for entry in pairs:
+        if len(entry) != 2 or not all(isinstance(v, str) for v in entry):
+            raise SpmdAotError(f"Pipeline(tp_plan=...): entries are (module FQN pattern, style) pairs, got {entry!r}")
+    return tuple((pattern, style_name(pattern, style)) for pattern, style in pairs)
 
 
 def schedule_actions(pipeline: Pipeline) -> list[list[tuple[str, int]]]:

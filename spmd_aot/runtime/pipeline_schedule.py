@@ -44,7 +44,7 @@ from ..interpreter.program import Program
 from .pipeline_replicas import Replicas
 from .step import CacheInfo
 
-__all__ = ["compile_pipeline", "PipelineStep"]
+__all__ = ["compile_pipeline", "compile_with_options", "PipelineStep"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,17 @@ def compile_pipeline(loss_fn, *, pipeline: Pipeline, cache_dir=None, store=None,
     others; ``step(..., losses=[])`` also fills the list with each micro-batch's loss there."""
     return PipelineStep(loss_fn, pipeline, cache_dir=cache_dir, store=store, require_hit=require_hit,
                         trust_cache=trust_cache)
+
+
+def compile_with_options(loss_fn, parallel, run) -> PipelineStep:
+    """``spmd_aot.compile`` with ``ParallelOptions(pipeline_stages=N, ...)``: the pipeline its
+    options give at this job's world size (read now, from the default process group)."""
+    from ..building.pipeline_build import check_run_options
+
+    check_run_options(run)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return PipelineStep(loss_fn, parallel.pipeline(world), cache_dir=run.cache_dir, store=run.store,
+                        require_hit=run.require_hit, trust_cache=run.trust_cache)
 
 
 class PipelineStep:
@@ -99,7 +110,8 @@ class PipelineStep:
         rank = dist.get_rank() if dist.is_initialized() else 0
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         plan = pipeline_plan(self.pipeline, world, device_type, resolve_split(model, self.pipeline))
-        replicas = Replicas(plan, device_type)  # collective with replicas: every rank makes the mesh
+        # collective when a stage has several ranks: every rank makes the mesh
+        replicas = Replicas(plan, device_type, self.pipeline.tp_plan)
         key = pipeline_key(model, self.loss_fn, batch, self.pipeline, plan)
         ranks.check_ranks_agree(key, world)
         decision, _ = ranks.rank0_decides(lambda: self._resolve_on_rank0(model, batch, plan, key), rank, world)
@@ -115,7 +127,8 @@ class PipelineStep:
                         f"ref {key.key[:12]} points to pipeline entry {digest[:12]} of another key")
                 device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
                     else torch.device(device_type)
-                loaded = read_stage(self.store, manifest, rank // _replicas(plan), device, device_type)
+                loaded = read_stage(self.store, manifest, rank // _replicas(plan), device, device_type,
+                                    replicas.groups or None)
             bound = _BoundStage(model, loaded, manifest, rank, replicas, device)
         except Exception as exc:
             failure = exc
@@ -169,7 +182,7 @@ def _nearest(store, key, limit: int = 64) -> str:
 
 
 def _replicas(plan: dict) -> int:
-    """Data-parallel replicas of each stage (1 on a ``(pp,)`` mesh)."""
+    """Ranks running each stage: its data-parallel replicas times its TP ranks (1 on a ``(pp,)`` mesh)."""
     return plan["world_size"] // plan["mesh_shape"][0]
 
 
@@ -189,8 +202,8 @@ class _BoundStage:
         self.stage = loaded.index
         self.last = self.stage == self.pipeline.stages - 1
         self.first = self.stage == 0
-        # the same replica of the neighbouring stages: rank -/+ the replica count
-        self.previous, self.next = rank - replicas.dp, rank + replicas.dp
+        # the same replica (and TP rank) of the neighbouring stages: rank -/+ the ranks of a stage
+        self.previous, self.next = rank - replicas.per_stage, rank + replicas.per_stage
         self.forward = Program(loaded.forward, loaded.constants, expected=loaded.forward_expected)
         self.backward = Program(loaded.backward, loaded.constants, expected=loaded.backward_expected)
         self.actions = schedule_actions(self.pipeline)[self.stage]
@@ -211,7 +224,7 @@ class _BoundStage:
 
     def run(self, optim, leaves, losses):
         n = self.pipeline.microbatches
-        if self.replicas.sharded:  # the stage's parameters become Shard(0) DTensors (once, in place)
+        if self.replicas.sharded or self.replicas.tp > 1:  # the stage's parameters become DTensors (once, in place)
             own = [p["name"][6:] for p in self.inputs if p["name"].startswith("param:")]
             self.replicas.shard(self.model, optim, own)
             self._bind_live()

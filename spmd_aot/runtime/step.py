@@ -93,6 +93,10 @@ def compile(fn: Callable | None = None, *, parallel: ParallelOptions | None = No
     parallel, run = _options(parallel, run, schema, options, "compile")
     if fn is None:
         return functools.partial(compile, parallel=parallel, run=run)
+    if parallel.pipeline_stages > 1:  # ``fn`` is the loss function of a pipeline (``pipeline_schedule.py``)
+        from .pipeline_schedule import compile_with_options
+
+        return compile_with_options(fn, parallel, run)
     return CompiledStep(fn, parallel=parallel, run=run)
 
 
@@ -383,17 +387,20 @@ class _BoundStep:
         self._cached_state = None  # (optimizer state dict, watched entries, state inputs)
         self.modules = list(state.model.modules())
         self.modes = [m.training for m in self.modules]  # train/eval is in the key (dropout, BatchNorm)
+        # which parameters train is in the key: a backbone unfrozen (or frozen) between steps resolves again
+        self.trainable = [p.requires_grad for _, p in state.params]
         # the step runs each optimizer's update: an lr scheduler asks whether optim.step() ran
         self.stepped = members(state.optim) if state.optim is not None else []
 
     def fits(self, model, optim, leaves, spec) -> bool:
-        """Same objects, batch signature, train/eval modes and baked hyperparameters; else the
-        step is re-resolved."""
+        """Same objects, batch signature, train/eval modes, trainable parameters and baked
+        hyperparameters; else the step is re-resolved."""
         return (model is self.state.model and optim is self.state.optim and spec == self.batch_spec
                 and len(leaves) == len(self.batch_sig)
                 and all(isinstance(t, torch.Tensor) and (tuple(t.shape), t.dtype) == sig
                         for t, sig in zip(leaves, self.batch_sig))
                 and [m.training for m in self.modules] == self.modes
+                and [p.requires_grad for _, p in self.state.params] == self.trainable
                 and self.state.baked_hyperparameters() == self.baked)
 
     def warn_constant_changed(self, optim) -> None:

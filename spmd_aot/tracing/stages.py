@@ -19,6 +19,7 @@ pipelining.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from ..errors import UnsupportedError
+from .stage_tp import TPCalls, local_shape, rewrite
 
 __all__ = ["StageGraphs", "Port", "trace_stages"]
 
@@ -60,9 +62,10 @@ class StageGraphs:
 
 
 def trace_stages(model: torch.nn.Module, loss_fn: Callable, batch: tuple,
-                 split_points: tuple[str, ...]) -> list[StageGraphs]:
+                 split_points: tuple[str, ...], tp=None) -> list[StageGraphs]:
     """``model(*batch[:-1])`` then ``loss_fn(output, batch[-1])``, on one micro-batch of fake
-    tensors, as ``len(split_points) + 1`` stages."""
+    tensors, as ``len(split_points) + 1`` stages. ``tp``: a ``stage_tp.StageTP`` when the stages
+    are tensor parallel (the graphs then compute on TP-local parameters, TP collectives in them)."""
     params = _unique(model.named_parameters(remove_duplicate=False))
     buffers = _unique(model.named_buffers(remove_duplicate=False))
     sharded = [names[0] for names, p in params if hasattr(p, "device_mesh")]
@@ -78,7 +81,10 @@ def trace_stages(model: torch.nn.Module, loss_fn: Callable, batch: tuple,
     names = [f"param:{names[0]}" for names, _ in params] + [f"buffer:{names[0]}" for names, _ in buffers] + \
             [f"batch:{i}" for i in range(len(leaves))]
     flat = [p for _, p in params] + [b for _, b in buffers] + leaves
-    gm, marks = _whole_trace(model, loss_fn, params, buffers, spec, flat, split_points)
+    if tp is not None:  # each parameter as one TP rank holds it
+        flat[:len(params)] = [p.new_empty(local_shape(tp.tp_plan, names[0], tuple(p.shape), tp.size))
+                              .requires_grad_(p.requires_grad) for names, p in params]
+    gm, marks = _whole_trace(model, loss_fn, params, buffers, spec, flat, split_points, tp)
     return _cut(gm, marks, names, params)
 
 
@@ -89,8 +95,10 @@ def _unique(named) -> list[tuple[tuple[str, ...], torch.Tensor]]:
     return [(tuple(names), t) for names, t in by_id.values()]
 
 
-def _whole_trace(model, loss_fn, params, buffers, spec, flat, split_points):
-    """The forward and loss as one aten graph, and the last node before each stage boundary."""
+def _whole_trace(model, loss_fn, params, buffers, spec, flat, split_points, tp=None):
+    """The forward and loss as one aten graph, and the last node before each stage boundary;
+    under ``tp`` the planned modules run their TP styles, each TP autograd function one node
+    (``stage_tp.rewrite``)."""
     modules = dict(model.named_modules())
     missing = [p for p in split_points if p not in modules]
     if missing:
@@ -122,8 +130,9 @@ def _whole_trace(model, loss_fn, params, buffers, spec, flat, split_points):
         return loss
 
     handles = [modules[p].register_forward_pre_hook(noting(p)) for p in split_points]
+    calls = TPCalls()
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), _tensor_parallel(model, tp), calls if tp is not None else contextlib.nullcontext():
             gm = make_fx(whole, tracing_mode="fake")(*flat)
     except UnsupportedError:
         raise
@@ -133,8 +142,9 @@ def _whole_trace(model, loss_fn, params, buffers, spec, flat, split_points):
     finally:
         for h in handles:
             h.remove()
+    moved = rewrite(gm, calls.calls) if calls.calls else {}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    traced_marks = [marks.get(p) for p in split_points]
+    traced_marks = [moved.get(marks.get(p), marks.get(p)) for p in split_points]
     for p, m in zip(split_points, traced_marks):
         if m is None:
             raise UnsupportedError(
@@ -144,6 +154,15 @@ def _whole_trace(model, loss_fn, params, buffers, spec, flat, split_points):
         raise UnsupportedError(f"split points {list(split_points)} run in another order in the forward; list "
                                "them in the order the forward runs them")
     return gm, positions
+
+
+def _tensor_parallel(model, tp):
+    """The planned modules running their TP styles (``parallel/tensor_parallel.py``), or nothing."""
+    if tp is None:
+        return contextlib.nullcontext()
+    from ..parallel.tensor_parallel import TensorParallel
+
+    return TensorParallel(model, tp.tp_plan, tp.mesh, tp.mesh_dim)
 
 
 def _block_names(model):

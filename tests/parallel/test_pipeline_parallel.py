@@ -505,3 +505,140 @@ def test_key_holds_the_split_the_micro_batches_the_placement_and_the_loss():
                                 (key(Pipeline(2, 4, "gpipe", SPLIT), loss=hf_loss), "loss_code")):
         assert changed.key != base.key
         assert changed.ingredients[ingredient] != base.ingredients[ingredient]
+
+
+# ---------------------------------------------------------------------------- pp x dp_shard x tp
+HEADS = 4
+
+
+class TPBlock(nn.Module):
+    """A block tensor parallel can split: q, k, v and fc colwise, o and out rowwise; the local
+    head count read from the local tensor (``view(b, t, -1, head_dim)``). The key has no bias:
+    its gradient is exactly zero (softmax is shift invariant), and AdamW would turn two
+    implementations' rounding noise in it into lr-sized steps."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=name != "k") for name in "qkvo")
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+        self.norm2 = nn.LayerNorm(d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.norm(x)
+
+        def heads(z):
+            return z.view(b, t, -1, d // HEADS).transpose(1, 2)
+        a = F.scaled_dot_product_attention(heads(self.q(h)), heads(self.k(h)), heads(self.v(h)), is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
+        return x + self.out(F.gelu(self.fc(self.norm2(x))))
+
+
+class TPLM(LM):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleDict({str(i): TPBlock(DIM) for i in range(LAYERS)})
+
+
+TP_PLAN = {"blocks.*.q": "colwise", "blocks.*.k": "colwise", "blocks.*.v": "colwise", "blocks.*.o": "rowwise",
+           "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
+
+
+def _pp_dp_tp_worker(rank, world, cache_dir, steps=3):
+    """pp 2 x dp_shard 2 x tp 2 (world 8, mesh (pp, dp, tp) row-major). The oracle is torch's
+    pipelining over stage modules under ``parallelize_module`` (the TP mesh, ColwiseParallel /
+    RowwiseParallel as TP_PLAN says) then ``fully_shard`` (each block, then the root, over the
+    replicas): torchtitan's PP x FSDP x TP."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    stages, dp, tp = 2, 2, 2
+    stage, replica, _ = rank // (dp * tp), rank // tp % dp, rank % tp
+    pipeline = Pipeline(stages, MICRO, "1f1b", SPLIT, "shard", tp, TP_PLAN)
+    if rank == 0:
+        build_pipeline(spmd_aot.Job(step=loss_fn, model=TPLM, optimizer=None, batch=make_batch), pipeline,
+                       world_size=world, cache_dir=cache_dir)
+    mesh = init_device_mesh("cpu", (stages, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    dist.barrier()
+    torch.manual_seed(0)
+    model = TPLM()
+    ref = stage_module(copy.deepcopy(model), stage, [2])
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for name in ref.blocks:
+        parallelize_module(ref.blocks[name], mesh["tp"], {m: styles[s]() for m, s in
+                                                          ((p.split(".")[-1], s) for p, s in TP_PLAN.items())})
+        fully_shard(ref.blocks[name], mesh=mesh["dp"])
+    fully_shard(ref, mesh=mesh["dp"])
+    ref_schedule = Schedule1F1B(PipelineStage(ref, stage, stages, torch.device("cpu"), group=mesh.get_group("pp")),
+                                MICRO, loss_fn=loss_fn)
+    ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = compile_pipeline(loss_fn, pipeline=pipeline, cache_dir=cache_dir, require_hit=True)
+    loss_diff = 0.0
+    for i in range(steps):
+        x, y = make_batch(i + 50 * replica)  # each replica its own batch; its TP ranks the same one
+        ref_losses, losses = [], []
+        ref_schedule.step(x) if stage == 0 else ref_schedule.step(target=y, losses=ref_losses)
+        ref_optim.step()
+        ref_optim.zero_grad()
+        step(model, optim, (x, y), losses=losses)
+        if losses:
+            loss_diff = max(loss_diff, max(abs(float(a) - float(b)) for a, b in zip(ref_losses, losses)))
+
+    def whole(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+    diffs = {name: (whole(ref_p) - whole(model.get_parameter(name))).abs().max().item()
+             for name, ref_p in ref.named_parameters()}
+    param_diff = max(diffs.values())
+    own = {n: model.get_parameter(n) for n in step.stage_parameters}
+    placements = {n: [repr(pl) for pl in p.placements] for n, p in own.items() if isinstance(p, DTensor)}
+    # laid out as torch lays out the stage module under parallelize_module then fully_shard
+    as_torch = all(tuple(own[n].placements) == tuple(ref_p.placements) for n, ref_p in ref.named_parameters())
+    return {"loss_diff": loss_diff, "param_diff": param_diff, "traces": step.cache_info.traces,
+            "hit": step.cache_info.hit, "placements": placements, "own": len(own), "as_torch": as_torch,
+            "diffs": {n: d for n, d in diffs.items() if d > 1e-5}}
+
+
+def test_pp2_x_dp_shard2_x_tp2_matches_torch_pipelining_over_fsdp2_and_tp(tmp_path):
+    out = run_ranks(_pp_dp_tp_worker, 8, str(tmp_path), timeout=900)
+    for rank, r in enumerate(out):
+        assert r["hit"] and r["traces"] == 0, (rank, r)
+        assert r["param_diff"] < 1e-4 and r["loss_diff"] < 1e-4, (rank, r)
+        assert len(r["placements"]) == r["own"] and r["as_torch"], (rank, r)  # DTensors placed as torch's
+    q, o, norm = (out[0]["placements"][f"blocks.0.{m}.weight"] for m in ("q", "o", "norm"))
+    assert q[1] == "Shard(dim=0)" and "StridedShard" in q[0], q  # colwise, then its shards over the replicas
+    assert o == ["Shard(dim=0)", "Shard(dim=1)"] and norm == ["Shard(dim=0)"], (o, norm)  # norm: FSDP2 alone
+
+
+# ---------------------------------------------------------------------------- options and the CLI
+def test_parallel_options_the_cli_and_build_drive_the_same_pipeline(built, capsys):
+    from spmd_aot.cli.app import main
+    from spmd_aot.runtime.pipeline_schedule import PipelineStep
+
+    cache, results = built
+    flags = ["--pipeline-stages", "2", "--microbatches", str(MICRO), "--schedule", "1f1b", "--split-point", "blocks.2"]
+    assert main(["build", f"{__file__}:make_job", "-w", "2", *flags, "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert results["1f1b"].key[:12] in out and "cached" in out and "pp=2 1f1b x4" in out
+    options = spmd_aot.ParallelOptions(pipeline_stages=2, microbatches=MICRO, schedule="1f1b", split_points=SPLIT)
+    again = spmd_aot.build(make_job(), parallel=options, world_size=2, cache_dir=cache)
+    assert again.key == results["1f1b"].key and not again.traced
+    step = spmd_aot.compile(loss_fn, parallel=options, cache_dir=cache)
+    assert isinstance(step, PipelineStep) and step.pipeline == Pipeline(2, MICRO, "1f1b", SPLIT)
+    # the per-stage mesh gives TP and the replicas: pp 2 x (dp_shard 2 x tp 2)
+    tp = spmd_aot.ParallelOptions(pipeline_stages=2, placement="shard", mesh_shape=(2, 2), tp_plan=TP_PLAN)
+    assert tp.pipeline(8) == Pipeline(2, 1, "gpipe", (), "shard", 2, TP_PLAN)
+    with pytest.raises(SpmdAotError, match="world size is 4"):
+        tp.pipeline(4)
+    with pytest.raises(SpmdAotError, match="without pipeline_stages"):
+        spmd_aot.ParallelOptions(microbatches=4)
+    with pytest.raises(SpmdAotError, match="does not combine with context_parallel"):
+        spmd_aot.ParallelOptions(pipeline_stages=2, context_parallel=True, mesh_shape=(2,))
+    with pytest.raises(SpmdAotError, match="kernels"):
+        spmd_aot.build(make_job(), parallel=options, world_size=2, cache_dir=cache, kernels=True)
