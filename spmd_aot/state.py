@@ -24,12 +24,23 @@ from .parallel.plan import Plan
 __all__ = ["TrainState", "Slot", "HyperInput", "hyperparameter_inputs", "initialize_optimizer_state",
            "dtype_name"]
 
-# Optimizers whose lazily created state is all zeros (step counters included), so filling it
-# before the first step gives exactly eager's first step. Others must arrive with state.
-_ZERO_INIT_OPTIMIZERS = {"SGD", "Adam", "AdamW", "Adamax", "RAdam", "RMSprop", "Adadelta", "Adagrad", "Adafactor"}
+# Optimizers whose lazily created state is known: zeros (step counters included) but for the
+# entries of ``_NONZERO_INITIAL_STATE``, so making it before the first step gives exactly eager's
+# first step. Others must arrive with state.
+_ZERO_INIT_OPTIMIZERS = {"SGD", "Adam", "AdamW", "Adamax", "RAdam", "RMSprop", "Adadelta", "Adagrad", "Adafactor",
+                         "NAdam", "ASGD", "Rprop"}
+# The entries those optimizers create with another value than zero, read from the parameter's
+# group as their ``_init_group`` does: NAdam's running momentum product starts at 1, ASGD's
+# step size at lr and its averaging weight at 1, Rprop's per-element step sizes at lr.
+_NONZERO_INITIAL_STATE = {
+    "NAdam": {"mu_product": lambda group: 1.0},
+    "ASGD": {"eta": lambda group: float(group["lr"]), "mu": lambda group: 1.0},
+    "Rprop": {"step_size": lambda group: float(group["lr"])},
+}
 # Optimizers that make all their state before the update (in ``_init_group``): their dry step
 # skips the update, which for these reads tensors on the host (meta tensors have no values).
-_STATE_BEFORE_UPDATE = {"Adafactor": ("torch.optim._adafactor", "adafactor")}
+_STATE_BEFORE_UPDATE = {"Adafactor": ("torch.optim._adafactor", "adafactor"), "NAdam": ("torch.optim.nadam", "nadam"),
+                        "ASGD": ("torch.optim.asgd", "asgd"), "Rprop": ("torch.optim.rprop", "rprop")}
 
 # Optimizers whose step cannot be one fixed graph (it reads tensors on the host, ``.item()``,
 # to decide what to run): refused by name, before a dry step on meta tensors fails less clearly.
@@ -382,16 +393,24 @@ def initialize_optimizer_state(optim: torch.optim.Optimizer, make_zeros=None) ->
     on_param_device = {id(p) for g in optim.param_groups if g.get("fused") or g.get("capturable")
                        for p in g["params"]}  # where eager keeps their step counters
     created = _probed_state(optim, missing)
+    fills = _NONZERO_INITIAL_STATE.get(name, {})
+    group_of = {id(p): g for g in optim.param_groups for p in g["params"]}
+    made = []
     for p, entries in created.items():
         state = {}
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
                 device = p.device if value.device.type == "meta" or id(p) in on_param_device else value.device
                 state[key] = make_zeros(p, value.shape, value.dtype, device)
+                if key in fills:
+                    with torch.no_grad():
+                        state[key].fill_(fills[key](group_of[id(p)]))
             else:
                 state[key] = value
-        optim.state[p] = state
-    return list(created)
+        if state:  # SGD without momentum keeps none: no empty entry, as in eager's state_dict()
+            optim.state[p] = state
+            made.append(p)
+    return made
 
 
 _PROBE_SHAPE = (2, 3)  # a stand-in parameter's shape; state of this shape is shaped like its parameter

@@ -186,7 +186,25 @@ def tensor_updates():
                                               ("torch.optim._adafactor", "adafactor", _adafactor_on_tensors)):
             module = importlib.import_module(module_name)  # where the optimizer's step finds the function
             stack.enter_context(mock.patch.object(module, name, _unless_traced(getattr(module, name), on_tensors)))
+        for module_name, name in _PER_TENSOR_UPDATES:
+            module = importlib.import_module(module_name)
+            stack.enter_context(mock.patch.object(module, name, _per_tensor(getattr(module, name))))
         yield
+
+
+# Optimizers whose multi-tensor update (what tracing picks where the user left the choice to
+# torch) makes a graph no load accepts, traced on their per-tensor update instead (what eager
+# runs on CPU; equal to rounding): NAdam's capturable foreach path multiplies a list of 0-d step
+# sizes by the gradients (``_foreach_mul`` broadcasting its first list, which the op's contract
+# refuses), ASGD's clamps with ``_foreach_maximum_.Scalar``.
+_PER_TENSOR_UPDATES = (("torch.optim.nadam", "nadam"), ("torch.optim.asgd", "asgd"))
+
+
+def _per_tensor(original):
+    def update(*args, **kwargs):
+        return original(*args, **{**kwargs, "foreach": False})
+
+    return update
 
 
 def _unless_traced(original, on_tensors):

@@ -7,7 +7,12 @@
   betas and SGD's momentum) run from one stored step: a fresh start hits, traces nothing, and
   every step uses the moved value;
 * ``torch.optim.Adafactor``: built, hit and run like AdamW (its update runs on tensors while
-  tracing), or refused in one line where it cannot be.
+  tracing), or refused in one line where it cannot be;
+* the rest of torch's optimizers and step shapes users write (``ZOO``, one build per placement
+  in the same launch): NAdam, ASGD and Rprop (state that starts at other values than zero),
+  Adamax and centered-momentum RMSprop (their updates' ops), plain SGD (no state, as in eager),
+  ``clip_grad_value_``, ``clip_grad_norm_`` with ``norm_type=inf`` returned from the step, and
+  parameters unfrozen between steps (the step resolves again and trains them).
 """
 
 from __future__ import annotations
@@ -145,8 +150,99 @@ def _diffs(ref, got) -> dict:
             "loss": max(float((a - b).abs()) for a, b in zip(l1, l2))}
 
 
+# ---------------------------------------------------------------------------- the optimizer zoo
+class NormMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(12, 24)
+        self.ln = torch.nn.LayerNorm(24)
+        self.fc2 = torch.nn.Linear(24, 24)
+        self.head = torch.nn.Linear(24, 5)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc2(self.ln(torch.relu(self.fc1(x))))))
+
+
+def zoo_replicate(model):
+    """One optimizer per parameter set; torch's defaults otherwise (what eager runs on CPU)."""
+    m = getattr(model, "module", model)
+    return [torch.optim.NAdam(m.fc1.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+            torch.optim.ASGD(m.ln.parameters(), lr=1e-2),
+            torch.optim.Rprop([m.fc2.weight], lr=1e-2),
+            torch.optim.Adamax([m.fc2.bias], lr=1e-2, weight_decay=0.01),
+            torch.optim.RMSprop([m.head.weight], lr=1e-3, centered=True, momentum=0.9),
+            torch.optim.SGD([m.head.bias], lr=0.05)]
+
+
+def zoo_shard(model):
+    """Rprop and ASGD are left out: eager fully_shard fails on Rprop's update (index_put_ on a
+    Shard(0) DTensor)."""
+    m = getattr(model, "module", model)
+    return [torch.optim.NAdam([m.fc1.weight, m.fc2.weight, m.head.weight], lr=1e-2),
+            torch.optim.Adamax([m.fc1.bias, m.ln.weight, m.ln.bias, m.fc2.bias, m.head.bias], lr=1e-2)]
+
+
+def zoo_step(model, optims, batch):
+    """clip_grad_value_, then clip_grad_norm_ by the largest element (returned, as users log it)."""
+    x, y = batch
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=0.05)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.02, norm_type=float("inf"))
+    for o in optims:
+        o.step()
+        o.zero_grad()
+    return loss, norm
+
+
+ZOO = {"replicate": zoo_replicate, "shard": zoo_shard}
+ZOO_STEPS = 4
+UNFREEZE_AT = 2  # fc1 trains from this step on
+
+
+def _zoo_run(placement, rank, world, fn=None):
+    torch.manual_seed(0)
+    model = NormMLP()
+    model.fc1.requires_grad_(False)
+    stepped = train_steps._eager_model(model, placement, world) if fn is None else model
+    optims = ZOO[placement](stepped)
+    outs = []
+    for s in range(ZOO_STEPS):
+        if s == UNFREEZE_AT:
+            model.fc1.requires_grad_(True)
+            if fn is None and placement == "replicate":  # DDP registers the parameters it reduces once
+                stepped = train_steps._eager_model(model, placement, world)
+        loss, norm = (fn or zoo_step)(stepped, optims, train_steps.class_batch(rank, s))
+        outs.append((loss.detach(), train_steps.full(norm).detach()))
+    return model, optims, outs
+
+
+def _zoo(placement, rank, world, cache_dir):
+    ref = _zoo_run(placement, rank, world)
+    fn = spmd_aot.compile(zoo_step, placement=placement, cache_dir=f"{cache_dir}/zoo-{placement}")
+    got = _zoo_run(placement, rank, world, fn)
+    (m1, o1, l1), (m2, o2, l2) = ref, got
+    full = train_steps.full
+    state = []
+    for a, b in zip(o1, o2):
+        s1, s2 = a.state_dict()["state"], b.state_dict()["state"]
+        for i in s1:
+            for k, v in s1[i].items():
+                if isinstance(v, torch.Tensor) and i in s2 and k in s2[i]:
+                    x, y = full(v).float(), full(s2[i][k]).float()
+                    state.append((x - y).abs().max().item() / max(1.0, x.abs().max().item()))
+    return {"param": max((full(a).float() - full(b).float()).abs().max().item()
+                         for a, b in zip(m1.state_dict().values(), m2.state_dict().values())),
+            "state_relative": max(state),
+            "loss": max(float((a - b).abs()) for (a, _), (b, _) in zip(l1, l2)),
+            "norm": max(float((a - b).abs()) for (_, a), (_, b) in zip(l1, l2)),
+            "norms": [float(n) for _, n in l2],
+            "keys": [[{i: sorted(e) for i, e in o.state_dict()["state"].items()} for o in opts] for opts in (o1, o2)],
+            "traces": fn.cache_info.traces}
+
+
 def _worker(rank, world, cases, cache_dir):
-    out = {}
+    out = {("zoo", p): _zoo(p, rank, world, cache_dir) for p in ZOO}
     for case in cases:
         for placement in placements_of(case):
             cache = f"{cache_dir}/{case}-{placement}"
@@ -229,6 +325,47 @@ def test_the_scheduler_moved_the_numbers(results, case):
     moved = results[0][case, "replicate"]["moved"]
     assert len({lr for lr, _ in moved}) == STEPS and len({m for _, m in moved}) == STEPS, moved
     assert max(m for _, m in moved) - min(m for _, m in moved) > 0.05, moved
+
+
+@pytest.mark.parametrize("placement", list(ZOO))
+def test_optimizer_zoo_and_step_shapes_match_eager(results, placement):
+    """NAdam, ASGD, Rprop (nonzero initial state), Adamax, centered-momentum RMSprop, plain SGD,
+    clip_grad_value_ and an inf-norm clip_grad_norm_ against eager DDP / fully_shard; fc1 is
+    frozen for two steps, then unfrozen: the compiled step resolves again (rank 0 traces twice)
+    and trains it, with optimizer state for it from then on, as eager."""
+    for rank, per_rank in enumerate(results):
+        r = per_rank["zoo", placement]
+        print(f"zoo {placement} rank {rank}: {r}")
+        # state relative to its magnitude: RMSprop's centered momentum buffer reaches ~30 here
+        assert max(r["param"], r["state_relative"], r["loss"]) <= TOLERANCE, f"rank {rank}: {r}"
+        # the returned inf norm is the largest gradient element over every rank's shard, not this rank's
+        assert r["norm"] <= TOLERANCE, f"rank {rank}: {r}"
+        eager, compiled = r["keys"]
+        assert compiled == eager, f"rank {rank}: state keys {compiled} vs eager {eager}"
+        if placement == "replicate":  # every optimizer has state but plain SGD, which has none at all
+            assert all(eager[:-1]) and eager[-1] == {}, eager
+        assert r["traces"] == (2 if rank == 0 else 0), f"rank {rank}: {r['traces']} traces"
+    assert results[0]["zoo", placement]["norms"] == results[1]["zoo", placement]["norms"]
+
+
+def eval_after_step(model, optim, batch):
+    """The model's eval forward after optim.step() in the same step."""
+    x, y = batch
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    with torch.no_grad():
+        return loss, torch.nn.functional.cross_entropy(model(x), y)
+
+
+def test_a_forward_after_the_update_under_shard_is_refused_at_build(tmp_path):
+    """Under shard the group was gathered before AdamW updated it through its local shards: the
+    forward would read the old values, so the build refuses it (it used to return them)."""
+    job = spmd_aot.Job(step=eval_after_step, model=train_steps.mlp, optimizer=adamw_all_params,
+                       batch=lambda: train_steps.class_batch(0, 0))
+    with pytest.raises(spmd_aot.UnsupportedError, match=r"read by a module's forward after it was updated"):
+        spmd_aot.build(job, world_size=2, placement="shard", cache_dir=tmp_path)
 
 
 def test_adafactor_on_sharded_parameters_is_refused_at_build(tmp_path):

@@ -280,6 +280,7 @@ SAMPLES: dict[str, list] = {  # op -> [[args, kwargs], ...]; the rest is derived
     "aten::_foreach_add_.Tensor": [[([t(3), t(4)], t()), {}]], "aten::_foreach_div_.Tensor": [[([t(3), t(4)], t()), {}]],
     "aten::_foreach_mul.Tensor": [[([t(3), t(4)], t()), {}]], "aten::_foreach_mul_.Tensor": [[([t(3), t(4)], t()), {}]],
     "aten::clamp.Tensor": [[(t(3, 4), t(4), t(3, 1)), {}]], "aten::clamp.default": [[(t(3, 4), -1.0, 1.0), {}]],
+    "aten::clamp_.default": [[(t(3, 4), -1.0, 1.0), {}], [(t(3, 4), None, 0.5), {}]],
     "_c10d_functional::broadcast_.default": [[(t(3, 4), 0, G), {}]],
     "_c10d_functional::all_to_all_single.default": [[(t(4, 3), [4], [4], G), {}]],  # a world of one
     # views by contract (spmd_aot/format/contracts/views.py): at and inside the storage's end

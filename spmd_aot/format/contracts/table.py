@@ -126,7 +126,8 @@ _RULES: list[tuple[Callable, str]] = [
     (foreach, """_foreach_abs.default _foreach_add.Scalar _foreach_add_.Scalar _foreach_div_.Scalar
         _foreach_mul.Scalar _foreach_mul_.Scalar _foreach_neg_.default _foreach_norm.Scalar _foreach_reciprocal_.default
         _foreach_sign.default _foreach_sqrt.default _foreach_sqrt_.default _foreach_sub.Scalar _foreach_sub_.Scalar
-        _foreach_zero_.default"""),
+        _foreach_zero_.default _foreach_abs_.default _foreach_sign_.default _foreach_clamp_min_.Scalar
+        _foreach_clamp_max_.Scalar _foreach_maximum_.Scalar"""),
     (P(foreach, lists=("exponent",)), "_foreach_pow.ScalarAndTensor"),
     (P(foreach, lists=("self", "other")), """_foreach_add.List _foreach_add_.List _foreach_div.List
         _foreach_div_.List _foreach_maximum_.List _foreach_mul.List _foreach_mul_.List _foreach_sub.List
@@ -134,7 +135,8 @@ _RULES: list[tuple[Callable, str]] = [
     (P(foreach, lists=("self", "src")), "_foreach_copy_.default"),
     (P(foreach, scalar_tensor="other"), "_foreach_add_.Tensor _foreach_div_.Tensor _foreach_mul.Tensor _foreach_mul_.Tensor"),
     (P(foreach, scalars="scalars"), "_foreach_add_.ScalarList"),
-    (P(foreach, lists=("self", "tensor1", "tensor2")), "_foreach_addcdiv_.Scalar _foreach_addcmul_.Scalar"),
+    (P(foreach, lists=("self", "tensor1", "tensor2")), "_foreach_addcdiv_.Scalar _foreach_addcmul_.Scalar "
+                                                       "_foreach_addcdiv.Scalar _foreach_addcmul.Scalar"),
     (P(foreach, lists=("self", "tensor1", "tensor2"), scalars="scalars"),
      "_foreach_addcdiv_.ScalarList"),
     (P(foreach, lists=("self", "tensors1")), "_foreach_lerp_.Scalar"),
