@@ -317,6 +317,11 @@ class ParallelOptions:
                 f"pipeline_stages={self.pipeline_stages} does not combine with {unsupported[0]}="
                 f"{getattr(self, unsupported[0])!r} (docs/pipeline_parallel.md lists what a pipeline supports); "
                 f"drop {unsupported[0]}" + (" or name the modules (PATTERN=STYLE)" if unsupported[0] == "tp_plan" else ""))
+        if self.mesh_shape and len(self.mesh_shape) > (2 if self.tp_plan else 1):
+            raise SpmdAotError(
+                f"pipeline_stages={self.pipeline_stages} with mesh_shape {_x_text(self.mesh_shape)}: a pipeline "
+                "stage's mesh is its data-parallel replicas, then its TP ranks with a tp_plan (DP or DPxTP); "
+                "HSDP inside a stage is not supported")
         per_stage = math.prod(self.mesh_shape) if self.mesh_shape else None
         if world_size is not None:
             if per_stage is not None and world_size != self.pipeline_stages * per_stage:

@@ -502,6 +502,8 @@ def test_key_holds_the_split_the_micro_batches_the_placement_and_the_loss():
                                 (key(Pipeline(2, 4, "1f1b", SPLIT)), "pipeline"),
                                 (key(Pipeline(2, 4, "gpipe", SPLIT, "shard"), world=4), "pipeline"),
                                 (key(Pipeline(2, 4, "gpipe", SPLIT), world=4), "parallel"),
+                                (key(Pipeline(2, 4, "gpipe", SPLIT, "replicate", 2, {"blocks.*.fc": "colwise"}),
+                                     world=4), "pipeline"),
                                 (key(Pipeline(2, 4, "gpipe", SPLIT), loss=hf_loss), "loss_code")):
         assert changed.key != base.key
         assert changed.ingredients[ingredient] != base.ingredients[ingredient]
@@ -546,11 +548,13 @@ TP_PLAN = {"blocks.*.q": "colwise", "blocks.*.k": "colwise", "blocks.*.v": "colw
            "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
 
 
-def _pp_dp_tp_worker(rank, world, cache_dir, steps=3):
-    """pp 2 x dp_shard 2 x tp 2 (world 8, mesh (pp, dp, tp) row-major). The oracle is torch's
-    pipelining over stage modules under ``parallelize_module`` (the TP mesh, ColwiseParallel /
-    RowwiseParallel as TP_PLAN says) then ``fully_shard`` (each block, then the root, over the
-    replicas): torchtitan's PP x FSDP x TP."""
+def _pp_dp_tp_worker(rank, world, cache_dir, placement="shard", prebuilt=True, steps=3):
+    """pp 2 x dp 2 x tp 2 (world 8, mesh (pp, dp, tp) row-major; world 4: pp 2 x tp 2). The
+    oracle is torch's pipelining over stage modules under ``parallelize_module`` (the TP mesh,
+    ColwiseParallel / RowwiseParallel as TP_PLAN says) then, under ``shard``, ``fully_shard``
+    (each block, then the root, over the replicas): torchtitan's PP x FSDP x TP; under
+    ``replicate`` the stage gradients averaged over the replicas (DDP). ``prebuilt=False``: no
+    entry, rank 0 traces at the first call."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -558,13 +562,15 @@ def _pp_dp_tp_worker(rank, world, cache_dir, steps=3):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    stages, dp, tp = 2, 2, 2
-    stage, replica, _ = rank // (dp * tp), rank // tp % dp, rank % tp
-    pipeline = Pipeline(stages, MICRO, "1f1b", SPLIT, "shard", tp, TP_PLAN)
-    if rank == 0:
+    stages, tp = 2, 2
+    dp = world // (stages * tp)
+    stage, replica = rank // (dp * tp), rank // tp % dp
+    pipeline = Pipeline(stages, MICRO, "1f1b", SPLIT, placement, tp, TP_PLAN)
+    if rank == 0 and prebuilt:
         build_pipeline(spmd_aot.Job(step=loss_fn, model=TPLM, optimizer=None, batch=make_batch), pipeline,
                        world_size=world, cache_dir=cache_dir)
-    mesh = init_device_mesh("cpu", (stages, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    shape, names = ((stages, dp, tp), ("pp", "dp", "tp")) if dp > 1 else ((stages, tp), ("pp", "tp"))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     dist.barrier()
     torch.manual_seed(0)
     model = TPLM()
@@ -573,18 +579,24 @@ def _pp_dp_tp_worker(rank, world, cache_dir, steps=3):
     for name in ref.blocks:
         parallelize_module(ref.blocks[name], mesh["tp"], {m: styles[s]() for m, s in
                                                           ((p.split(".")[-1], s) for p, s in TP_PLAN.items())})
-        fully_shard(ref.blocks[name], mesh=mesh["dp"])
-    fully_shard(ref, mesh=mesh["dp"])
+        if placement == "shard":
+            fully_shard(ref.blocks[name], mesh=mesh["dp"])
+    if placement == "shard":
+        fully_shard(ref, mesh=mesh["dp"])
     ref_schedule = Schedule1F1B(PipelineStage(ref, stage, stages, torch.device("cpu"), group=mesh.get_group("pp")),
                                 MICRO, loss_fn=loss_fn)
     ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = compile_pipeline(loss_fn, pipeline=pipeline, cache_dir=cache_dir, require_hit=True)
+    step = compile_pipeline(loss_fn, pipeline=pipeline, cache_dir=cache_dir, require_hit=prebuilt)
     loss_diff = 0.0
     for i in range(steps):
         x, y = make_batch(i + 50 * replica)  # each replica its own batch; its TP ranks the same one
         ref_losses, losses = [], []
         ref_schedule.step(x) if stage == 0 else ref_schedule.step(target=y, losses=ref_losses)
+        if placement == "replicate" and dp > 1:
+            for p in ref.parameters():
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(local.div_(dp), group=mesh.get_group("dp"))
         ref_optim.step()
         ref_optim.zero_grad()
         step(model, optim, (x, y), losses=losses)
@@ -599,7 +611,9 @@ def _pp_dp_tp_worker(rank, world, cache_dir, steps=3):
     own = {n: model.get_parameter(n) for n in step.stage_parameters}
     placements = {n: [repr(pl) for pl in p.placements] for n, p in own.items() if isinstance(p, DTensor)}
     # laid out as torch lays out the stage module under parallelize_module then fully_shard
-    as_torch = all(tuple(own[n].placements) == tuple(ref_p.placements) for n, ref_p in ref.named_parameters())
+    as_torch = all(isinstance(own[n], DTensor) == isinstance(ref_p, DTensor) and
+                   (not isinstance(ref_p, DTensor) or tuple(own[n].placements) == tuple(ref_p.placements))
+                   for n, ref_p in ref.named_parameters())
     return {"loss_diff": loss_diff, "param_diff": param_diff, "traces": step.cache_info.traces,
             "hit": step.cache_info.hit, "placements": placements, "own": len(own), "as_torch": as_torch,
             "diffs": {n: d for n, d in diffs.items() if d > 1e-5}}
