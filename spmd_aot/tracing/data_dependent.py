@@ -46,6 +46,16 @@ _CONSTRUCTS = {
                "`found_inf.item()`",
                "train with bf16 autocast instead (it needs no loss scaling), or call the scaler outside "
                "the compiled step"),
+    "nonfinite_clip": ("calls `clip_grad_norm_(..., error_if_nonfinite=True)`, which raises on a non-finite "
+                       "total norm by reading it on the host",
+                       "drop `error_if_nonfinite` and check what the step returns: return the norm "
+                       "`clip_grad_norm_` gives and test `torch.isfinite(norm)` after the step"),
+    "averaged_model": ("calls `AveragedModel.update_parameters`, which branches on its `n_averaged` counter "
+                       "on the host",
+                       "call `update_parameters` after the compiled step returns, or update the average "
+                       "under `torch.no_grad()` in the step: `torch._foreach_lerp_(list(avg.parameters()), "
+                       "list(model.parameters()), 1 - decay)` is what `get_ema_multi_avg_fn(decay)` computes "
+                       "after its first update"),
     "nonzero": ("calls `nonzero()` (its result has one row per nonzero value)", _MASK),
     "bool_index": ("indexes with a boolean mask (`x[mask]`: one element per True value)", _MASK),
     "masked_select": ("calls `masked_select` (one element per True value)", _MASK),
@@ -103,6 +113,10 @@ def _construct(kind: str, op: str, line: str, frames) -> str:
     """Which construct of ``_CONSTRUCTS`` the user wrote: from torch's op and the user's line."""
     if any(f.filename.endswith(os.path.join("amp", "grad_scaler.py")) for f in frames):
         return "scaler"
+    if any(f.filename.endswith(os.path.join("nn", "utils", "clip_grad.py")) for f in frames):
+        return "nonfinite_clip"
+    if any(f.filename.endswith(os.path.join("optim", "swa_utils.py")) for f in frames):
+        return "averaged_model"
     if kind == "DynamicOutputShapeException":
         if "nonzero" in op or "argwhere" in op:
             return "nonzero" if re.search(r"nonzero\(|argwhere\(|where\(", line) else "bool_index"

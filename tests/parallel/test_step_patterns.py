@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -366,6 +368,46 @@ def test_a_forward_after_the_update_under_shard_is_refused_at_build(tmp_path):
                        batch=lambda: train_steps.class_batch(0, 0))
     with pytest.raises(spmd_aot.UnsupportedError, match=r"read by a module's forward after it was updated"):
         spmd_aot.build(job, world_size=2, placement="shard", cache_dir=tmp_path)
+
+
+def nonfinite_clip_step(model, optim, batch):
+    x, y = batch
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5, error_if_nonfinite=True)
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+class WithAverage(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = train_steps.mlp()
+        self.avg = torch.optim.swa_utils.AveragedModel(
+            self.net, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def averaged_model_step(model, optim, batch):
+    loss = train_steps.plain_step(model, optim, batch)
+    model.avg.update_parameters(model.net)
+    return loss
+
+
+@pytest.mark.parametrize("step,model,named,fix", [
+    (nonfinite_clip_step, train_steps.mlp, r"clip_grad_norm_\(\.\.\., error_if_nonfinite=True\)",
+     r"drop `error_if_nonfinite`"),
+    (averaged_model_step, WithAverage, r"AveragedModel.update_parameters", r"call `update_parameters` after"),
+])
+def test_library_host_reads_are_refused_naming_the_construct_and_a_fix(tmp_path, step, model, named, fix):
+    job = spmd_aot.Job(step=step, model=model, optimizer=lambda m: torch.optim.AdamW(m.net.parameters() if
+                       hasattr(m, "net") else m.parameters(), lr=1e-2), batch=lambda: train_steps.class_batch(0, 0))
+    with pytest.raises(spmd_aot.UnsupportedError, match=named) as info:
+        spmd_aot.build(job, world_size=1, cache_dir=tmp_path)
+    assert "test_step_patterns.py:" in str(info.value) and re.search(fix, str(info.value)), info.value
 
 
 def test_adafactor_on_sharded_parameters_is_refused_at_build(tmp_path):
