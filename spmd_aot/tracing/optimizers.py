@@ -177,13 +177,14 @@ def traced_hyperparameters(optim, inputs: list, tensors: list) -> dict[int, dict
 
 @contextlib.contextmanager
 def tensor_updates():
-    """While tracing: SGD's, Adam's (AdamW's) and Adafactor's updates run on tensors when their
+    """While tracing: SGD's, Adam's (AdamW's), RMSprop's and Adafactor's updates run on tensors when their
     group holds ``TracedNumber`` inputs; torch's read those numbers as Python scalars (and
     Adafactor's reads its step counter and two norms per parameter on the host)."""
     with contextlib.ExitStack() as stack:
         for module_name, name, on_tensors in (("torch.optim.sgd", "sgd", _sgd_on_tensors),
                                               ("torch.optim.adam", "adam", _adam_on_tensors),
-                                              ("torch.optim._adafactor", "adafactor", _adafactor_on_tensors)):
+                                              ("torch.optim._adafactor", "adafactor", _adafactor_on_tensors),
+                                              ("torch.optim.rmsprop", "rmsprop", _rmsprop_on_tensors)):
             module = importlib.import_module(module_name)  # where the optimizer's step finds the function
             stack.enter_context(mock.patch.object(module, name, _unless_traced(getattr(module, name), on_tensors)))
         for module_name, name in _PER_TENSOR_UPDATES:
@@ -307,6 +308,46 @@ def _adam_on_tensors(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, stat
         updates = torch._foreach_div(exp_avgs, denoms)
         torch._foreach_mul_(updates, step_sizes)
         torch._foreach_sub_(params, updates)
+
+
+def _rmsprop_on_tensors(params, grads, square_avgs, grad_avgs, momentum_buffer_list, state_steps, *_flags, lr, alpha,
+                        eps, weight_decay, momentum, centered, maximize=False, has_complex=False, **_more_flags):
+    """torch.optim.RMSprop's update (``_single_tensor_rmsprop``, what eager runs on CPU) with its
+    numbers as tensors, so a scheduler may move momentum (OneCycleLR's and CyclicLR's
+    ``cycle_momentum``), alpha, eps and weight decay with no rebuild. Each of eager's scalar
+    arguments is the same value as a 0-dim float64 tensor in the same kernel; DTensor parameters
+    are updated through their local shards."""
+    if not params:
+        return
+    if has_complex:
+        raise UnsupportedError("RMSprop on complex parameters cannot be traced with its numbers as step inputs; "
+                               "set foreach=False on the group (torch's own update, the numbers then part of the key)")
+    local = _local_shards(params, grads, square_avgs, grad_avgs, momentum_buffer_list)
+    if local is not None:
+        _mark_updated(params)
+        params, grads, square_avgs, grad_avgs, momentum_buffer_list = local
+        state_steps = _local_shards(state_steps)[0]
+    lr_t, alpha_t, eps_t = map(_number, (lr, alpha, eps))
+    for i, param in enumerate(params):
+        grad = -grads[i] if maximize else grads[i]
+        state_steps[i].add_(1)
+        if weight_decay != 0:
+            grad = grad + param * _number(weight_decay)  # eager's grad.add(param, alpha=wd): equal to rounding
+        square_avg = square_avgs[i]
+        square_avg.mul_(alpha_t).addcmul_(grad * (1 - alpha_t), grad)
+        if centered:
+            grad_avg = grad_avgs[i]
+            grad_avg.addcmul_(grad - grad_avg, (1 - alpha_t).to(grad_avg.dtype))  # eager's lerp_(grad, 1 - alpha)
+            avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_()
+        else:
+            avg = square_avg.sqrt()
+        avg = avg.add_(eps_t)
+        if momentum != 0:
+            buf = momentum_buffer_list[i]
+            buf.mul_(_number(momentum)).addcdiv_(grad, avg)
+            param.add_(buf * -lr_t)
+        else:
+            param.addcdiv_(grad * -lr_t, avg)
 
 
 def _mark_updated(params) -> None:

@@ -180,7 +180,8 @@ def zoo_shard(model):
     """Rprop and ASGD are left out: eager fully_shard fails on Rprop's update (index_put_ on a
     Shard(0) DTensor)."""
     m = getattr(model, "module", model)
-    return [torch.optim.NAdam([m.fc1.weight, m.fc2.weight, m.head.weight], lr=1e-2),
+    return [torch.optim.NAdam([m.fc1.weight, m.fc2.weight], lr=1e-2),
+            torch.optim.RMSprop([m.head.weight], lr=1e-3, momentum=0.9, weight_decay=1e-3),
             torch.optim.Adamax([m.fc1.bias, m.ln.weight, m.ln.bias, m.fc2.bias, m.head.bias], lr=1e-2)]
 
 
@@ -208,6 +209,9 @@ def _zoo_run(placement, rank, world, fn=None):
     model.fc1.requires_grad_(False)
     stepped = train_steps._eager_model(model, placement, world) if fn is None else model
     optims = ZOO[placement](stepped)
+    # OneCycleLR moves RMSprop's lr and momentum every step: step inputs, no rebuild
+    rmsprop = next(o for o in optims if isinstance(o, torch.optim.RMSprop))
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(rmsprop, max_lr=1e-3, total_steps=ZOO_STEPS + 1)
     outs = []
     for s in range(ZOO_STEPS):
         if s == UNFREEZE_AT:
@@ -216,6 +220,7 @@ def _zoo_run(placement, rank, world, fn=None):
                 stepped = train_steps._eager_model(model, placement, world)
         loss, norm = (fn or zoo_step)(stepped, optims, train_steps.class_batch(rank, s))
         outs.append((loss.detach(), train_steps.full(norm).detach()))
+        scheduler.step()
     return model, optims, outs
 
 
@@ -331,10 +336,11 @@ def test_the_scheduler_moved_the_numbers(results, case):
 
 @pytest.mark.parametrize("placement", list(ZOO))
 def test_optimizer_zoo_and_step_shapes_match_eager(results, placement):
-    """NAdam, ASGD, Rprop (nonzero initial state), Adamax, centered-momentum RMSprop, plain SGD,
-    clip_grad_value_ and an inf-norm clip_grad_norm_ against eager DDP / fully_shard; fc1 is
-    frozen for two steps, then unfrozen: the compiled step resolves again (rank 0 traces twice)
-    and trains it, with optimizer state for it from then on, as eager."""
+    """NAdam, ASGD, Rprop (nonzero initial state), Adamax, RMSprop (centered, momentum; OneCycleLR
+    moving its momentum every step), plain SGD, clip_grad_value_ and an inf-norm clip_grad_norm_
+    against eager DDP / fully_shard; fc1 is frozen for two steps, then unfrozen: the compiled step
+    resolves again (rank 0 traces twice, once per set of trainable parameters, never for the
+    scheduler) and trains it, with optimizer state for it from then on, as eager."""
     for rank, per_rank in enumerate(results):
         r = per_rank["zoo", placement]
         print(f"zoo {placement} rank {rank}: {r}")
@@ -496,8 +502,13 @@ def test_a_moved_constant_is_named_when_the_step_is_looked_up_again(tmp_path, ca
     assert fn.cache_info.traces == 3
 
 
+def rmsprop_moved(model):
+    return torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9, weight_decay=1e-3, centered=True)
+
+
 @pytest.mark.parametrize("make_optim,fed", [
     (adamw_moved, {"lr", "betas[0]", "betas[1]", "eps", "weight_decay"}),
+    (rmsprop_moved, {"lr", "alpha", "eps", "momentum", "weight_decay"}),
     (sgd_moved, {"lr", "momentum", "weight_decay"}),
     (adafactor_wd, {"lr", "beta2_decay", "d", "weight_decay"}),
 ])
