@@ -34,7 +34,7 @@ from .stamp import TEMPLATE_DEPTH, BlockLabels, NotRepeatable, Template, signatu
 
 __all__ = ["Stack", "find_stack", "cut_to", "BlockRecorder", "NotRepeatable", "stamped"]
 
-MIN_BLOCKS = 6  # below this a full trace costs no more than the two short ones
+MIN_BLOCKS = 10  # below this the traces of three and four blocks cost about what the full trace does
 
 
 @dataclasses.dataclass

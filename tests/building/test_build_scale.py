@@ -1,15 +1,25 @@
-"""Builds for large worlds: what the stored layout costs does not grow with the world size.
+"""Builds of large models: what the stored layout costs does not grow with the world size, and a
+deep stack of identical blocks is stamped from three, node for node the full trace's graph.
 
 A sharded input's real rows per rank are stored as ``[rows, ranks]`` runs; one number per rank
 made an 80-layer AdamW step's layout at world 1024 decode past the load limit on objects, so
 the build refused its own entry."""
 
+import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import spmd_aot
+from spmd_aot.building.builder import _fake_state
 from spmd_aot.entries import read_artifact
+from spmd_aot.examples.models import Transformer, train_step
+from spmd_aot.options import ParallelOptions
+from spmd_aot.parallel.mesh import device_mesh, fake_world
 from spmd_aot.store import LocalStore
+from spmd_aot.tracing import repeated
+from spmd_aot.tracing.stamp import signature
+from spmd_aot.tracing.trace import trace_step
 
 
 class Stack(nn.Module):
@@ -67,3 +77,84 @@ def test_row_runs_expand_to_each_shards_rows():
                 (shards, n, runs)
             assert all(count > 0 for _, count in runs) and len(runs) <= 3
     assert _row_runs(SimpleNamespace(sharded=False)) == []
+
+
+# ---------------------------------------------------------------------------- repeated blocks
+class Scaled(Stack):
+    """A stack whose own forward depends on its depth: stamping from three blocks would be wrong."""
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x)) / len(self.layers)
+        return x
+
+
+def _adamw(m):
+    return torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+
+def _mlp(depth):
+    return spmd_aot.Job(step=_step, model=lambda: Stack(depth), optimizer=_adamw, batch=lambda: torch.randn(4, 8))
+
+
+def _lm(depth):
+    return spmd_aot.Job(step=train_step, model=lambda: Transformer(n_layers=depth, d_model=16, n_heads=2, max_len=8),
+                        optimizer=_adamw, batch=lambda: (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))))
+
+
+def _llama(depth):
+    from support import corpus
+
+    return spmd_aot.Job(step=corpus.hf_step, optimizer=_adamw, batch=corpus.lm_batch,
+                        model=lambda: corpus._decoder("LlamaConfig", "LlamaForCausalLM", num_hidden_layers=depth))
+
+
+def _traced(job, placement: str, by_blocks: bool, world: int = 4):
+    plan = ParallelOptions(placement=placement).plan(world, "cpu")
+    fake_mode = FakeTensorMode()
+    state = _fake_state(job, plan, fake_mode)
+    with fake_world(world):
+        mesh = device_mesh(state.plan)
+        with fake_mode:
+            inputs = state.graph_inputs()
+        return trace_step(job.step, state, state.plan, mesh, inputs, by_blocks=by_blocks)
+
+
+@pytest.fixture
+def low_threshold(monkeypatch):
+    monkeypatch.setattr(repeated, "MIN_BLOCKS", 5)  # stamp small stacks, so the full trace stays cheap
+
+
+@pytest.mark.parametrize("model,depth,placement", [  # each case traces 3 + 4 + depth blocks
+    ("mlp", 5, "shard"), ("mlp", 6, "shard"), ("mlp", 6, "replicate"), ("lm", 5, "shard"), ("llama", 5, "replicate")])
+def test_a_stamped_stack_is_node_for_node_the_full_trace(low_threshold, model, depth, placement):
+    job = {"mlp": _mlp, "lm": _lm, "llama": _llama}[model](depth)
+    stamped, full = _traced(job, placement, True), _traced(job, placement, False)
+    assert stamped.blocks["stamped"] == depth and full.blocks == {}
+    a, b = signature(stamped.gm), signature(full.gm)
+    assert len(a) == len(b)
+    assert next((x for x, y in zip(a, b) if x != y), None) is None  # names, ops, arguments, values, labels
+    assert stamped.gradient_collectives == full.gradient_collectives
+    assert (stamped.group_names, stamped.groups, stamped.axis_budget) == (full.group_names, full.groups, full.axis_budget)
+    assert (stamped.out_spec, stamped.out_constants) == (full.out_spec, full.out_constants)
+
+
+def test_blocks_that_differ_or_a_forward_that_counts_them_are_traced_whole(low_threshold):
+    def widths(depth):  # one block wider than the others: not identical
+        model = Stack(depth)
+        model.layers[2] = nn.Linear(8, 8, bias=False)
+        return model
+
+    job = spmd_aot.Job(step=_step, model=lambda: widths(6), optimizer=_adamw, batch=lambda: torch.randn(4, 8))
+    assert _traced(job, "shard", True).blocks == {"full_trace": "block layers.2 differs from block layers.0 (fingerprint)"}
+    job = spmd_aot.Job(step=_step, model=lambda: Scaled(6), optimizer=_adamw, batch=lambda: torch.randn(4, 8))
+    scaled = _traced(job, "shard", True)
+    assert "four-block graph stamped from three differs from its trace" in scaled.blocks["full_trace"]
+    assert signature(scaled.gm) == signature(_traced(job, "shard", False).gm)
+
+
+def test_a_stamped_build_passes_the_load_check_and_says_so(tmp_path):
+    job = spmd_aot.Job(step=_step, model=lambda: Stack(repeated.MIN_BLOCKS), optimizer=_adamw,
+                       batch=lambda: torch.randn(4, 8))
+    built = spmd_aot.build(job, world_size=4, placement="shard", cache_dir=tmp_path)  # checks as a load does
+    assert built.stats["blocks"] == {"stamped": repeated.MIN_BLOCKS, "traced": [3, 4], "prefix": "layers."}
