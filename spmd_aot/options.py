@@ -177,7 +177,7 @@ _CACHE, _PP = "cache and trust", "pipeline parallel"
 _POLICY_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
 # a pipeline is its own entry kind (``parallel/pipeline_parallel.py``), not a ``Plan``: these fields
 # become a ``Pipeline`` (``ParallelOptions.pipeline``), keyed with it
-_PIPELINE_FIELDS = ("pipeline_stages", "microbatches", "schedule", "split_points")
+_PIPELINE_FIELDS = ("pipeline_stages", "microbatches", "schedule", "stages_per_rank", "split_points")
 _BUILD_ONLY = ("build",)  # ``explain`` looks up whole-step entries only
 
 
@@ -267,15 +267,20 @@ class ParallelOptions:
 
     pipeline_stages: int = option(1, """Pipeline parallel: the number of stages the model is cut into. Each
         stage runs on its own ranks of a first 'pp' mesh dimension, before the others: the world is
-        pipeline_stages x the ranks of mesh_shape (a stage's data-parallel replicas, then its TP ranks with a
-        tp_plan), and the step is the loss function (docs/pipeline_parallel.md).""",
+        pipeline_stages (over stages_per_rank) x the ranks of mesh_shape (a stage's data-parallel replicas,
+        then its TP ranks with a tp_plan), and the step is the loss function (docs/pipeline_parallel.md).""",
         Flag("--pipeline-stages", _PP, metavar="N", parse=_positive_int, commands=_BUILD_ONLY))
     microbatches: int = option(1, """Pipeline parallel: the micro-batches each step's batch is split into on
         dim 0. Every stage runs a forward and a backward per micro-batch; gradients are the mean over them.""",
         Flag("--microbatches", _PP, metavar="N", parse=_positive_int, commands=_BUILD_ONLY))
     schedule: str = option("gpipe", """Pipeline parallel: the order of micro-batch forwards and backwards,
-        'gpipe' or '1f1b'. As torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B; keyed as data.""",
+        'gpipe', '1f1b' or 'interleaved_1f1b'. As torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and
+        ScheduleInterleaved1F1B; keyed as data.""",
         Flag("--schedule", _PP, metavar="SCHEDULE", choices=SCHEDULES, commands=_BUILD_ONLY))
+    stages_per_rank: int = option(1, """Pipeline parallel: stages each 'pp' rank runs, under schedule
+        'interleaved_1f1b'. Rank r runs stages r, r + P, ... of the P = pipeline_stages / stages_per_rank ranks (as
+        ScheduleInterleaved1F1B's looped stages).""",
+        Flag("--stages-per-rank", _PP, metavar="V", parse=_positive_int, commands=_BUILD_ONLY))
     split_points: tuple[str, ...] = option((), """Pipeline parallel: the module FQNs that begin stages 1 and
         later, in forward order. pipeline_stages - 1 of them, as pipeline()'s SplitPoint.BEGINNING; default: the
         model's repeated blocks cut where the stages' parameter counts come nearest to equal.""",
@@ -324,19 +329,20 @@ class ParallelOptions:
                 "HSDP inside a stage is not supported")
         per_stage = math.prod(self.mesh_shape) if self.mesh_shape else None
         if world_size is not None:
-            if per_stage is not None and world_size != self.pipeline_stages * per_stage:
+            ranks = max(self.pipeline_stages // self.stages_per_rank, 1)  # the 'pp' dimension
+            if per_stage is not None and world_size != ranks * per_stage:
                 raise SpmdAotError(
-                    f"pipeline_stages={self.pipeline_stages} x mesh_shape {_x_text(self.mesh_shape)} is "
-                    f"{self.pipeline_stages * per_stage} ranks, but the world size is {world_size}; the mesh_shape "
-                    "of a pipeline is one stage's (its replicas, then its TP ranks)")
-            per_stage = per_stage or max(world_size // self.pipeline_stages, 1)
+                    f"{ranks} pipeline ranks x mesh_shape {_x_text(self.mesh_shape)} is {ranks * per_stage} ranks, "
+                    f"but the world size is {world_size}; the mesh_shape of a pipeline is one stage's (its "
+                    "replicas, then its TP ranks)")
+            per_stage = per_stage or max(world_size // ranks, 1)
         tp = 1
         if self.tp_plan:
             tp = self.mesh_shape[-1] if self.mesh_shape else per_stage
             if tp is None:  # no world size yet: a placeholder TP size for the checks that need none
                 tp = 2
         return Pipeline(self.pipeline_stages, self.microbatches, self.schedule, self.split_points, self.placement,
-                        tp, self.tp_plan)
+                        tp, self.tp_plan, self.stages_per_rank)
 
     @property
     def mixed_precision(self) -> MixedPrecisionPolicy | None:

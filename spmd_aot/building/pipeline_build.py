@@ -57,15 +57,16 @@ def pipeline_plan(pipeline: Pipeline, world_size: int, device_type: str, split_p
     stages are tensor parallel; device, the split points. The stage graphs are the same for
     every data-parallel replica: they compute on a micro-batch of one replica's batch (and on
     TP-local parameters, the same graph for every TP rank)."""
-    per_stage = pipeline.stages * pipeline.tp
+    per_stage = pipeline.ranks * pipeline.tp
     if world_size % per_stage:
         tp = f" x tp {pipeline.tp}" if pipeline.tp > 1 else ""
+        looped = f" ({pipeline.stages_per_rank} per rank)" if pipeline.stages_per_rank > 1 else ""
         raise SpmdAotError(
-            f"a pipeline of {pipeline.stages} stages{tp} runs on a multiple of {per_stage} ranks (each stage "
-            f"on world_size / {per_stage} data-parallel replicas), got world size {world_size}")
+            f"a pipeline of {pipeline.stages} stages{looped}{tp} runs on a multiple of {per_stage} ranks (each "
+            f"stage on world_size / {per_stage} data-parallel replicas), got world size {world_size}")
     dp = world_size // per_stage
     dp_role = "dp_shard" if pipeline.placement == "shard" else "dp_replicate"
-    mesh, roles = [pipeline.stages], ["pp"]
+    mesh, roles = [pipeline.ranks], ["pp"]
     if dp > 1:
         mesh, roles = mesh + [dp], roles + [dp_role]
     if pipeline.tp > 1:
@@ -115,7 +116,7 @@ def build_pipeline(job: Job, pipeline: Pipeline, *, world_size: int | None = Non
     and ``job.batch`` returns the step's whole batch ``(inputs..., target)`` (split into
     ``pipeline.microbatches`` on dim 0). A no-op (``traced=False``) when already cached."""
     start = time.perf_counter()
-    world_size = pipeline.stages if world_size is None else world_size
+    world_size = pipeline.ranks * pipeline.tp if world_size is None else world_size
     store = store or open_store(cache_dir, trust_cache=trust_cache)
     fake_mode = FakeTensorMode()
     with fake_factories(fake_mode):

@@ -12,6 +12,11 @@ The schedules are torch.distributed.pipelining's, action for action:
 - ``1f1b`` (``Schedule1F1B``): stage ``s`` of ``S`` runs ``min(n, S - s)`` forwards, then
   alternates one backward and one forward while forwards remain, then the remaining backwards;
   fewer activations are held at once than under GPipe.
+- ``interleaved_1f1b`` (``ScheduleInterleaved1F1B``): each of ``P`` ranks runs
+  ``stages_per_rank`` (``v``) stages, rank ``r`` stages ``r, r + P, ...`` (looped); forwards go
+  through the rank's stages in rounds of ``n / max(1, n // P)`` micro-batches, backwards through
+  them in reverse; ``(v - 1) * round + 2 * (P - 1 - r)`` warm-up forwards, then one forward and
+  one backward at a time, then the remaining backwards. The bubble shrinks by about ``v``.
 
 Both accumulate each parameter's gradient over the micro-batches in micro-batch order and
 divide it by ``n`` once at the end (torch's ``scale_grads=True``), so the update is the one of
@@ -34,10 +39,10 @@ from collections.abc import Iterable
 
 from ..errors import SpmdAotError
 
-__all__ = ["Pipeline", "SCHEDULES", "schedule_actions", "even_split_points", "timeline", "bubble_fraction",
+__all__ = ["Pipeline", "SCHEDULES", "schedule_actions", "rank_actions", "even_split_points", "timeline", "bubble_fraction",
            "in_flight_peak"]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +65,11 @@ class Pipeline:
     # dimension) and the plan of module FQN patterns -> styles (``parallel/tensor_parallel.py``)
     tp: int = 1
     tp_plan: tuple[tuple[str, str], ...] = ()
+    # stages each pp rank runs (``interleaved_1f1b``): rank r runs stages r, r + P, ... (P = stages / this)
+    stages_per_rank: int = 1
 
     def __post_init__(self):
-        for name in ("stages", "microbatches", "tp"):
+        for name in ("stages", "microbatches", "tp", "stages_per_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SpmdAotError(f"Pipeline({name}={value!r}): a positive integer is needed")
@@ -82,6 +89,19 @@ class Pipeline:
             raise SpmdAotError(f"Pipeline(placement={self.placement!r}): expected 'replicate' (DDP over a stage's "
                                "replicas) or 'shard' (FSDP2)")
         object.__setattr__(self, "tp_plan", _tp_plan(self.tp_plan))
+        v = self.stages_per_rank
+        if (schedule == "interleaved_1f1b") != (v > 1):
+            raise SpmdAotError(
+                f"Pipeline(schedule={schedule!r}, stages_per_rank={v}): several stages per rank run under "
+                "'interleaved_1f1b' only, and it needs stages_per_rank of 2 or more")
+        if v > 1 and (self.stages % v or self.stages // v < 2):
+            raise SpmdAotError(f"Pipeline(stages={self.stages}, stages_per_rank={v}): the stages split evenly over 2 "
+                               f"or more ranks; use a multiple of {v} stages, at least {2 * v}")
+        if v > 1 and self.microbatches % max(1, self.microbatches // self.ranks):
+            raise SpmdAotError(
+                f"Pipeline(microbatches={self.microbatches}) under interleaved_1f1b over {self.ranks} ranks: the "
+                f"micro-batches split into rounds of about {self.ranks} (as ScheduleInterleaved1F1B); use a multiple "
+                f"of {self.ranks}, or fewer micro-batches than ranks")
         if (self.tp > 1) != bool(self.tp_plan):
             raise SpmdAotError(
                 f"Pipeline(tp={self.tp}, tp_plan={self.tp_plan!r}): tensor parallel inside the stages needs both a "
@@ -94,7 +114,19 @@ class Pipeline:
              "actions": [[f"{a}{m}" for a, m in acts] for acts in schedule_actions(self)]}
         if self.tp > 1:  # only then: entries without TP keep the form they had
             d.update(tp=self.tp, tp_plan=[list(entry) for entry in self.tp_plan])
+        if self.stages_per_rank > 1:  # each rank's order across its stages
+            d.update(stages_per_rank=self.stages_per_rank,
+                     rank_actions=[[f"{a}{m}@{s}" for a, s, m in acts] for acts in rank_actions(self)])
         return d
+
+    @property
+    def ranks(self) -> int:
+        """The size of the ``pp`` mesh dimension: ranks running stages, ``stages / stages_per_rank``."""
+        return self.stages // self.stages_per_rank
+
+    def rank_of(self, stage: int) -> int:
+        """The ``pp`` rank that runs ``stage`` (looped: stage ``s`` on rank ``s % ranks``)."""
+        return stage % self.ranks
 
     @classmethod
     def from_dict(cls, d) -> Pipeline:
@@ -104,12 +136,13 @@ class Pipeline:
         if not isinstance(tp_plan, list) or not all(isinstance(e, list) for e in tp_plan):
             raise SpmdAotError("a stored pipeline's tp_plan is a list of [pattern, style] pairs")
         return cls(d.get("stages"), d.get("microbatches"), d.get("schedule"), tuple(d["split_points"]),
-                   d.get("placement"), d.get("tp", 1), tuple(map(tuple, tp_plan)))
+                   d.get("placement"), d.get("tp", 1), tuple(map(tuple, tp_plan)), d.get("stages_per_rank", 1))
 
     def describe(self) -> str:
         shard = " (stages sharded over their replicas)" if self.placement == "shard" else ""
         tp = f", tp={self.tp} inside each stage" if self.tp > 1 else ""
-        return f"pp={self.stages} {self.schedule} x{self.microbatches} micro-batches{shard}{tp}"
+        looped = f" ({self.stages_per_rank} per rank on {self.ranks} ranks)" if self.stages_per_rank > 1 else ""
+        return f"pp={self.stages}{looped} {self.schedule} x{self.microbatches} micro-batches{shard}{tp}"
 
 
 def _tp_plan(tp_plan) -> tuple[tuple[str, str], ...]:
@@ -131,6 +164,12 @@ def _tp_plan(tp_plan) -> tuple[tuple[str, str], ...]:
 def schedule_actions(pipeline: Pipeline) -> list[list[tuple[str, int]]]:
     """Per stage, its ``("F" | "B", micro-batch)`` actions in the order it runs them."""
     n, stages = pipeline.microbatches, pipeline.stages
+    if pipeline.stages_per_rank > 1:  # each stage's share of its rank's order
+        out: list[list[tuple[str, int]]] = [[] for _ in range(stages)]
+        for acts in rank_actions(pipeline):
+            for action, stage, m in acts:
+                out[stage].append((action, m))
+        return out
     out = []
     for s in range(stages):
         if pipeline.schedule == "gpipe":
@@ -147,32 +186,69 @@ def schedule_actions(pipeline: Pipeline) -> list[list[tuple[str, int]]]:
     return out
 
 
-def _simulate(pipeline: Pipeline) -> list[list[tuple[int, str, int]]]:
-    """Per stage, ``(tick, action, micro-batch)``: every action takes one tick (a backward as
-    long as a forward), starts when its stage is free and its input arrived (the previous
-    stage's forward of the micro-batch, the next stage's backward of it)."""
-    acts = schedule_actions(pipeline)
+def rank_actions(pipeline: Pipeline) -> list[list[tuple[str, int, int]]]:
+    """Per ``pp`` rank, its ``("F" | "B", stage, micro-batch)`` actions in the order it runs them
+    (one stage per rank: that stage's ``schedule_actions``; ``interleaved_1f1b``: torch's
+    ``ScheduleInterleaved1F1B`` order, action for action)."""
+    if pipeline.stages_per_rank == 1:
+        return [[(a, s, m) for a, m in acts] for s, acts in enumerate(schedule_actions(pipeline))]
+    n, v, ranks = pipeline.microbatches, pipeline.stages_per_rank, pipeline.ranks
+    per_round = n // max(1, n // ranks)
+    out = []
+    for r in range(ranks):
+        warmup = min((v - 1) * per_round + 2 * (ranks - 1 - r), n * v)
+        steady = n * v - warmup
+        forwards, backwards = [0] * pipeline.stages, [0] * pipeline.stages
+        acts: list[tuple[str, int, int]] = []
+
+        def forward(op, acts=acts, forwards=forwards, r=r):
+            stage = (op // per_round) % v * ranks + r
+            acts.append(("F", stage, forwards[stage]))
+            forwards[stage] += 1
+
+        def backward(op, acts=acts, backwards=backwards, r=r, warmup=warmup):
+            stage = (v - 1 - (op - warmup) // per_round % v) * ranks + r
+            acts.append(("B", stage, backwards[stage]))
+            backwards[stage] += 1
+        for op in range(warmup + steady + warmup):
+            if op < warmup:
+                forward(op)
+            elif op < warmup + steady:
+                forward(op)
+                backward(op)
+            else:
+                backward(op)
+        out.append(acts)
+    return out
+
+
+def _simulate(pipeline: Pipeline) -> list[list[tuple[int, str, int, int]]]:
+    """Per ``pp`` rank, ``(tick, action, stage, micro-batch)``: every action takes one tick (a
+    backward as long as a forward), starts when its rank is free and its input arrived (the
+    previous stage's forward of the micro-batch, the next stage's backward of it)."""
+    acts = rank_actions(pipeline)
+    last = pipeline.stages - 1
     done: dict[tuple[int, str, int], int] = {}  # (stage, action, mb) -> tick it finished
-    position, free = [0] * pipeline.stages, [0] * pipeline.stages
-    out: list[list[tuple[int, str, int]]] = [[] for _ in acts]
+    position, free = [0] * len(acts), [0] * len(acts)
+    out: list[list[tuple[int, str, int, int]]] = [[] for _ in acts]
     remaining = sum(map(len, acts))
     while remaining:
         progressed = False
-        for s, stage_acts in enumerate(acts):
-            if position[s] == len(stage_acts):
+        for r, r_acts in enumerate(acts):
+            if position[r] == len(r_acts):
                 continue
-            action, m = stage_acts[position[s]]
+            action, s, m = r_acts[position[r]]
             needs = (s - 1, "F", m) if action == "F" else (s + 1, "B", m)
-            if action == "B" and s == pipeline.stages - 1:
+            if action == "B" and s == last:
                 needs = (s, "F", m)
             if action == "F" and s == 0:
                 needs = None
             if needs is not None and needs not in done:
                 continue
-            start = max(free[s], done[needs] if needs is not None else 0)
-            done[(s, action, m)] = free[s] = start + 1
-            out[s].append((start, action, m))
-            position[s] += 1
+            start = max(free[r], done[needs] if needs is not None else 0)
+            done[(s, action, m)] = free[r] = start + 1
+            out[r].append((start, action, s, m))
+            position[r] += 1
             remaining -= 1
             progressed = True
         if not progressed:
@@ -181,27 +257,30 @@ def _simulate(pipeline: Pipeline) -> list[list[tuple[int, str, int]]]:
 
 
 def timeline(pipeline: Pipeline) -> list[str]:
-    """One text line per stage, one column per tick: ``F3`` a forward of micro-batch 3, ``B3``
-    its backward, ``.`` idle (the bubble)."""
+    """One text line per stage (per rank with several stages per rank), one column per tick:
+    ``F3`` a forward of micro-batch 3, ``B3`` its backward (``F3/5``: of stage 5), ``.`` idle
+    (the bubble)."""
     runs = _simulate(pipeline)
-    ticks = max(t for stage in runs for t, _, _ in stage) + 1
-    width = len(str(pipeline.microbatches - 1)) + 1
+    ticks = max(t for rank in runs for t, _, _, _ in rank) + 1
+    looped = pipeline.stages_per_rank > 1
+    width = len(str(pipeline.microbatches - 1)) + 1 + (len(str(pipeline.stages - 1)) + 1 if looped else 0)
     lines = []
-    for s, stage in enumerate(runs):
+    for r, rank in enumerate(runs):
         cells = ["." * width] * ticks
-        for t, action, m in stage:
-            cells[t] = f"{action}{m}".ljust(width)
-        lines.append(f"stage {s}: " + " ".join(cells))
+        for t, action, s, m in rank:
+            cells[t] = (f"{action}{m}/{s}" if looped else f"{action}{m}").ljust(width)
+        lines.append(f"{'rank' if looped else 'stage'} {r}: " + " ".join(cells))
     return lines
 
 
 def bubble_fraction(pipeline: Pipeline) -> float:
-    """The idle share of stage-ticks over the step (equal forward and backward times): for
-    GPipe and 1F1B alike ``(S - 1) / (n + S - 1)``."""
+    """The idle share of rank-ticks over the step (equal forward and backward times): for
+    GPipe and 1F1B alike ``(S - 1) / (n + S - 1)``; with ``v`` stages per rank each action is
+    one stage's, ``1 / v`` of a rank's model share."""
     runs = _simulate(pipeline)
-    ticks = max(t for stage in runs for t, _, _ in stage) + 1
-    busy = sum(len(stage) for stage in runs)
-    return 1.0 - busy / (ticks * pipeline.stages)
+    ticks = max(t for rank in runs for t, _, _, _ in rank) + 1
+    busy = sum(len(rank) for rank in runs)
+    return 1.0 - busy / (ticks * len(runs))
 
 
 def in_flight_peak(actions: Iterable[tuple[str, int]]) -> int:

@@ -37,7 +37,7 @@ from ..errors import CacheMissError, CorruptArtifactError
 from ..entries import store_artifact
 from ..entries.pipeline_artifact import read_pipeline_manifest, read_stage
 from ..keying.pipeline_key import pipeline_key
-from ..parallel.pipeline_parallel import Pipeline, schedule_actions
+from ..parallel.pipeline_parallel import Pipeline, rank_actions
 from ..store import open_store
 from ..store.leases import reading
 from ..interpreter.program import Program
@@ -127,14 +127,15 @@ class PipelineStep:
                         f"ref {key.key[:12]} points to pipeline entry {digest[:12]} of another key")
                 device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
                     else torch.device(device_type)
-                loaded = read_stage(self.store, manifest, rank // _replicas(plan), device, device_type,
-                                    replicas.groups or None)
+                own = [s for s in range(self.pipeline.stages) if self.pipeline.rank_of(s) == rank // _replicas(plan)]
+                loaded = [read_stage(self.store, manifest, s, device, device_type, replicas.groups or None)
+                          for s in own]
             bound = _BoundStage(model, loaded, manifest, rank, replicas, device)
         except Exception as exc:
             failure = exc
         ranks.all_ranks_ok(failure, world)
         seconds = time.perf_counter() - start
-        log.info("pipeline step: cache %s on rank %d (stage %d), key %s, digest %s, %.2f s",
+        log.info("pipeline step: cache %s on rank %d (pp rank %d), key %s, digest %s, %.2f s",
                  "hit" if hit else "miss, traced by rank 0", rank, rank // _replicas(plan), key.key[:12], digest[:12],
                  seconds)
         self.cache_info = CacheInfo(hit, key.key, digest, "trace" if traced else "cache", seconds,
@@ -190,29 +191,47 @@ def _signature(leaves, spec):
     return spec, [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in leaves]
 
 
-class _BoundStage:
-    """One rank's stage: its programs, the live tensors behind its ports, its actions."""
+class _Stage:
+    """One stage this rank runs: its programs, its ports, the live tensors behind them."""
 
-    def __init__(self, model, loaded, manifest: dict, rank: int, replicas: Replicas, device):
-        self.model, self.rank, self.device, self.replicas = model, rank, device, replicas
-        self.signature = None
+    def __init__(self, loaded, pipeline: Pipeline, rank: int, per_stage: int):
         ports = loaded.ports
+        self.index = loaded.index
         self.inputs, self.outputs = ports["inputs"], ports["outputs"]
-        self.pipeline = Pipeline.from_dict(manifest["pipeline"])
-        self.stage = loaded.index
-        self.last = self.stage == self.pipeline.stages - 1
-        self.first = self.stage == 0
-        # the same replica (and TP rank) of the neighbouring stages: rank -/+ the ranks of a stage
-        self.previous, self.next = rank - replicas.per_stage, rank + replicas.per_stage
+        self.first, self.last = self.index == 0, self.index == pipeline.stages - 1
+        # the same replica (and TP rank) of the neighbouring stages' ranks
+        offset = rank % per_stage
+        self.previous = pipeline.rank_of(self.index - 1) * per_stage + offset
+        self.next = pipeline.rank_of(self.index + 1) * per_stage + offset
         self.forward = Program(loaded.forward, loaded.constants, expected=loaded.forward_expected)
         self.backward = Program(loaded.backward, loaded.constants, expected=loaded.backward_expected)
-        self.actions = schedule_actions(self.pipeline)[self.stage]
+        self.state: list = []
+        self.grad_params: list = []
+        self.whole: list | None = None
+
+    def own(self) -> list[str]:
+        return [p["name"][6:] for p in self.inputs if p["name"].startswith("param:")]
+
+
+class _BoundStage:
+    """One rank's stages (one, or several under ``interleaved_1f1b``): their programs, the live
+    tensors behind their ports, the rank's actions."""
+
+    def __init__(self, model, loaded: list, manifest: dict, rank: int, replicas: Replicas, device):
+        self.model, self.rank, self.device, self.replicas = model, rank, device, replicas
+        self.signature = None
+        self.pipeline = Pipeline.from_dict(manifest["pipeline"])
+        self.stages = {st.index: _Stage(st, self.pipeline, rank, replicas.per_stage) for st in loaded}
+        self.inputs = [p for st in self.stages.values() for p in st.inputs]  # every port, for stage_parameters
+        self.last = any(st.last for st in self.stages.values())
+        self.actions = rank_actions(self.pipeline)[rank // replicas.per_stage]
         self._bind_live()
 
     def _bind_live(self) -> None:
-        self.state = [self._live(p["name"]) for p in self.inputs]  # None for activations and batch leaves
-        self.grad_params = [(i, self.state[i]) for i, p in enumerate(self.inputs)
-                            if p["name"].startswith("param:") and p["grad"]]
+        for st in self.stages.values():
+            st.state = [self._live(p["name"]) for p in st.inputs]  # None for activations and batch leaves
+            st.grad_params = [(i, st.state[i]) for i, p in enumerate(st.inputs)
+                              if p["name"].startswith("param:") and p["grad"]]
 
     def _live(self, name: str):
         kind, _, fqn = name.partition(":")
@@ -224,43 +243,45 @@ class _BoundStage:
 
     def run(self, optim, leaves, losses):
         n = self.pipeline.microbatches
-        if self.replicas.sharded or self.replicas.tp > 1:  # the stage's parameters become DTensors (once, in place)
-            own = [p["name"][6:] for p in self.inputs if p["name"].startswith("param:")]
-            self.replicas.shard(self.model, optim, own)
+        if self.replicas.sharded or self.replicas.tp > 1:  # the stages' parameters become DTensors (once, in place)
+            self.replicas.shard(self.model, optim, [fqn for st in self.stages.values() for fqn in st.own()])
             self._bind_live()
         mbs = [leaf.chunk(n) for leaf in leaves]
-        saved: dict[int, list] = {}
-        accumulated: dict[int, torch.Tensor] = {}
+        saved: dict[tuple[int, int], list] = {}
+        accumulated: dict[tuple[int, int], torch.Tensor] = {}
         step_losses: list[torch.Tensor] = []
         sends: list = []
         with torch.no_grad():
-            self.whole = [self.replicas.whole(live) if live is not None else None for live in self.state]
-            for action, m in self.actions:
+            for st in self.stages.values():
+                st.whole = [self.replicas.whole(live) if live is not None else None for live in st.state]
+            for action, s, m in self.actions:
+                st = self.stages[s]
                 if action == "F":
-                    outs = self.forward(*self._forward_inputs(mbs, m))
-                    saved[m] = outs[len(self.outputs):]
-                    if self.last:
+                    outs = st.forward(*self._forward_inputs(st, mbs, m))
+                    saved[s, m] = outs[len(st.outputs):]
+                    if st.last:
                         step_losses.append(outs[0])
                     else:
-                        sends += [dist.isend(t, self.next, tag=2 * m) for t in outs[:len(self.outputs)]]
+                        sends += [dist.isend(t, st.next, tag=self._tag(s, m)) for t in outs[:len(st.outputs)]]
                     del outs  # the saved tensors live in ``saved`` only: freed by their backward
                 else:
-                    grads = self.backward(*saved.pop(m), *self._output_grads(m))
-                    for i, _ in self.grad_params:
+                    grads = st.backward(*saved.pop((s, m)), *self._output_grads(st, m))
+                    for i, _ in st.grad_params:
                         g = grads[i]
-                        if i in accumulated:
-                            accumulated[i].add_(g)
+                        if (s, i) in accumulated:
+                            accumulated[s, i].add_(g)
                         else:
-                            accumulated[i] = g
-                    if not self.first:
-                        sends += [dist.isend(grads[i].contiguous(), self.previous, tag=2 * m + 1)
-                                  for i, p in enumerate(self.inputs) if p["name"].startswith("act:") and p["grad"]]
+                            accumulated[s, i] = g
+                    if not st.first:
+                        sends += [dist.isend(grads[i].contiguous(), st.previous, tag=self._tag(s - 1, m) + 1)
+                                  for i, p in enumerate(st.inputs) if p["name"].startswith("act:") and p["grad"]]
                     del grads
             for work in sends:
                 work.wait()
-            self.whole = None  # gathered parameters are freed
-            self.replicas.set_gradients([(param, accumulated[i].div_(n)) for i, param in self.grad_params
-                                         if i in accumulated])
+            for st in self.stages.values():
+                st.whole = None  # gathered parameters are freed
+            self.replicas.set_gradients([(param, accumulated[st.index, i].div_(n)) for st in self.stages.values()
+                                         for i, param in st.grad_params if (st.index, i) in accumulated])
         if optim is not None:
             optim.step()
             optim.zero_grad()
@@ -270,9 +291,14 @@ class _BoundStage:
             losses.extend(step_losses)
         return torch.stack(step_losses).mean()
 
-    def _forward_inputs(self, mbs, m: int) -> list:
+    def _tag(self, boundary: int, m: int) -> int:
+        """The tag of micro-batch ``m``'s activations across ``boundary`` (stage ``boundary`` to the
+        next); their gradients take the tag after it."""
+        return 2 * (boundary * self.pipeline.microbatches + m)
+
+    def _forward_inputs(self, st: _Stage, mbs, m: int) -> list:
         values, receives = [], []
-        for port, live in zip(self.inputs, self.whole):
+        for port, live in zip(st.inputs, st.whole):
             name = port["name"]
             if live is not None:
                 values.append(live)
@@ -280,18 +306,18 @@ class _BoundStage:
                 values.append(mbs[int(name.split(":")[1])][m])
             else:
                 buf = torch.empty(port["shape"], dtype=getattr(torch, port["dtype"]), device=self.device)
-                receives.append(dist.irecv(buf, self.previous, tag=2 * m))
+                receives.append(dist.irecv(buf, st.previous, tag=self._tag(st.index - 1, m)))
                 values.append(buf)
         for work in receives:
             work.wait()
         return values
 
-    def _output_grads(self, m: int) -> list:
-        if self.last:
-            return [torch.ones((), dtype=getattr(torch, self.outputs[0]["dtype"]), device=self.device)]
+    def _output_grads(self, st: _Stage, m: int) -> list:
+        if st.last:
+            return [torch.ones((), dtype=getattr(torch, st.outputs[0]["dtype"]), device=self.device)]
         bufs = [torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]), device=self.device)
-                for p in self.outputs if p["grad"]]
-        works = [dist.irecv(b, self.next, tag=2 * m + 1) for b in bufs]
+                for p in st.outputs if p["grad"]]
+        works = [dist.irecv(b, st.next, tag=self._tag(st.index, m) + 1) for b in bufs]
         for work in works:
             work.wait()
         return bufs

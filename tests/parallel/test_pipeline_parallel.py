@@ -90,22 +90,36 @@ def stage_module(model: LM, stage: int, first_of_stage: list[int]) -> LM:
 SPLIT = ("blocks.2",)
 
 
+def _pipeline_for(schedule: str, world: int) -> tuple[Pipeline, list[int]]:
+    """The pipeline a parity run uses, and the first block of each stage after the first: one
+    stage per rank split before blocks.2, or under interleaved_1f1b one block per stage, two
+    stages per rank (rank 0 runs stages 0 and 2)."""
+    if schedule == "interleaved_1f1b":
+        return Pipeline(2 * world, MICRO, schedule, ("blocks.1", "blocks.2", "blocks.3"), stages_per_rank=2), [1, 2, 3]
+    return Pipeline(world, MICRO, schedule, SPLIT), [2]
+
+
 def _parity_worker(rank, world, cache_dir, schedule, steps=3):
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+    pipeline, firsts = _pipeline_for(schedule, world)
     if rank == 0:  # the offline build, right before the job: other sessions edit this working tree
-        build_pipeline(make_job(), Pipeline(world, MICRO, schedule, SPLIT), cache_dir=cache_dir)
+        build_pipeline(make_job(), pipeline, cache_dir=cache_dir)
     dist.barrier()
     torch.manual_seed(0)
     model = LM()
-    ref = stage_module(copy.deepcopy(model), rank, [2])
-    ref_stage = PipelineStage(ref, rank, world, torch.device("cpu"))
-    ref_schedule = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(ref_stage, MICRO, loss_fn=loss_fn)
-    ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    local = [s for s in range(pipeline.stages) if pipeline.rank_of(s) == rank]
+    refs = [stage_module(copy.deepcopy(model), s, firsts) for s in local]
+    ref_stages = [PipelineStage(ref, s, pipeline.stages, torch.device("cpu")) for ref, s in zip(refs, local)]
+    if schedule == "interleaved_1f1b":
+        ref_schedule = ScheduleInterleaved1F1B(ref_stages, MICRO, loss_fn=loss_fn)
+    else:
+        ref_schedule = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(ref_stages[0], MICRO, loss_fn=loss_fn)
+    ref_params = {name: p for ref in refs for name, p in ref.named_parameters()}
+    ref_optim = torch.optim.AdamW(list(ref_params.values()), lr=1e-2)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = compile_pipeline(loss_fn, pipeline=Pipeline(world, MICRO, schedule, SPLIT), cache_dir=cache_dir,
-                            require_hit=True)
+    step = compile_pipeline(loss_fn, pipeline=pipeline, cache_dir=cache_dir, require_hit=True)
     loss_diff, returned = 0.0, []
     for i in range(steps):
         x, y = make_batch(i)
@@ -122,12 +136,11 @@ def _parity_worker(rank, world, cache_dir, schedule, steps=3):
             loss_diff = max(loss_diff, max(abs(float(a) - float(b)) for a, b in zip(ref_losses, losses)))
             assert len(losses) == MICRO
             assert abs(float(out) - float(torch.stack(ref_losses).mean())) < 1e-5
-    param_diff = max((ref_p - model.get_parameter(name)).abs().max().item() for name, ref_p in ref.named_parameters())
-    moved = max((ref_p - p0).abs().max().item() for (name, ref_p), p0 in
-                zip(ref.named_parameters(), [LM_init(name) for name, _ in ref.named_parameters()]))
+    param_diff = max((ref_p - model.get_parameter(name)).abs().max().item() for name, ref_p in ref_params.items())
+    moved = max((ref_p - LM_init(name)).abs().max().item() for name, ref_p in ref_params.items())
     info = step.cache_info
     return {"loss_diff": loss_diff, "param_diff": param_diff, "moved": moved, "hit": info.hit,
-            "traces": info.traces, "returned": returned}
+            "traces": info.traces, "returned": returned, "own": sorted(step.stage_parameters) == sorted(ref_params)}
 
 
 def LM_init(name):
@@ -142,13 +155,13 @@ def built(tmp_path_factory):
     return cache, results
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
 def test_pp2_matches_torch_pipelining_with_zero_traces(built, schedule):
     cache, results = built
-    assert results[schedule].traced
+    assert schedule not in results or results[schedule].traced
     out = run_ranks(_parity_worker, 2, str(cache), schedule, timeout=600)
     for rank, r in enumerate(out):
-        assert r["hit"] and r["traces"] == 0, r
+        assert r["hit"] and r["traces"] == 0 and r["own"], r
         assert r["param_diff"] < 1e-4, (rank, r)
         assert r["moved"] > 1e-3, "the parameters must have trained for the comparison to mean anything"
     assert out[1]["loss_diff"] < 1e-4
@@ -175,6 +188,25 @@ def test_schedules_are_torchs_action_orders():
     assert one[1] == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
     assert bubble_fraction(Pipeline(4, 8, "1f1b")) == pytest.approx(3 / 11)
     assert timeline(Pipeline(2, 2, "gpipe")) == ["stage 0: F0 F1 .. .. B0 B1", "stage 1: .. F0 F1 B0 B1 .."]
+    # interleaved: torch's own action lists (its schedule's per-rank order, idle slots dropped)
+    import types
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    from spmd_aot.parallel.pipeline_parallel import rank_actions
+
+    for stages, v, n in ((4, 2, 4), (8, 2, 8), (6, 3, 4), (4, 2, 6), (6, 2, 5)):
+        pipeline, ranks = Pipeline(stages, n, "interleaved_1f1b", stages_per_rank=v), stages // v
+        torch_self = types.SimpleNamespace(n_local_stages=v, pp_group_size=ranks, _n_microbatches=n,
+                                           microbatches_per_round=n // max(1, n // ranks))
+        for r, ours in enumerate(rank_actions(pipeline)):
+            theirs = ScheduleInterleaved1F1B._calculate_single_rank_operations(torch_self, r)
+            assert ours == [(a.computation_type.value[0], a.stage_index, a.microbatch_index) for a in theirs if a]
+    looped = Pipeline(8, 8, "interleaved_1f1b", stages_per_rank=2)
+    assert bubble_fraction(looped) < 0.6 * bubble_fraction(Pipeline(4, 8, "1f1b"))
+    assert timeline(Pipeline(4, 2, "interleaved_1f1b", stages_per_rank=2))[0].startswith("rank 0: F0/0 F1/0 F0/2")
+    with pytest.raises(SpmdAotError, match="interleaved_1f1b"):
+        Pipeline(4, 4, "1f1b", stages_per_rank=2)
 
 
 def test_even_split_balances_parameters():

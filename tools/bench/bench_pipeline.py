@@ -1,16 +1,17 @@
 """Step time of the loaded pipeline-parallel step vs torch.distributed.pipelining, on real gloo ranks.
 
-    python tools/bench/bench_pipeline.py                       # world 2, d_model 128, 4 layers, GPipe and 1F1B
+    python tools/bench/bench_pipeline.py                       # world 2, d_model 128, 4 layers: GPipe, 1F1B, interleaved
     python tools/bench/bench_pipeline.py --quick               # a smoke run of a few steps
 
 Both variants train the same causal LM (blocks in an ``nn.ModuleDict``, so a stage module is the
 model with the other stages' blocks deleted, torchtitan's way) with AdamW, split before the
-middle block, the step's batch cut into micro-batches:
+middle block (interleaved 1F1B: 4 stages of one block, 2 per rank), the step's batch cut into
+micro-batches:
 
   loaded  ``spmd_aot.compile_pipeline(loss_fn, pipeline=..., require_hit=True)`` on the entry
           ``spmd_aot.build_pipeline`` stored first (no tracing at job start)
-  eager   torch's ``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` over each rank's stage
-          module, then ``optim.step()``
+  eager   torch's ``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` /
+          ``ScheduleInterleaved1F1B`` over each rank's stage modules, then ``optim.step()``
 
 Each variant is warmed up, then timed in interleaved blocks framed by barriers; ms/step is rank
 0's median over blocks, the ratio the median over blocks of loaded / eager within a block.
@@ -77,18 +78,25 @@ def make_batch():
 
 def _rank(rank, world, port, cache, args, queue):
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     import spmd_aot
 
     ARGS.update(args)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    split = f"blocks.{args['layers'] // 2}"
+    layers = args["layers"]
     rows = []
     x, y = make_batch()
-    for schedule, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
-        pipeline = spmd_aot.Pipeline(world, args["micro"], schedule, (split,))
+    for schedule, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B),
+                          ("interleaved_1f1b", ScheduleInterleaved1F1B)):
+        if schedule == "interleaved_1f1b":  # 2 stages per rank, the blocks split evenly over 2 * world stages
+            stages, v = 2 * world, 2
+        else:
+            stages, v = world, 1
+        firsts = [layers * s // stages for s in range(1, stages)]
+        pipeline = spmd_aot.Pipeline(stages, args["micro"], schedule, tuple(f"blocks.{i}" for i in firsts),
+                                     stages_per_rank=v)
         if rank == 0:
             spmd_aot.build_pipeline(spmd_aot.Job(step=loss_fn, model=make_model, optimizer=None, batch=make_batch),
                                     pipeline, cache_dir=cache)
@@ -97,14 +105,20 @@ def _rank(rank, world, port, cache, args, queue):
         model = make_model()
         step = spmd_aot.compile_pipeline(loss_fn, pipeline=pipeline, cache_dir=cache, require_hit=True)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        torch.manual_seed(0)
-        ref = make_model()
-        for name in list(ref.blocks):
-            if (int(name) < args["layers"] // 2) != (rank == 0):
-                del ref.blocks[name]
-        ref.emb, ref.head = (ref.emb, None) if rank == 0 else (None, ref.head)
-        sched = cls(PipelineStage(ref, rank, world, torch.device("cpu")), args["micro"], loss_fn=loss_fn)
-        ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        bounds = [0, *firsts, layers]
+        refs, ref_stages = [], []
+        for s in (s for s in range(stages) if pipeline.rank_of(s) == rank):
+            torch.manual_seed(0)
+            ref = make_model()
+            for name in list(ref.blocks):
+                if not bounds[s] <= int(name) < bounds[s + 1]:
+                    del ref.blocks[name]
+            ref.emb = ref.emb if s == 0 else None
+            ref.head = ref.head if s == stages - 1 else None
+            refs.append(ref)
+            ref_stages.append(PipelineStage(ref, s, stages, torch.device("cpu")))
+        sched = cls(ref_stages if v > 1 else ref_stages[0], args["micro"], loss_fn=loss_fn)
+        ref_optim = torch.optim.AdamW([p for ref in refs for p in ref.parameters()], lr=1e-3)
 
         def eager(sched=sched, ref_optim=ref_optim):
             sched.step(x) if rank == 0 else sched.step(target=y, losses=[])
