@@ -53,7 +53,7 @@ _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLL
 _CHECKER_FILES = ("format/validate.py", "format/contracts", "format/allowlist.py",
                   "format/limits.py", "format/fused_meta.py", "format/serialize.py", "format/bounded.py",
                   "entries/verified.py", "format/records.py", "interpreter/invariants.py",
-                  "format/device_results.py")
+                  "format/device_results.py", "format/shape_rules.py")
 
 
 def record_dir() -> pathlib.Path:

@@ -33,6 +33,7 @@ from .device_results import corrected
 from ..errors import CorruptArtifactError, LoadLimitError, UnsafeArtifactError
 from .fused_meta import FUSED_STEPS, standin
 from .limits import ENV_LOAD_LIMITS, LoadLimits, load_limits
+from .shape_rules import DECLINE, foreach_index
 from .serialize import DecodedNode, Ref
 
 __all__ = ["check_graph", "check_node", "tensor_limit"]
@@ -337,7 +338,11 @@ def _check_foreach(node: DecodedNode, args: tuple, kwargs: dict, elements: tuple
         else:
             work.spend(node, RUN_COST)
             eargs, ekwargs = _element(args, kwargs, found, k)
-            value = check_node(node, eargs, ekwargs, limit, contract=False)
+            value = foreach_index(node.target, eargs, ekwargs)  # dense, one shape and dtype: no kernel needed
+            if value is DECLINE:
+                value = check_node(node, eargs, ekwargs, limit, contract=False)
+            else:
+                _check_result(node, value, limit)
             if key is not None:
                 memo[key] = _describe(value, storages)
         results.append(value)
