@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import sys
 from collections import defaultdict
 
 import torch
@@ -255,10 +256,11 @@ def stamped(state, plan: Plan, inputs: list, trace_cut):
         (small, labels), (check, _) = cuts
         if small.axis_budget != check.axis_budget:
             raise NotRepeatable("the axes' collectives grow with the blocks")
-        template = Template(small.gm, labels)
-        _same(template.stamp(TEMPLATE_DEPTH + 1)[0], check.gm)
-        gm, copies = template.stamp(stack.depth)
-        _check_inputs(gm, inputs)
+        with _unprofiled():
+            template = Template(small.gm, labels)
+            _same(template.stamp(TEMPLATE_DEPTH + 1)[0], check.gm)
+            gm, copies = template.stamp(stack.depth)
+            _check_inputs(gm, inputs)
     except NotRepeatable as exc:
         return str(exc)
     except Exception as exc:  # the full trace reports a failing step in its own words
@@ -270,6 +272,25 @@ def stamped(state, plan: Plan, inputs: list, trace_cut):
             collectives[new.name] = fqn if ctx is None else _renamed(fqn, stack.prefix, ctx)
     blocks = {"stamped": stack.depth, "traced": [TEMPLATE_DEPTH, TEMPLATE_DEPTH + 1], "prefix": stack.prefix}
     return gm, collectives, small, blocks
+
+
+@contextlib.contextmanager
+def _unprofiled():
+    """The source recorder (``keying/guards.py``, a ``cProfile``) paused while the graph is
+    stamped: stamping runs only this package's and ``torch.fx``'s code, which the traces of
+    three and four blocks ran (and the key hashes), and the recorder's hook would add about half
+    to its cost."""
+    import _lsprof
+
+    active = sys.getprofile()
+    if not isinstance(active, _lsprof.Profiler):
+        yield
+        return
+    active.disable()
+    try:
+        yield
+    finally:
+        active.enable()
 
 
 def _renamed(fqn: str, prefix: str, ctx) -> str:
