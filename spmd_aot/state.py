@@ -59,7 +59,7 @@ _HOST_READING_OPTIMIZERS = {
 # updates read most numbers as Python scalars (``alpha=``, ``_foreach_lerp_`` weights, powers:
 # a host read, ``_local_scalar_dense``, which a stored graph refuses) and branch on
 # ``weight_decay != 0``; only the learning rate reaches them as a tensor. So tracing runs SGD's,
-# Adam's, AdamW's, RMSprop's and Adafactor's updates on tensors (``tracing/optimizers.py``) and their
+# Adam's, AdamW's, RMSprop's, NAdam's, RAdam's, Adamax's and Adafactor's updates on tensors (``tracing/optimizers.py``) and their
 # numbers are inputs; momentum and weight decay only when nonzero, because zero takes another
 # path (no momentum buffer, no decay term) and so is part of the key. A group that chose torch's
 # own implementation (``fused=True``, ``foreach=False``, ``differentiable=True``) runs it: only
@@ -71,6 +71,9 @@ _TENSOR_UPDATE_INPUTS: dict[type, dict[str, str]] = {  # by exact class: a subcl
     torch.optim.Adam: {"betas": _ALWAYS, "eps": _ALWAYS, "weight_decay": _NONZERO},
     torch.optim.AdamW: {"betas": _ALWAYS, "eps": _ALWAYS, "weight_decay": _NONZERO},
     torch.optim.RMSprop: {"alpha": _ALWAYS, "eps": _ALWAYS, "momentum": _NONZERO, "weight_decay": _NONZERO},
+    torch.optim.NAdam: {"betas": _ALWAYS, "eps": _ALWAYS, "weight_decay": _NONZERO},
+    torch.optim.RAdam: {"betas": _ALWAYS, "eps": _ALWAYS, "weight_decay": _NONZERO},
+    torch.optim.Adamax: {"betas": _ALWAYS, "eps": _ALWAYS, "weight_decay": _NONZERO},
     # eps is (eps1 or None, eps2): a constant (None picks the dtype's epsilon)
     torch.optim.Adafactor: {"beta2_decay": _ALWAYS, "d": _ALWAYS, "weight_decay": _NONZERO},
 }

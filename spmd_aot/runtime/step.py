@@ -415,8 +415,8 @@ class _BoundStep:
                     "param_groups[%d][%r] changed from %r to %r: the stored step holds it as a constant, so "
                     "the step is looked up again, and a schedule that moves it on every step rebuilds on "
                     "every step. The learning rate is always a step input; the other numbers of SGD, Adam, "
-                    "AdamW, RMSprop and Adafactor are when the group leaves fused and foreach unset (momentum "
-                    "and weight decay once nonzero)", i, name,
+                    "AdamW, NAdam, RAdam, Adamax, RMSprop and Adafactor are when the group leaves fused and "
+                    "foreach unset (momentum and weight decay once nonzero)", i, name,
                     was.get(name), now[name])
 
     def _inputs(self, batch_leaves) -> list[torch.Tensor]:

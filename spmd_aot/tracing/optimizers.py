@@ -177,14 +177,18 @@ def traced_hyperparameters(optim, inputs: list, tensors: list) -> dict[int, dict
 
 @contextlib.contextmanager
 def tensor_updates():
-    """While tracing: SGD's, Adam's (AdamW's), RMSprop's and Adafactor's updates run on tensors when their
+    """While tracing: SGD's, Adam's (AdamW's), RMSprop's, NAdam's, RAdam's, Adamax's and Adafactor's
+    updates run on tensors when their
     group holds ``TracedNumber`` inputs; torch's read those numbers as Python scalars (and
     Adafactor's reads its step counter and two norms per parameter on the host)."""
     with contextlib.ExitStack() as stack:
         for module_name, name, on_tensors in (("torch.optim.sgd", "sgd", _sgd_on_tensors),
                                               ("torch.optim.adam", "adam", _adam_on_tensors),
                                               ("torch.optim._adafactor", "adafactor", _adafactor_on_tensors),
-                                              ("torch.optim.rmsprop", "rmsprop", _rmsprop_on_tensors)):
+                                              ("torch.optim.rmsprop", "rmsprop", _rmsprop_on_tensors),
+                                              ("torch.optim.nadam", "nadam", _nadam_on_tensors),
+                                              ("torch.optim.radam", "radam", _radam_on_tensors),
+                                              ("torch.optim.adamax", "adamax", _adamax_on_tensors)):
             module = importlib.import_module(module_name)  # where the optimizer's step finds the function
             stack.enter_context(mock.patch.object(module, name, _unless_traced(getattr(module, name), on_tensors)))
         for module_name, name in _PER_TENSOR_UPDATES:
@@ -348,6 +352,119 @@ def _rmsprop_on_tensors(params, grads, square_avgs, grad_avgs, momentum_buffer_l
             param.add_(buf * -lr_t)
         else:
             param.addcdiv_(grad * -lr_t, avg)
+
+
+def _on_shards(params, *lists):
+    """``params`` and the per-parameter ``lists`` as local shards where each parameter's tensors
+    are DTensors of one placement (see ``_local_shards``), the parameters marked as updated;
+    else as given. The last list is the step counters (replicated: a 0-d parameter's, under shard)."""
+    local = _local_shards(params, *lists[:-1])
+    if local is None:
+        return (params, *lists)
+    _mark_updated(params)
+    return (*local, _local_shards(lists[-1])[0])
+
+
+def _no_complex(has_complex: bool, name: str) -> None:
+    if has_complex:
+        raise UnsupportedError(f"{name} on complex parameters cannot be traced with its numbers as step inputs; set "
+                               "foreach=False on the group (torch's own update, its numbers then part of the key)")
+
+
+def _first_moment_(exp_avg, grad, beta1) -> None:
+    """eager's ``exp_avg.lerp_(grad, 1 - beta1)``: one fused multiply-add, as ``addcmul_`` computes it."""
+    exp_avg.addcmul_(grad - exp_avg, (1 - beta1).to(exp_avg.dtype))
+
+
+def _second_moment_(exp_avg_sq, grad, beta2) -> None:
+    """eager's ``exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)``."""
+    exp_avg_sq.mul_(beta2).addcmul_(grad * (1 - beta2), grad)
+
+
+def _decayed(param, grad, lr, weight_decay, decoupled: bool):
+    """Weight decay as eager applies it: the parameter scaled (decoupled) or the gradient grown."""
+    if weight_decay == 0:
+        return grad
+    if decoupled:
+        param.mul_(1 - lr * _number(weight_decay))
+        return grad
+    return grad + param * _number(weight_decay)  # eager's grad.add(param, alpha=wd): equal to rounding
+
+
+def _nadam_on_tensors(params, grads, exp_avgs, exp_avg_sqs, mu_products, state_steps, *_flags, beta1, beta2, lr,
+                      weight_decay, momentum_decay, eps, decoupled_weight_decay=False, maximize=False,
+                      has_complex=False, **_more_flags):
+    """torch.optim.NAdam's update (``_single_tensor_nadam``, what eager runs on CPU) with betas,
+    eps and weight decay as tensors: eager's Python floats (float64) are 0-dim float64 tensors,
+    its step counter and momentum product read as values are the tensors themselves."""
+    if not params:
+        return
+    _no_complex(has_complex, "NAdam")
+    params, grads, exp_avgs, exp_avg_sqs, mu_products, state_steps = _on_shards(
+        params, grads, exp_avgs, exp_avg_sqs, mu_products, state_steps)
+    beta1, beta2, lr_t, eps_t = map(_number, (beta1, beta2, lr, eps))
+    f64 = torch.float64
+    for i, param in enumerate(params):
+        grad = -grads[i] if maximize else grads[i]
+        state_steps[i].add_(1)
+        step = state_steps[i].to(f64)
+        bias_correction2 = 1 - torch.pow(beta2, step)
+        grad = _decayed(param, grad, lr_t, weight_decay, decoupled_weight_decay)
+        mu = beta1 * (1.0 - 0.5 * torch.pow(0.96, step * momentum_decay))
+        mu_next = beta1 * (1.0 - 0.5 * torch.pow(0.96, (step + 1) * momentum_decay))
+        mu_products[i].mul_(mu)
+        _first_moment_(exp_avgs[i], grad, beta1)
+        _second_moment_(exp_avg_sqs[i], grad, beta2)
+        denom = exp_avg_sqs[i].div(bias_correction2).sqrt().add_(eps_t)
+        mu_product = mu_products[i].to(f64)
+        param.addcdiv_(grad * (-lr_t * (1.0 - mu) / (1.0 - mu_product)), denom)
+        param.addcdiv_(exp_avgs[i] * (-lr_t * mu_next / (1.0 - mu_product * mu_next)), denom)
+
+
+def _radam_on_tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, *_flags, beta1, beta2, lr, weight_decay,
+                      eps, decoupled_weight_decay=False, maximize=False, has_complex=False, **_more_flags):
+    """torch.optim.RAdam's update (``_single_tensor_radam``) with its numbers as tensors; the
+    rectification branch (``rho_t > 5``) is a ``torch.where`` on the update, as torch's own
+    capturable path writes it."""
+    if not params:
+        return
+    _no_complex(has_complex, "RAdam")
+    params, grads, exp_avgs, exp_avg_sqs, state_steps = _on_shards(params, grads, exp_avgs, exp_avg_sqs, state_steps)
+    beta1, beta2, lr_t, eps_t = map(_number, (beta1, beta2, lr, eps))
+    for i, param in enumerate(params):
+        grad = -grads[i] if maximize else grads[i]
+        state_steps[i].add_(1)
+        step = state_steps[i].to(torch.float64)
+        grad = _decayed(param, grad, lr_t, weight_decay, decoupled_weight_decay)
+        _first_moment_(exp_avgs[i], grad, beta1)
+        _second_moment_(exp_avg_sqs[i], grad, beta2)
+        bias_correction1 = 1 - torch.pow(beta1, step)
+        bias_correction2 = 1 - torch.pow(beta2, step)
+        update = exp_avgs[i] / bias_correction1 * lr_t
+        rho_inf = 2 / (1 - beta2) - 1
+        rho_t = rho_inf - 2 * step * torch.pow(beta2, step) / bias_correction2
+        rect = torch.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+        adaptive = torch.sqrt(bias_correction2) / exp_avg_sqs[i].sqrt().add_(eps_t)
+        param.sub_(torch.where(rho_t > 5.0, update * adaptive * rect, update))
+
+
+def _adamax_on_tensors(params, grads, exp_avgs, exp_infs, state_steps, *_flags, eps, beta1, beta2, lr, weight_decay,
+                       maximize=False, has_complex=False, **_more_flags):
+    """torch.optim.Adamax's update (``_single_tensor_adamax``) with its numbers as tensors."""
+    if not params:
+        return
+    _no_complex(has_complex, "Adamax")
+    params, grads, exp_avgs, exp_infs, state_steps = _on_shards(params, grads, exp_avgs, exp_infs, state_steps)
+    beta1, beta2, lr_t, eps_t = map(_number, (beta1, beta2, lr, eps))
+    for i, param in enumerate(params):
+        grad = -grads[i] if maximize else grads[i]
+        state_steps[i].add_(1)
+        grad = _decayed(param, grad, lr_t, weight_decay, False)
+        _first_moment_(exp_avgs[i], grad, beta1)
+        exp_inf = exp_infs[i]
+        exp_inf.copy_(torch.maximum(exp_inf.mul_(beta2), grad.abs().add_(eps_t)))
+        step_size = lr_t / (1 - torch.pow(beta1, state_steps[i].to(torch.float64)))
+        param.addcdiv_(exp_avgs[i] * -step_size, exp_inf)
 
 
 def _mark_updated(params) -> None:

@@ -209,9 +209,9 @@ def _zoo_run(placement, rank, world, fn=None):
     model.fc1.requires_grad_(False)
     stepped = train_steps._eager_model(model, placement, world) if fn is None else model
     optims = ZOO[placement](stepped)
-    # OneCycleLR moves RMSprop's lr and momentum every step: step inputs, no rebuild
-    rmsprop = next(o for o in optims if isinstance(o, torch.optim.RMSprop))
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(rmsprop, max_lr=1e-3, total_steps=ZOO_STEPS + 1)
+    # OneCycleLR moves RMSprop's lr and momentum and NAdam's lr and beta1 every step: step inputs, no rebuild
+    schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=o.param_groups[0]["lr"], total_steps=ZOO_STEPS + 1)
+                  for o in optims if isinstance(o, (torch.optim.RMSprop, torch.optim.NAdam))]
     outs = []
     for s in range(ZOO_STEPS):
         if s == UNFREEZE_AT:
@@ -220,7 +220,8 @@ def _zoo_run(placement, rank, world, fn=None):
                 stepped = train_steps._eager_model(model, placement, world)
         loss, norm = (fn or zoo_step)(stepped, optims, train_steps.class_batch(rank, s))
         outs.append((loss.detach(), train_steps.full(norm).detach()))
-        scheduler.step()
+        for scheduler in schedulers:
+            scheduler.step()
     return model, optims, outs
 
 
@@ -336,8 +337,8 @@ def test_the_scheduler_moved_the_numbers(results, case):
 
 @pytest.mark.parametrize("placement", list(ZOO))
 def test_optimizer_zoo_and_step_shapes_match_eager(results, placement):
-    """NAdam, ASGD, Rprop (nonzero initial state), Adamax, RMSprop (centered, momentum; OneCycleLR
-    moving its momentum every step), plain SGD, clip_grad_value_ and an inf-norm clip_grad_norm_
+    """NAdam, ASGD, Rprop (nonzero initial state), Adamax, RMSprop (centered, momentum), with
+    OneCycleLR moving RMSprop's momentum and NAdam's beta1 every step, plain SGD, clip_grad_value_ and an inf-norm clip_grad_norm_
     against eager DDP / fully_shard; fc1 is frozen for two steps, then unfrozen: the compiled step
     resolves again (rank 0 traces twice, once per set of trainable parameters, never for the
     scheduler) and trains it, with optimizer state for it from then on, as eager."""
@@ -509,6 +510,12 @@ def rmsprop_moved(model):
 @pytest.mark.parametrize("make_optim,fed", [
     (adamw_moved, {"lr", "betas[0]", "betas[1]", "eps", "weight_decay"}),
     (rmsprop_moved, {"lr", "alpha", "eps", "momentum", "weight_decay"}),
+    (lambda m: torch.optim.NAdam(m.parameters(), lr=1e-2, weight_decay=0.1), {"lr", "betas[0]", "betas[1]", "eps",
+                                                                              "weight_decay"}),
+    (lambda m: torch.optim.RAdam(m.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+     {"lr", "betas[0]", "betas[1]", "eps", "weight_decay"}),
+    (lambda m: torch.optim.Adamax(m.parameters(), lr=1e-2, weight_decay=0.1), {"lr", "betas[0]", "betas[1]", "eps",
+                                                                               "weight_decay"}),
     (sgd_moved, {"lr", "momentum", "weight_decay"}),
     (adafactor_wd, {"lr", "beta2_decay", "d", "weight_decay"}),
 ])
