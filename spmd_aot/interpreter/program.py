@@ -67,7 +67,10 @@ class Program:
         load passes it; a program of a graph that was never meta-checked, in tests, has none
         and checks no run-time invariant)."""
         checks: dict[int, Any] = {}  # id(op) -> its value check or None, looked up once per op
-        nodes = [_value_checked(n, checks) if n.op == "call_function" else n for n in nodes]
+        nodes = list(nodes)
+        for i, n in enumerate(nodes):
+            if n.op == "call_function" and checks.get(id(n.target), _UNSEEN) is not None:  # unseen, or checked
+                nodes[i] = _value_checked(n, checks)
         if expected is not None and len(expected) != len(nodes):
             raise CorruptArtifactError(f"{len(expected)} expected results for a graph of {len(nodes)} nodes")
         template: list[Any] = [None] * len(nodes)
@@ -103,12 +106,16 @@ class Program:
                          (i, n.target, n.args, n.kwargs, None if expected is None else expected[i]))
         checked = _checked_values(nodes, folded, unpacked, outputs) if expected is not None else set()
 
-        def expect(i):
-            return expected[i] if i in checked else None
-        steps = tuple((n.target, i, n.args, n.kwargs, tuple((item, k, expect(item)) for item, k in unpack_at.get(i, ())),
-                       tuple(frees_after.get(i, ())), expect(i))
-                      for i, n in enumerate(nodes)
-                      if n.op == "call_function" and i not in folded and i not in unpacked)
+        steps = []
+        for i, n in enumerate(nodes):
+            if n.op != "call_function" or i in folded or i in unpacked:
+                continue
+            items = unpack_at.get(i)
+            steps.append((n.target, i, n.args, n.kwargs,
+                          tuple([(item, k, expected[item] if item in checked else None) for item, k in items])
+                          if items else (),
+                          tuple(frees_after.get(i, ())), expected[i] if i in checked else None))
+        steps = tuple(steps)
         n_inputs = sum(1 for n in nodes if n.op == "placeholder")
         self.table = ProgramTable(len(nodes), n_inputs, sum(1 for n in nodes if n.op == "call_function"),
                                   tuple(constant_at), tuple(folds), output, steps,
@@ -289,9 +296,12 @@ def _compile_call(index: int, target, args: tuple, kwargs: dict, unpack: Sequenc
                   frees: Sequence[int], expect: Any) -> _Call:
     """The ``_Call`` of one node."""
     fn = getattr(target, "_op", target)  # the C++ handle behind an OpOverload
-    unpack, frees = tuple(unpack), tuple(frees)
-    if not has_ref(kwargs):
-        return _Call(fn, index, _gatherer(args), kwargs, unpack, frees, expect)
+    if type(unpack) is not tuple:
+        unpack = tuple(unpack)
+    if type(frees) is not tuple:
+        frees = tuple(frees)
+    if not kwargs or not has_ref(kwargs):  # a ``_Call`` made as a plain tuple is: a program makes thousands
+        return _new_call(_Call, (fn, index, _gatherer(args), kwargs, unpack, frees, expect))
     if all(isinstance(v, Ref) or not has_ref(v) for v in kwargs.values()):
         # a kwarg that is a value (``mm.out(a, b, out=bucket_slice)``): gathered like the args
         gather, constant = _gatherer(args), {k: v for k, v in kwargs.items() if not isinstance(v, Ref)}
@@ -309,18 +319,21 @@ def _compile_call(index: int, target, args: tuple, kwargs: dict, unpack: Sequenc
     return _Call(with_kwargs, index, lambda env: (env,), {}, unpack, frees, expect)
 
 
+_new_call = tuple.__new__
+_NO_REFS = frozenset((int, float, bool, str, type(None)))  # argument types that hold no reference
+
+
 def _gatherer(args: tuple) -> Callable[[list], tuple]:
     """The fastest way to build one node's positional arguments from the value table."""
-    if len(args) == 1 and type(args[0]) is Ref:  # the commonest two first: a program builds thousands
+    if len(args) == 1 and type(args[0]) is Ref:  # the commonest first: a program builds thousands
         only = args[0].index
         return lambda env: (env[only],)  # noqa: E731
-    if args and all(type(a) is Ref for a in args):
-        return operator.itemgetter(*[a.index for a in args])
     positions, flat = [], True  # where the refs stand; whether any hides deeper (one pass)
     for pos, a in enumerate(args):
-        if type(a) is Ref:
+        kind = type(a)
+        if kind is Ref:
             positions.append(pos)
-        elif flat and has_ref(a):
+        elif flat and kind not in _NO_REFS and has_ref(a):
             flat = False
     if flat and args and len(positions) == len(args):  # the common case: refs only
         indices = [a.index for a in args]
