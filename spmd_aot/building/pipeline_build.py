@@ -152,6 +152,7 @@ def trace_pipeline_blobs(model, loss_fn, batch, pipeline: Pipeline, plan: dict, 
     tp = StageTP(pipeline.tp_plan, pipeline.tp, len(plan["mesh_shape"]) - 1) if pipeline.tp > 1 else None
     stages = trace_stages(model, loss_fn, micro_batch(batch, pipeline.microbatches), tuple(plan["split_points"]), tp)
     for st in stages:
+        _dense_saved(st.forward, len(st.outputs))
         for gm in (st.forward, st.backward):
             strip_profiler_ops(gm)
             remove_detach(gm)
@@ -172,6 +173,24 @@ def trace_pipeline_blobs(model, loss_fn, batch, pipeline: Pipeline, plan: dict, 
         raise UnsupportedError(f"the built pipeline fails the check every load runs, so nothing was stored under key "
                                f"{key.key[:12]}: {exc}") from exc
     return blobs
+
+
+def _dense_saved(gm, n_outputs: int) -> None:
+    """Copy each saved tensor that is not dense (an expanded view: transformers' ``repeat_kv`` of
+    one key/value head per TP rank) into its own memory in the forward graph: the backward graph
+    takes its inputs dense, as every load lays them out."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values = list(out.args[0])
+    for i in range(n_outputs, len(values)):
+        node = values[i]
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor) and not dense(val):
+            with gm.graph.inserting_before(out):
+                values[i] = gm.graph.call_function(torch.ops.aten.clone.default, (node,))
+            values[i].meta["val"] = val.clone()
+    out.args = (tuple(values),)
 
 
 def _stage_stats(st, actions) -> dict:

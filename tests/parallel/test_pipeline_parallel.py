@@ -262,55 +262,6 @@ def hf_batch(step: int = 0):
     return x, torch.roll(x, -1, dims=1)
 
 
-def _hf_worker(rank, world, cache_dir, steps=3, micro=2):
-    """The oracle is the unsplit model under eager autograd, micro-batch by micro-batch, with the
-    gradients divided by the micro-batch count (what pipelining computes): torch's pipelining
-    needs stage modules, and transformers' decoders have no stage-module form."""
-    import torch.distributed as dist
-
-    pipeline = Pipeline(world, micro, "1f1b")  # an even split: model.layers.2
-    if rank == 0:
-        build_pipeline(spmd_aot.Job(step=hf_loss, model=llama, optimizer=None, batch=hf_batch), pipeline,
-                       cache_dir=cache_dir)
-    dist.barrier()
-    torch.manual_seed(0)
-    model = llama()
-    ref = copy.deepcopy(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    step = compile_pipeline(hf_loss, pipeline=pipeline, cache_dir=cache_dir, require_hit=True)
-    loss_diff = 0.0
-    for i in range(steps):
-        x, y = hf_batch(i)
-        ref_losses = []
-        for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
-            loss = hf_loss(ref(xm), ym)
-            loss.backward()
-            ref_losses.append(loss.detach())
-        for p in ref.parameters():
-            p.grad.div_(micro)
-        ref_optim.step()
-        ref_optim.zero_grad()
-        losses = []
-        step(model, optim, (x, y), losses=losses)
-        if losses:
-            loss_diff = max(loss_diff, max(abs(float(a) - float(b)) for a, b in zip(ref_losses, losses)))
-    own = step.stage_parameters
-    param_diff = max((ref.get_parameter(n) - model.get_parameter(n)).abs().max().item() for n in own)
-    return {"loss_diff": loss_diff, "param_diff": param_diff, "own": own, "traces": step.cache_info.traces,
-            "hit": step.cache_info.hit}
-
-
-def test_transformers_llama_pp2_matches_eager_micro_batches(tmp_path):
-    out = run_ranks(_hf_worker, 2, str(tmp_path), timeout=600)
-    assert all(r["hit"] and r["traces"] == 0 for r in out), out
-    assert all(r["param_diff"] < 1e-4 for r in out), out
-    assert out[1]["loss_diff"] < 1e-4
-    names = out[0]["own"] + out[1]["own"]
-    assert len(names) == len(set(names)) == len(list(llama().parameters()))  # every parameter on one stage
-    assert "model.embed_tokens.weight" in out[0]["own"] and "lm_head.weight" in out[1]["own"]
-
-
 def test_show_ls_and_verify_read_pipeline_entries(built, capsys):
     from spmd_aot.cli.app import main
 
@@ -580,7 +531,7 @@ TP_PLAN = {"blocks.*.q": "colwise", "blocks.*.k": "colwise", "blocks.*.v": "colw
            "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
 
 
-def _pp_dp_tp_worker(rank, world, cache_dir, placement="shard", prebuilt=True, steps=3):
+def _pp_dp_tp_worker(rank, world, cache_dir, placement="shard", prebuilt=True, hf=False, steps=3):
     """pp 2 x dp 2 x tp 2 (world 8, mesh (pp, dp, tp) row-major; world 4: pp 2 x tp 2). The
     oracle is torch's pipelining over stage modules under ``parallelize_module`` (the TP mesh,
     ColwiseParallel / RowwiseParallel as TP_PLAN says) then, under ``shard``, ``fully_shard``
@@ -648,15 +599,63 @@ def _pp_dp_tp_worker(rank, world, cache_dir, placement="shard", prebuilt=True, s
                    for n, ref_p in ref.named_parameters())
     return {"loss_diff": loss_diff, "param_diff": param_diff, "traces": step.cache_info.traces,
             "hit": step.cache_info.hit, "placements": placements, "own": len(own), "as_torch": as_torch,
-            "diffs": {n: d for n, d in diffs.items() if d > 1e-5}}
+            "diffs": {n: d for n, d in diffs.items() if d > 1e-5},
+            "hf": _hf_tp_part(rank, cache_dir, placement, dp, tp) if hf else None}
+
+
+HF_TP_PLAN = {**{f"model.layers.*.self_attn.{m}": "colwise" for m in ("q_proj", "k_proj", "v_proj")},
+              "model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.mlp.gate_proj": "colwise",
+              "model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}
+
+
+def _hf_tp_part(rank, cache_dir, placement, dp, tp, steps=3, micro=2):
+    """The transformers Llama (4 layers, GQA: one key/value head per TP rank) under the same mesh,
+    against the unsplit model under eager autograd over every replica's batch, micro-batch by
+    micro-batch (each micro-batch's loss divided by micro-batches x replicas): what pipelining
+    with averaged replicas computes."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    pipeline = Pipeline(2, micro, "1f1b", (), placement, tp, HF_TP_PLAN)
+    if rank == 0:
+        build_pipeline(spmd_aot.Job(step=hf_loss, model=llama, optimizer=None, batch=hf_batch), pipeline,
+                       world_size=dist.get_world_size(), cache_dir=cache_dir)
+    dist.barrier()
+    torch.manual_seed(0)
+    model = llama()
+    ref = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    step = compile_pipeline(hf_loss, pipeline=pipeline, cache_dir=cache_dir, require_hit=True)
+    for i in range(steps):
+        for r in range(dp):
+            x, y = hf_batch(i + 50 * r)
+            for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
+                (hf_loss(ref(xm), ym) / (micro * dp)).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        step(model, optim, hf_batch(i + 50 * (rank // tp % dp)))
+
+    def whole(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+    diff = max((ref.get_parameter(n) - whole(model.get_parameter(n))).abs().max().item()
+               for n in step.stage_parameters)
+    return {"param_diff": diff, "hit": step.cache_info.hit, "traces": step.cache_info.traces,
+            "own": step.stage_parameters}
 
 
 def test_pp2_x_dp_shard2_x_tp2_matches_torch_pipelining_over_fsdp2_and_tp(tmp_path):
-    out = run_ranks(_pp_dp_tp_worker, 8, str(tmp_path), timeout=900)
+    """Our LM against torch's pipelining over parallelize_module + fully_shard stage modules, and a
+    transformers Llama against its unsplit eager self, in one world-8 launch."""
+    out = run_ranks(_pp_dp_tp_worker, 8, str(tmp_path), "shard", True, True, timeout=900)
     for rank, r in enumerate(out):
         assert r["hit"] and r["traces"] == 0, (rank, r)
+        assert r["hf"]["hit"] and r["hf"]["traces"] == 0 and r["hf"]["param_diff"] < 1e-4, (rank, r["hf"])
         assert r["param_diff"] < 1e-4 and r["loss_diff"] < 1e-4, (rank, r)
         assert len(r["placements"]) == r["own"] and r["as_torch"], (rank, r)  # DTensors placed as torch's
+    names = out[0]["hf"]["own"] + out[4]["hf"]["own"]  # an even split: every parameter on one stage
+    assert len(names) == len(set(names)) == len(list(llama().parameters()))
+    assert "model.embed_tokens.weight" in out[0]["hf"]["own"] and "lm_head.weight" in out[4]["hf"]["own"]
     q, o, norm = (out[0]["placements"][f"blocks.0.{m}.weight"] for m in ("q", "o", "norm"))
     assert q[1] == "Shard(dim=0)" and "StridedShard" in q[0], q  # colwise, then its shards over the replicas
     assert o == ["Shard(dim=0)", "Shard(dim=1)"] and norm == ["Shard(dim=0)"], (o, norm)  # norm: FSDP2 alone
