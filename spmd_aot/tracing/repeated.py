@@ -305,10 +305,15 @@ def _same(stamped_gm, traced_gm) -> None:
     if a == b:
         return
     i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    got = a[i][1] if i < len(a) else "the end"
-    want = b[i][1] if i < len(b) else "the end"
+    if i >= len(a) or i >= len(b):
+        raise NotRepeatable(f"the four-block graph stamped from three has {len(a)} nodes, its trace {len(b)}")
+    field = next(f for f, x, y in zip(_FIELDS, a[i], b[i]) if x != y)
+    got, want = (str(dict(zip(_FIELDS, row))[field])[:80] for row in (a[i], b[i]))
     raise NotRepeatable(f"the four-block graph stamped from three differs from its trace at node {i} "
-                        f"({got} where the trace has {want})")
+                        f"({b[i][1]}): {field} {got} where the trace has {want}")
+
+
+_FIELDS = ("op", "name", "target", "arguments", "keyword arguments", "values", "collective", "constant")
 
 
 def _check_inputs(gm, inputs) -> None:

@@ -238,7 +238,8 @@ def _build_once(args, layers: int) -> dict:
     return {"layers": layers, "seconds": seconds, "cpu": cpu,
             "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
             "nodes": built.stats["nodes"], "by_kind": built.stats["by_kind"],
-            "peak_gib": built.stats.get("peak_bytes", 0) / 2**30, "plan_gib": plan_gib, "stages": dict(stages)}
+            "peak_gib": built.stats.get("peak_bytes", 0) / 2**30, "plan_gib": plan_gib, "stages": dict(stages),
+            "blocks": built.stats.get("blocks")}
 
 
 def _report(args, r: dict) -> None:
@@ -248,6 +249,8 @@ def _report(args, r: dict) -> None:
           f"estimated peak live tensors {r['peak_gib']:.2f} GiB per rank"
           + (f"; spmd-aot plan's estimate {r['plan_gib']:.2f} GiB" if r.get("plan_gib") is not None else "")
           + (" [without the source recorder]" if args.without_recorder else ""))
+    if r.get("blocks"):  # a stack of identical blocks: stamped from three and four, or why it was traced whole
+        print(f"    blocks: {r['blocks']}")
     stages = dict(r["stages"])
     if stages:  # the rest: imports and torch's first-use set-up inside build, the entry read back
         stages["other (first-use imports and set-up, reading the entry back)"] = r["cpu"] - sum(stages.values())
