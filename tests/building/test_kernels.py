@@ -319,14 +319,21 @@ def _collectives_worker(rank, world):
     in_flight = _get_work_registry_size()
     x.fill_(-1.0)  # what Inductor may do to the input buffer once the call returned
     scattered = torch.ops.spmd_aot.reduce_scatter(torch.arange(8.0), "sum", world, name)
-    return gathered.tolist(), scattered.tolist(), in_flight + _get_work_registry_size()
+    in_flight += _get_work_registry_size()
+    # expert parallel's token exchange, uneven: rank 0 sends 1 row to rank 0 and 3 to rank 1,
+    # rank 1 sends 2 and 2; each receives what the others' splits say
+    sent = torch.arange(4.0) + 10 * rank
+    exchanged = torch.ops.spmd_aot.all_to_all(sent, [1, 2] if rank == 0 else [3, 2], [1, 3] if rank == 0 else [2, 2],
+                                              name)
+    return gathered.tolist(), scattered.tolist(), exchanged.tolist(), in_flight + _get_work_registry_size()
 
 
 def test_library_collectives_return_with_nothing_in_flight():
     """To Inductor they are extern calls, done when they return: it reuses their buffers right
     after (left in flight, a 4-layer LM at world 2 lost 0.4 of its loss)."""
-    for rank, (gathered, scattered, in_flight) in enumerate(run_ranks(_collectives_worker, 2)):
-        assert in_flight == 0
+    exchanged = [[0.0, 10.0, 11.0], [1.0, 2.0, 3.0, 12.0, 13.0]]
+    for rank, (gathered, scattered, got, in_flight) in enumerate(run_ranks(_collectives_worker, 2)):
+        assert in_flight == 0 and got == exchanged[rank]
         assert gathered == [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]
         assert scattered == [2.0 * v for v in range(4 * rank, 4 * rank + 4)]
 
