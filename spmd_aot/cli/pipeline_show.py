@@ -38,7 +38,8 @@ def print_pipeline(store, key: str, digest: str, m: dict) -> None:
         if "peak_bytes" in x:
             say(f"    peak memory {human_bytes(x['peak_bytes'])} (parameters {human_bytes(x.get('state_bytes', 0))}, "
                 "their gradients, in-flight activations, graph working memory; optimizer state not counted)")
-    say("schedule (F: forward, B: backward of micro-batch N; '.': idle):")
+    on_stage = ", /S: on stage S" if pipeline.stages_per_rank > 1 else ""
+    say(f"schedule (F: forward, B: backward of micro-batch N{on_stage}; '.': idle):")
     for line in timeline(pipeline):
         say(f"  {line}")
     say("blobs:")
