@@ -6,6 +6,7 @@
     python tools/bench/bench_step.py --with-torch-compile --worlds 2 --placements replicate
     python tools/bench/bench_step.py --sweep --fused-adamw   # every variant's AdamW fused=True
     python tools/bench/bench_step.py --kernels --with-torch-compile --layers 12 --batch 2   # compiled kernels
+    python tools/bench/bench_step.py --kernels --with-torch-compile --worlds 4 --placements "hsdp,shard x tp"
     python tools/bench/bench_step.py --context-parallel --seq 256   # cp 2 at world 2, dp_shard 2 x cp 2 at 4
     python tools/bench/bench_step.py --expert-parallel              # dp_shard 2 x ep 2 at world 4
 
@@ -15,7 +16,9 @@ identical copies of the example transformer + AdamW, one per variant:
 
   loaded    ``spmd_aot.compile(train_step, require_hit=True)`` (the artifact, no tracing)
   eager     plain eager at world 1; eager DDP for replicate; eager FSDP2 ``fully_shard`` per
-            block then the root for shard; HSDP: the same on a (2, 2) mesh
+            block then the root for shard; HSDP: the same on a (2, 2) mesh; ``shard x tp``
+            (dp_shard 2 x tp 2, world 4: the blocks' MLPs column- then row-wise, ``TP_PLAN``):
+            ``parallelize_module`` over tp, then ``fully_shard`` over dp_shard
   compiled  (``--with-torch-compile``) ``torch.compile`` of that eager model; its first step
             is reported separately as compile seconds
   kernels   (``--kernels``) the entry built with ``kernels=True``, loaded from a trusted cache:
@@ -88,13 +91,17 @@ from bar_chart import write_svg  # noqa: E402  (a sibling file of this script)
 
 VOCAB, HEADS = 256, 4
 TARGET = {1: 0.95}  # loaded/eager the project aims for; 0.90 at world > 1
-EAGER_NAME = {"single": "eager", "replicate": "DDP", "shard": "FSDP2", "hsdp": "FSDP2 2x2",
+EAGER_NAME = {"single": "eager", "replicate": "DDP", "shard": "FSDP2", "hsdp": "FSDP2 2x2", "shard x tp": "FSDP2 x TP",
               "cp": "eager, whole seq", "shard x cp": "FSDP2 dp 2, whole seq", "shard x ep": "FSDP2"}
 # context / expert parallel configurations: placement -> (spmd_aot placement, mesh shape, extra options)
 AXIS_PLACEMENTS = {"cp": ("replicate", None, dict(context_parallel=True)),
                    "shard x cp": ("shard", (2, 2), dict(context_parallel=True)),
                    "shard x ep": ("shard", (2, 2), dict(expert_parallel="auto"))}
 EXPERTS, TOP_K = 4, 2
+# DP x TP (``shard x tp``, a (dp_shard 2, tp 2) mesh at world 4): each block's MLP split Megatron
+# style; the example attention splits its fused qkv by the full width, so it stays whole
+TP_PLAN = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+TP_MESH = {"shard x tp": ((2, 2), ("dp_shard", "tp"))}
 
 
 # ---------------------------------------------------------------------------- the cp and ep models
@@ -200,7 +207,8 @@ def loss_step(model, optim, batch):
 @dataclasses.dataclass(frozen=True)
 class Config:
     world: int
-    placement: str  # "single" (world 1), "replicate", "shard", "hsdp" (shard on a 2x2 mesh), or AXIS_PLACEMENTS
+    placement: str  # "single" (world 1), "replicate", "shard", "hsdp" (shard on a 2x2 mesh), "shard x tp",
+    #                 or AXIS_PLACEMENTS
     layers: int
     d_model: int
 
@@ -213,18 +221,22 @@ class Config:
     def spmd_placement(self) -> str:
         if self.axis:
             return AXIS_PLACEMENTS[self.placement][0]
-        return "shard" if self.placement in ("shard", "hsdp") else "replicate"
+        return "shard" if self.placement in ("shard", "hsdp", "shard x tp") else "replicate"
 
     @property
     def mesh_shape(self):
         if self.axis:
             return AXIS_PLACEMENTS[self.placement][1]
+        if self.placement in TP_MESH:
+            return TP_MESH[self.placement][0]
         return (2, 2) if self.placement == "hsdp" else None
 
     @property
     def options(self) -> dict:
         """What build and compile take for this configuration, besides the communication options."""
         extra = AXIS_PLACEMENTS[self.placement][2] if self.axis else {}
+        if self.placement in TP_MESH:
+            extra = {"tp_plan": TP_PLAN}
         return dict(placement=self.spmd_placement, mesh_shape=self.mesh_shape, **extra)
 
     @property
@@ -266,7 +278,8 @@ def _model_and_optim(cfg: Config, s: Settings):
 
 def _batch(s: Settings, rank: int, cfg: Config | None = None):
     axis = cfg.axis if cfg is not None else None
-    share = rank // 2 if axis == "cp" else rank  # the cp ranks of a share (cp is 2, the last dim) pass one batch
+    # the cp or tp ranks of a share (cp or tp is 2, the last dim) pass one batch
+    share = rank // 2 if axis == "cp" or (cfg is not None and cfg.placement in TP_MESH) else rank
     g = torch.Generator().manual_seed(1000 + share)
     if axis == "cp":  # targets shifted before the step, global position ids: both follow the split
         tokens = torch.randint(0, VOCAB, (s.batch, s.seq + 1), generator=g)
@@ -285,8 +298,8 @@ def build(cfg: Config, s: Settings, cache_dir: str) -> float:
     result = spmd_aot.build(job, world_size=cfg.world, cache_dir=cache_dir, **cfg.options, **s.comm)
     seconds = result.seconds if result.traced else 0.0
     if s.kernels:
-        with_kernels = spmd_aot.build(job, world_size=cfg.world, placement=cfg.spmd_placement,
-                                      mesh_shape=cfg.mesh_shape, cache_dir=cache_dir, kernels=True, **s.comm)
+        with_kernels = spmd_aot.build(job, world_size=cfg.world, cache_dir=cache_dir, kernels=True, **cfg.options,
+                                      **s.comm)
         if with_kernels.stats.get("kernels") != "compiled":
             print(f"  no kernels for {cfg}: {with_kernels.stats.get('kernels')}", file=sys.stderr, flush=True)
         seconds += with_kernels.seconds if with_kernels.traced else 0.0
@@ -306,6 +319,14 @@ def _eager_model(cfg: Config, world: int, s: Settings):
     from torch.distributed.fsdp import fully_shard
     if cfg.axis == "cp":  # over dp_shard only; the cp ranks of a share run the same job
         mesh = init_device_mesh("cpu", cfg.mesh_shape, mesh_dim_names=("dp_shard", "cp"))["dp_shard"]
+    elif cfg.placement in TP_MESH:  # torchtitan's order: TP first, then FSDP over the data-parallel dim
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        shape, names = TP_MESH[cfg.placement]
+        mesh_2d = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        parallelize_module(model, mesh_2d["tp"], {k.replace("*", str(i)): styles[v]() for k, v in TP_PLAN.items()
+                                                  for i in range(len(model.blocks))})
+        mesh = mesh_2d["dp_shard"]
     else:  # ep: the unsplit model over the whole world
         shape = (world,) if cfg.axis == "ep" else cfg.mesh_shape or (world,)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
@@ -409,8 +430,8 @@ def _kernel_variants(cfg: Config, s: Settings, cache_dir: str, world: int, batch
     ``--with-torch-compile`` also torch.compile of the whole step (what aot_compile precompiles)."""
     variants = {}
     model, optim = _model_and_optim(cfg, s)
-    step = spmd_aot.compile(train_step, placement=cfg.spmd_placement, mesh_shape=cfg.mesh_shape,
-                            cache_dir=cache_dir, require_hit=True, kernels=True, trust_cache=True, **s.comm)
+    step = spmd_aot.compile(train_step, cache_dir=cache_dir, require_hit=True, kernels=True, trust_cache=True,
+                            **cfg.options, **s.comm)
     variants["kernels"] = lambda: step(model, optim, batch)
     if s.with_compile and world == 1:
         whole_model, whole_optim = _model_and_optim(cfg, s)
@@ -580,8 +601,8 @@ def configs_for(worlds, placements, layer_list, d_model_list) -> list[Config]:
                     configs.append(Config(1, "single", layers, d_model))
                     continue
                 for placement in placements:
-                    if placement == "hsdp" and world != 4:
-                        continue  # HSDP is measured on a 2x2 mesh
+                    if placement in ("hsdp", *TP_MESH) and world != 4:
+                        continue  # HSDP and DP x TP are measured on a 2x2 mesh
                     configs.append(Config(world, placement, layers, d_model))
     return configs
 
@@ -605,8 +626,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, help="warm-up steps per variant (default 3)")
     parser.add_argument("--worlds", type=_ints, default=[1, 2, 4])
     parser.add_argument("--placements", default=None,
-                        help="comma-separated of replicate, shard, hsdp (default all three; --sweep: "
-                             "replicate,shard); world 1 runs once, plain; hsdp only at world 4 (2x2)")
+                        help="comma-separated of replicate, shard, hsdp, 'shard x tp' (default the first "
+                             "three; --sweep: replicate,shard); world 1 runs once, plain; hsdp and 'shard x tp' "
+                             "only at world 4 (2x2)")
     parser.add_argument("--with-torch-compile", action="store_true", help="also time torch.compile(eager model)")
     parser.add_argument("--sweep", action="store_true", help="layers {2,12} x d_model {64,256}: the target range")
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke run")
@@ -642,9 +664,9 @@ def main(argv=None) -> int:
         return getattr(args, name) if getattr(args, name) is not None else defaults[name]
 
     placements = [p for p in pick("placements").split(",") if p]
-    unknown = set(placements) - {"replicate", "shard", "hsdp"}
+    unknown = set(placements) - {"replicate", "shard", "hsdp", *TP_MESH}
     if unknown:
-        parser.error(f"unknown placement(s) {sorted(unknown)}; expected replicate, shard, hsdp")
+        parser.error(f"unknown placement(s) {sorted(unknown)}; expected replicate, shard, hsdp, 'shard x tp'")
     s = Settings(seq=pick("seq"), batch=pick("batch"), steps=pick("steps"), blocks=pick("blocks"),
                  warmup=max(1, pick("warmup")), with_compile=args.with_torch_compile,
                  comm=_parse_comm(args.comm), fused_adamw=args.fused_adamw, kernels=args.kernels)
