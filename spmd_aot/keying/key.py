@@ -56,9 +56,13 @@ _NOT_GRAPH_PRODUCING = ("__main__.py", "cli", "keying/explain.py", "hints.py", "
                         "store", "examples")
 
 
+_LEFT_OUT = frozenset(_NOT_GRAPH_PRODUCING)
+_LEFT_OUT_BELOW = tuple(part + "/" for part in _NOT_GRAPH_PRODUCING)
+
+
 def _graph_producing(rel: str) -> bool:
     """``rel``: a path relative to the package, POSIX form."""
-    return not any(rel == part or rel.startswith(part + "/") for part in _NOT_GRAPH_PRODUCING)
+    return rel not in _LEFT_OUT and not rel.startswith(_LEFT_OUT_BELOW)
 # Environment variables spmd-aot reads, and why none belongs in the key.
 ENVIRONMENT_NOT_IN_KEY = {
     "SPMD_AOT_CACHE_DIR": "where the cache is, not what it holds",
@@ -169,26 +173,26 @@ def spmd_aot_code(**_) -> str:
     """Every module of the package that can change a stored graph, found by walking it."""
     h = hashlib.sha256()
     for rel, path in _package_sources():
-        if not _graph_producing(rel):
-            continue
         h.update(rel.encode() + b"\0")
-        with open(path, "rb") as f:
-            h.update(f.read())
+        with open(path, "rb", buffering=0) as f:  # one read of the whole file, no buffer object
+            h.update(f.readall())
     from ..format.allowlist import chosen_list  # the op list this release uses (a data file, not *.py)
     h.update(b"format/" + chosen_list().identity())
     return h.hexdigest()
 
 
 def _package_sources() -> list[tuple[str, str]]:
-    """(path relative to the package, in POSIX form; file path) of every ``*.py`` in it, sorted.
-    ``os.walk``, not ``Path.rglob``: this runs on every job start and costs half as much."""
+    """(path relative to the package, in POSIX form; file path) of every graph-producing ``*.py``
+    in it (``_graph_producing``), sorted. ``os.walk``, not ``Path.rglob``: this runs on every job
+    start and costs half as much; folders left out of the key are not walked at all."""
     out = []
     root = str(_PACKAGE_DIR)
     for folder, subfolders, files in os.walk(root):
-        subfolders[:] = [d for d in subfolders if d != "__pycache__"]
         rel = os.path.relpath(folder, root).replace(os.sep, "/")
-        out.extend((name if rel == "." else f"{rel}/{name}", os.path.join(folder, name))
-                   for name in files if name.endswith(".py"))
+        prefix = "" if rel == "." else rel + "/"
+        subfolders[:] = [d for d in subfolders if d != "__pycache__" and _graph_producing(prefix + d)]
+        out.extend((prefix + name, os.path.join(folder, name))
+                   for name in files if name.endswith(".py") and _graph_producing(prefix + name))
     return sorted(out)
 
 

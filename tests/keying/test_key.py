@@ -719,6 +719,28 @@ def test_spmd_aot_code_ingredient_hashes_graph_producing_files():
     assert k.values["spmd_aot_code"] == expected and len(expected) == 64
 
 
+def test_spmd_aot_code_is_every_graph_producing_file_in_path_order():
+    """The walk skips the folders left out of the key; the digest is still that of every other
+    ``*.py`` of the package, by relative path, and of the chosen op list."""
+    import hashlib
+    import pathlib
+
+    from spmd_aot.format.allowlist import chosen_list
+
+    root = pathlib.Path(key_mod.__file__).parent.parent
+    left_out = key_mod._NOT_GRAPH_PRODUCING
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        rel = path.relative_to(root).as_posix()
+        if "__pycache__" in rel or any(rel == part or rel.startswith(part + "/") for part in left_out):
+            continue
+        h.update(rel.encode() + b"\0" + path.read_bytes())
+    h.update(b"format/" + chosen_list().identity())
+    assert key_mod.spmd_aot_code() == h.hexdigest()
+    assert "keying/key.py" in {rel for rel, _ in key_mod._package_sources()}
+    assert not any(rel.startswith(("cli/", "store/")) or rel == "hints.py" for rel, _ in key_mod._package_sources())
+
+
 # ---------------------------------------------------------------------------- code without files, lambdas, in-place edits
 def test_model_class_without_source_file_forward_edit_changes_key(monkeypatch):
     src = textwrap.dedent("""
