@@ -424,3 +424,25 @@ def test_two_dimensional_meshes_run_kernels_matching_eager_and_the_interpreter(t
             assert ran == (True, "KernelProgram", 1) and interpreted == (True, "Program", 0), (rank, config, ran)
             assert max(vs_eager.values()) < TOL, (rank, config, vs_eager)
             assert max(vs_interpreted.values()) < TOL, (rank, config, vs_interpreted)
+
+
+@pytest.mark.parametrize("groups, world, ok", [
+    (["spmd_aot.kernels.d0"], None, True),
+    (["spmd_aot.kernels.d0", "spmd_aot.kernels.d1"], "spmd_aot.kernels.world", True),
+    (["spmd_aot.kernels.d0", "spmd_aot.kernels.d1"], "default_pg", False),  # any other live group
+    (["spmd_aot.kernels.d0"], "spmd_aot.kernels.world", False),  # 1-D: the world is dimension 0
+    (["spmd_aot.kernels.d1", "spmd_aot.kernels.d0"], None, False),
+])
+def test_the_blob_names_only_the_compiled_groups(groups, world, ok):
+    """A load binds exactly these names to live groups: a blob naming any other is refused."""
+    from spmd_aot.errors import CorruptArtifactError
+    from spmd_aot.format import kernels_blob
+
+    doc = {"format": kernels_blob.KERNELS_FORMAT, "library": b"\x7fELF", "requested": {}, "cxx": "c++",
+           "entry": kernels_blob.ENTRY, "inputs": 1, "outputs": 1, "groups": groups,
+           **({"world": world} if world is not None else {})}
+    if ok:
+        assert kernels_blob.check(doc, "test") is doc
+    else:
+        with pytest.raises(CorruptArtifactError, match="names"):
+            kernels_blob.check(doc, "test")
