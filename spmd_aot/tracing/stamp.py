@@ -297,13 +297,7 @@ class _Stamper:
         return chunk[offset]
 
     def _map(self, value, ctx):
-        if isinstance(value, torch.fx.Node):
-            return self.ref(value, ctx)
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._map(v, ctx) for v in value)
-        if isinstance(value, dict):
-            return {k: self._map(v, ctx) for k, v in value.items()}
-        return value
+        return torch.fx.node.map_arg(value, lambda node: self.ref(node, ctx))
 
     def _expansion(self, node) -> list[tuple[int, tuple | None]] | None:
         """For a shared node listing blocks' tensors: per new list position, (template position,
