@@ -42,7 +42,7 @@ from ..store import open_store
 from ..store.leases import reading
 from ..interpreter.program import Program
 from .pipeline_replicas import Replicas
-from .step import CacheInfo
+from .cache_info import CacheInfo
 
 __all__ = ["compile_pipeline", "compile_with_options", "PipelineStep"]
 

@@ -13,7 +13,6 @@ A step compiled from ``fn(model, batch)`` is called ``step(model, batch)``: it i
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -26,6 +25,7 @@ import torch.utils._pytree as pytree
 
 from ..keying import guards
 from . import gc_pause, prepared, ranks
+from .cache_info import CacheInfo
 from ..format.allowlist import opt_in_names, opted_in
 from ..entries import artifact_bytes, artifact_in_memory, read_artifact
 from ..format.artifact import layout_mismatch
@@ -61,17 +61,6 @@ class Resolution(NamedTuple):
     hit: bool  # found in the cache
     traced: bool  # traced by this job
     artifact: Any  # the entry, read and verified by rank 0
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheInfo:
-    hit: bool  # rank 0's lookup found a serving entry (no build was needed)
-    key: str
-    digest: str  # manifest digest every rank loaded
-    source: str  # "trace": rank 0 traced it for this call; "cache": stored before (by anyone)
-    seconds: float  # first-call cost on this rank: key, agreement, trace if any, load, bind
-    trace_seconds: float  # what tracing this step cost (measured when it was built)
-    traces: int = 0  # traces this process has performed for this compiled step so far
 
 
 def compile(fn: Callable | None = None, *, parallel: ParallelOptions | None = None,
