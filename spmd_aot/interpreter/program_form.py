@@ -12,7 +12,8 @@ import hashlib
 import operator
 import pathlib
 
-from ..format import records
+import torch
+
 from ..format.contracts import op_name
 from ..format.serialize import resolve_target
 from .program import ProgramTable, value_checked
@@ -46,32 +47,40 @@ def stored_form(table: ProgramTable) -> tuple:
     output, steps, inputs, expects)``: every expected metadata (``invariants.describe``) is a
     position in ``expects``, which holds each distinct one once (a 12-layer step's ~4k values
     have ~100), and a step without keyword arguments stores None for them: each stored map costs
-    a Python call to decode, and these were most of them."""
-    described: list = []
+    a Python call to decode, and these were most of them. Positions are given in one pass, in
+    the order ``records.interned`` would give them (folds, then steps, then inputs)."""
+    expects: list = []
+    seen: dict = {}
+    dtype = torch.dtype
 
-    def at(expect):  # a placeholder position, made final once every expectation is known
+    def at(expect):  # records.interned, one value at a time
         if expect is None:
             return None
-        described.append(expect)
-        return len(described) - 1
+        if type(expect) is tuple and len(expect) == 3 and type(expect[2]) is dtype:
+            k = seen.get(expect)
+            if k is None:
+                k = seen[expect] = len(expects)
+                expects.append(expect)
+            return k
+        expects.append(expect)
+        return len(expects) - 1
 
-    folds = tuple(f if len(f) == 2 else (f[0], _target_name(f[1]), f[2], f[3] or None, at(f[4]))
-                  for f in table.folds)
-    steps = tuple((_target_name(t), i, args, kwargs or None, tuple((item, k, at(e)) for item, k, e in unpack),
-                   frees, at(expect))
-                  for t, i, args, kwargs, unpack, frees, expect in table.steps)
-    inputs = tuple(at(e) for e in table.inputs)
-    expects, ids = records.interned(described)
+    names: dict[int, str] = {}  # id(target) -> its stored name (the table holds every target)
 
-    def final(k):
-        return None if k is None else ids[k]
+    def named(target):
+        name = names.get(id(target))
+        if name is None:
+            name = names[id(target)] = _target_name(target)
+        return name
 
-    folds = tuple(f if len(f) == 2 else (*f[:4], final(f[4])) for f in folds)
-    steps = tuple((name, i, args, kwargs, tuple((item, k, final(e)) for item, k, e in unpack) if unpack else (),
-                   frees, final(e))
-                  for name, i, args, kwargs, unpack, frees, e in steps)
-    return (table.n_nodes, table.n_inputs, table.n_ops, table.constants, folds, table.output, steps,
-            tuple(final(k) for k in inputs), expects)
+    folds = tuple(f if len(f) == 2 else (f[0], named(f[1]), f[2], f[3] or None, at(f[4])) for f in table.folds)
+    steps = []
+    for t, i, args, kwargs, unpack, frees, expect in table.steps:
+        items = tuple([(item, k, at(e)) for item, k, e in unpack]) if unpack else ()
+        steps.append((named(t), i, args, kwargs or None, items, frees, at(expect)))
+    inputs = tuple([at(e) for e in table.inputs])
+    return (table.n_nodes, table.n_inputs, table.n_ops, table.constants, folds, table.output, tuple(steps),
+            inputs, tuple(expects))
 
 
 def table_from_stored(plain) -> ProgramTable:
