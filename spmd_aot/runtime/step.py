@@ -105,6 +105,10 @@ class CompiledStep:
     def __init__(self, fn, *, parallel: ParallelOptions | None = None, run: RunOptions | None = None,
                  schema: ParallelOptions | None = None, **options):
         self.parallel_options, self.run_options = _options(parallel, run, schema, options, "CompiledStep")
+        if self.parallel_options.pipeline_stages > 1:
+            raise SpmdAotError(
+                f"pipeline_stages={self.parallel_options.pipeline_stages} makes a pipeline step, whose function is the "
+                "loss function: use spmd_aot.compile(loss_fn, parallel=...), which returns it (docs/pipeline_parallel.md)")
         run = self.run_options
         self.allow_ops = tuple(opt_in_names(run.allow_ops))  # a bad name fails here, not at the first call
         self.fn = fn

@@ -687,3 +687,5 @@ def test_parallel_options_the_cli_and_build_drive_the_same_pipeline(built, capsy
         spmd_aot.ParallelOptions(pipeline_stages=2, context_parallel=True, mesh_shape=(2,))
     with pytest.raises(SpmdAotError, match="kernels"):
         spmd_aot.build(make_job(), parallel=options, world_size=2, cache_dir=cache, kernels=True)
+    with pytest.raises(SpmdAotError, match="spmd_aot.compile"):  # a whole-step wrapper would ignore the pipeline
+        spmd_aot.SPMD(LM(), parallel=options)
