@@ -53,12 +53,14 @@ class BlockLabels:
     forward_start: dict[int, int]  # block -> position its forward began at
     forward_end: dict[int, int]
     backward_start: dict[int, int]  # block -> position its output's gradient arrived at
-    last_leaf_gradient: dict[int, int]  # block -> position its last parameter gradient was ready at
+    last_leaf_gradient: dict[int, int]  # block -> position its last parameter gradient was stored at
     step_start: int | None  # position the optimizer step began at (None: forward-only)
 
 
-def _block_of_position(labels: BlockLabels, d: int):
-    """(block, region) of a traced position inside a block's forward or backward, else None."""
+def _block_spans(labels: BlockLabels, d: int) -> list[tuple[int, int, int, str]]:
+    """(start, end, block, "F" or "B"): the positions of each block's forward (up to the next
+    block's) and backward (up to the previous block's, for block 0 up to its last parameter
+    gradient), in order; refused when they are missing or overlap."""
     spans = []
     for i in range(d):
         if i not in labels.forward_start:
@@ -82,7 +84,7 @@ def _block_of_position(labels: BlockLabels, d: int):
 def _label_nodes(gm: torch.fx.GraphModule, labels: BlockLabels, d: int):
     """node -> (block, region) for a block's node, None for a shared one; and, per shared node
     with a list argument naming blocks' nodes, the block of each list position."""
-    spans = _block_of_position(labels, d)
+    spans = _block_spans(labels, d)
     first_forward = labels.forward_start[0]
     label: dict[torch.fx.Node, tuple[int, str] | None] = {}
     elements: dict[torch.fx.Node, list[int | None]] = {}
@@ -111,6 +113,7 @@ def _label_nodes(gm: torch.fx.GraphModule, labels: BlockLabels, d: int):
 
 
 def _listed_blocks(node, label) -> list[int | None] | None:
+    """The block of each entry of ``node``'s first list argument that names a block's node."""
     for arg in list(node.args) + list(node.kwargs.values()):
         if isinstance(arg, (list, tuple)) and any(isinstance(a, torch.fx.Node) and label.get(a) for a in arg):
             return [label[a][0] if isinstance(a, torch.fx.Node) and label.get(a) else None for a in arg]
