@@ -95,11 +95,20 @@ class HyperInput:
 
     def value(self, groups: list[dict]):
         v = groups[self.group][self.name]
+        if isinstance(v, torch.Tensor):  # a tensor learning rate (``_is_tensor_lr``), moved in place
+            return float(v)
         return v if self.position is None else v[self.position]
 
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_tensor_lr(name: str, v) -> bool:
+    """A learning rate given as a 0-dim CPU tensor (``lr=torch.tensor(1e-3)``, as torch.compile
+    recipes write it; schedulers then ``fill_`` it in place): fed like a float, read by value."""
+    return name == "lr" and isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu" \
+        and v.is_floating_point() and not v.requires_grad
 
 
 def _input_names(optimizer_class: type, group: dict) -> dict[str, str]:
@@ -129,6 +138,8 @@ def _fed_names(optim) -> list[list[tuple[str, tuple]]]:
             fed = []
             for name, when in sorted(_input_names(cls, group).items()):
                 value = group.get(name)
+                if _is_tensor_lr(name, value):
+                    value = float(value)
                 items = value if isinstance(value, tuple) else (value,)
                 if not items or not all(map(_is_number, items)) or (when == _NONZERO and 0 in items):
                     continue
@@ -207,9 +218,12 @@ class TrainState:
                     raise UnsupportedError(f"parameter {self.param_fqn[id(p)]} is in two param groups")
                 seen.add(id(p))
             for name, value in group.items():
-                if name != "params" and isinstance(value, torch.Tensor):
+                # a scheduler's own entries (``initial_lr``, a tensor when lr is one) are no optimizer's input
+                if name != "params" and name in self.optim.defaults and isinstance(value, torch.Tensor) \
+                        and not _is_tensor_lr(name, value):
                     raise UnsupportedError(
                         f"optimizer param_groups[{gi}][{name!r}] is a tensor; pass a float"
+                        + (" (a learning rate may be a 0-dim CPU tensor)" if name == "lr" else "")
                     )
 
     def optimizer_slots(self) -> list[tuple[torch.Tensor, str]]:

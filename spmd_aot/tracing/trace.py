@@ -161,6 +161,12 @@ class _StepTracer:
                 raise UnsupportedError(refusal) from exc
             hint = ("; a step without an optimizer is forward-only: it is called step(model, batch) and "
                     "runs under torch.no_grad(), so it cannot call backward()") if self.forward_only else ""
+            if "mixed torch.Tensor and DTensor" in str(exc):
+                hint += ("; under a sharded placement model.parameters() yields DTensors of each rank's shard, "
+                         "so a term computed from them (an L2 penalty added to the loss) mixes with the "
+                         "forward's plain tensors: compute it in a module's forward from its weights read as "
+                         "attributes (`self.fc.weight.pow(2).sum()`), use the optimizer's weight_decay, or use "
+                         "placement='replicate'")
             raise UnsupportedError(
                 f"tracing the step failed for {self.plan.describe()}{self.where.describe()}: "
                 f"{type(exc).__name__}: {_first_lines(str(exc))}{hint}"

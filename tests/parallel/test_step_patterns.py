@@ -162,7 +162,9 @@ class NormMLP(torch.nn.Module):
         self.head = torch.nn.Linear(24, 5)
 
     def forward(self, x):
-        return self.head(torch.tanh(self.fc2(self.ln(torch.relu(self.fc1(x))))))
+        """The logits and an L2 penalty of the weights, read as attributes (what works under shard)."""
+        penalty = sum(m.weight.pow(2).sum() for m in (self.fc1, self.fc2, self.head))
+        return self.head(torch.tanh(self.fc2(self.ln(torch.relu(self.fc1(x)))))), penalty
 
 
 def zoo_replicate(model):
@@ -171,7 +173,7 @@ def zoo_replicate(model):
     return [torch.optim.NAdam(m.fc1.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
             torch.optim.ASGD(m.ln.parameters(), lr=1e-2),
             torch.optim.Rprop([m.fc2.weight], lr=1e-2),
-            torch.optim.Adamax([m.fc2.bias], lr=1e-2, weight_decay=0.01),
+            torch.optim.Adamax([m.fc2.bias], lr=torch.tensor(1e-2), weight_decay=0.01),
             torch.optim.RMSprop([m.head.weight], lr=1e-3, centered=True, momentum=0.9),
             torch.optim.SGD([m.head.bias], lr=0.05)]
 
@@ -182,13 +184,15 @@ def zoo_shard(model):
     m = getattr(model, "module", model)
     return [torch.optim.NAdam([m.fc1.weight, m.fc2.weight], lr=1e-2),
             torch.optim.RMSprop([m.head.weight], lr=1e-3, momentum=0.9, weight_decay=1e-3),
-            torch.optim.Adamax([m.fc1.bias, m.ln.weight, m.ln.bias, m.fc2.bias, m.head.bias], lr=1e-2)]
+            torch.optim.Adamax([m.fc1.bias, m.ln.weight, m.ln.bias, m.fc2.bias, m.head.bias], lr=torch.tensor(1e-2))]
 
 
 def zoo_step(model, optims, batch):
-    """clip_grad_value_, then clip_grad_norm_ by the largest element (returned, as users log it)."""
+    """An L2 penalty from the forward, clip_grad_value_, then clip_grad_norm_ by the largest
+    element (returned, as users log it)."""
     x, y = batch
-    loss = torch.nn.functional.cross_entropy(model(x), y)
+    logits, penalty = model(x)
+    loss = torch.nn.functional.cross_entropy(logits, y) + 1e-3 * penalty
     loss.backward()
     torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=0.05)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.02, norm_type=float("inf"))
@@ -212,6 +216,8 @@ def _zoo_run(placement, rank, world, fn=None):
     # OneCycleLR moves RMSprop's lr and momentum and NAdam's lr and beta1 every step: step inputs, no rebuild
     schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=o.param_groups[0]["lr"], total_steps=ZOO_STEPS + 1)
                   for o in optims if isinstance(o, (torch.optim.RMSprop, torch.optim.NAdam))]
+    # Adamax's learning rate is a 0-dim tensor, which ExponentialLR moves in place
+    schedulers += [torch.optim.lr_scheduler.ExponentialLR(o, 0.8) for o in optims if isinstance(o, torch.optim.Adamax)]
     outs = []
     for s in range(ZOO_STEPS):
         if s == UNFREEZE_AT:
@@ -337,8 +343,10 @@ def test_the_scheduler_moved_the_numbers(results, case):
 
 @pytest.mark.parametrize("placement", list(ZOO))
 def test_optimizer_zoo_and_step_shapes_match_eager(results, placement):
-    """NAdam, ASGD, Rprop (nonzero initial state), Adamax, RMSprop (centered, momentum), with
-    OneCycleLR moving RMSprop's momentum and NAdam's beta1 every step, plain SGD, clip_grad_value_ and an inf-norm clip_grad_norm_
+    """An L2 penalty computed in forward; NAdam, ASGD, Rprop (nonzero initial state), Adamax,
+    RMSprop (centered, momentum), with
+    OneCycleLR moving RMSprop's momentum and NAdam's beta1 every step and ExponentialLR Adamax's
+    tensor learning rate, plain SGD, clip_grad_value_ and an inf-norm clip_grad_norm_
     against eager DDP / fully_shard; fc1 is frozen for two steps, then unfrozen: the compiled step
     resolves again (rank 0 traces twice, once per set of trainable parameters, never for the
     scheduler) and trains it, with optimizer state for it from then on, as eager."""
@@ -415,6 +423,26 @@ def test_library_host_reads_are_refused_naming_the_construct_and_a_fix(tmp_path,
     with pytest.raises(spmd_aot.UnsupportedError, match=named) as info:
         spmd_aot.build(job, world_size=1, cache_dir=tmp_path)
     assert "test_step_patterns.py:" in str(info.value) and re.search(fix, str(info.value)), info.value
+
+
+def l2_in_step(model, optim, batch):
+    """An L2 penalty over model.parameters() added to the loss in the step."""
+    x, y = batch
+    loss = torch.nn.functional.cross_entropy(model(x), y) + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_an_l2_penalty_over_sharded_parameters_in_the_step_is_refused_naming_what_works(tmp_path):
+    """Under shard model.parameters() yields shards; the refusal says what works instead (the zoo's
+    model computes its penalty in forward from attributes, and matches fully_shard)."""
+    job = spmd_aot.Job(step=l2_in_step, model=train_steps.mlp, optimizer=adamw_all_params,
+                       batch=lambda: train_steps.class_batch(0, 0))
+    with pytest.raises(spmd_aot.UnsupportedError, match=r"an L2 penalty added to the loss.*read as attributes.*"
+                                                        r"weight_decay"):
+        spmd_aot.build(job, world_size=2, placement="shard", cache_dir=tmp_path)
 
 
 def test_adafactor_on_sharded_parameters_is_refused_at_build(tmp_path):
