@@ -22,8 +22,8 @@ steps (``_fused_adamw_`` ...) have no functionalization rule that accepts graph 
 are rewritten to their functional form plus ``copy_`` before compiling (``_functional_steps``).
 
 Group names: the graph names mesh dimension ``d`` ``spmd_aot.kernels.d<d>``, and on a mesh of
-several dimensions the world group (every rank: HSDP's loss average, a gradient averaged over
-every data-parallel dimension at once) ``spmd_aot.kernels.world``; on a 1-D mesh the world is
+several dimensions the world group (every rank: the gradient of a parameter kept whole under
+HSDP averages over both data-parallel dimensions at once) ``spmd_aot.kernels.world``; on a 1-D mesh the world is
 dimension 0. A load registers the live group of each dimension, and the default group, under
 those names (``kernel_load``), as the interpreter binds the same stored dimensions to the same
 live groups; so one artifact serves every rank and job.
@@ -175,7 +175,7 @@ def _read_after(source, position: int, order, skip, depth: int = 0):
 
 
 def _shimmable_collectives(gm: torch.fx.GraphModule) -> None:
-    """All-gathers and reduce-scatters as ``kernel_collectives``' operators, which the C++ wrapper
+    """All-gathers, reduce-scatters and all-to-alls as ``kernel_collectives``' operators, which the C++ wrapper
     calls through the dispatcher (the functional ones it cannot call: see that module)."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in kernel_collectives.REWRITES:
