@@ -47,11 +47,12 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
-    """``stages`` pipeline stages, one per rank of the ``pp`` mesh dimension; ``microbatches``
-    per step; ``schedule`` one of ``SCHEDULES``; ``split_points`` the FQNs of the modules that
-    begin stages 1.. (``stages - 1`` of them), or empty for an even split by parameter count;
-    ``placement`` how each stage lies over its data-parallel replicas when the world size is a
-    multiple of ``stages``."""
+    """``stages`` pipeline stages, one per rank of the ``pp`` mesh dimension (``stages_per_rank``
+    per rank under ``interleaved_1f1b``); ``microbatches`` per step; ``schedule`` one of
+    ``SCHEDULES``; ``split_points`` the FQNs of the modules that begin stages 1.. (``stages - 1``
+    of them), or empty for an even split by parameter count; ``placement`` how each stage lies
+    over its data-parallel replicas when the world size is a multiple of the ``pp`` ranks;
+    ``tp`` and ``tp_plan`` tensor parallel inside each stage (the mesh's last dimension)."""
 
     stages: int = 2
     microbatches: int = 2

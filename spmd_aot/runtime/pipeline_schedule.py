@@ -1,13 +1,14 @@
-"""``spmd_aot.compile_pipeline``: at job start every rank loads its own stage of a stored
-pipeline; every step runs the stored schedule, passing activations and gradients to the
-neighbouring stages' ranks with point-to-point sends.
+"""``spmd_aot.compile_pipeline``: at job start every rank loads its own stage (its stages, under
+``interleaved_1f1b``) of a stored pipeline; every step runs the stored schedule, passing
+activations and gradients to the neighbouring stages' ranks with point-to-point sends (tagged by
+stage boundary and micro-batch).
 
 The first call is collective, as ``compile``'s: every rank computes the key from the whole
 live model (the same on every rank), the ranks check they agree, rank 0 decides hit or miss
 (on a miss it traces every stage and stores the entry while the others wait), then each rank
-reads the manifest and only its own stage's graphs, checked as every load is checked.
+reads the manifest and only its own stages' graphs, checked as every load is checked.
 
-Every step then executes the schedule's actions for this rank's stage, in the stored order:
+Every step then executes the schedule's actions for this rank, in the stored order:
 
 - ``F m``: receive the micro-batch's activations from the previous stage (shapes and dtypes
   are the manifest's), run the forward graph, keep its saved tensors, send its outputs on (the
