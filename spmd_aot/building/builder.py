@@ -20,6 +20,7 @@ from ..format.allowlist import opt_in_names, opted_in
 from ..entries import read_manifest
 from ..errors import SpmdAotError
 from ..tracing.fake_factories import fake_factories
+from ..tracing.model_caches import clear_model_caches
 from ..job import Job
 from ..keying.key import CacheKey, compute_key
 from .pipeline import trace_and_store
@@ -87,6 +88,7 @@ def build(job: Job, *, parallel: ParallelOptions | None = None, run: RunOptions 
     fake_mode = FakeTensorMode()
     state = _fake_state(job, plan, fake_mode)
     plan = state.plan  # bound to the model (a tp_plan="hf" resolved)
+    clear_model_caches(state.model)  # no tensor of an earlier build's trace comes back from a cache
     with fake_world(world_size):
         mesh = device_mesh(plan)
         key = compute_key(job.step, state, plan, transforms.identities(), run.extra_sources, kernels=kernels)

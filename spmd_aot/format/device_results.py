@@ -34,7 +34,17 @@ dtype and flag combination:
   ``grad_output``'s), ``native_dropout_backward`` in that of ``grad_output`` and ``mask`` (the
   default float dtype when both are integral: it multiplies by a float scale);
   ``mse_loss_backward`` returns ``self``'s dtype (meta: all three promoted);
-* ``native_dropout`` on an empty input returns a mask of the input's dtype (meta: bool).
+* ``native_dropout`` on an empty input returns a mask of the input's dtype (meta: bool);
+* ``convolution`` and ``convolution_backward`` return their outputs (and ``grad_input``,
+  ``grad_weight``) in the memory format of the backend the CPU picks (oneDNN: channels-last
+  when the input or weight is; meta: contiguous). A channels-last result reached by a transpose
+  (Segformer's depthwise convolution over a ``transpose(1, 2).view(...)`` of a sequence) is
+  then viewed back as a sequence, which only the channels-last strides allow: the rule is
+  torch's own, as its fake tensors apply it while tracing (``_select_conv_backend``, then
+  ``_conv_determine_backend_memory_format`` on CPU tensors of the arguments' metadata).
+
+And one CUDA kernel: ``log_sigmoid_forward`` returns an empty ``buffer`` there (meta: ``self``'s
+shape, which is CPU's).
 """
 
 from __future__ import annotations
@@ -170,6 +180,61 @@ def _native_dropout(args: tuple, kwargs: dict, value: Any) -> Any:
     return (out, _remade(mask, x.dtype))
 
 
+_CONV_FAKE_MODE: list = []  # one FakeTensorMode, made on first use: CPU tensors with no storage
+
+
+def _conv_memory_format(x: torch.Tensor, w: torch.Tensor, bias: Any, bias_sizes: Any, rest: tuple) -> Any:
+    """The memory format CPU convolution returns for arguments of ``x``'s and ``w``'s metadata
+    (torch's fake ``conv`` implementation, which tracing used)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not _CONV_FAKE_MODE:
+        _CONV_FAKE_MODE.append(FakeTensorMode())
+    with _CONV_FAKE_MODE[0]:
+        fx = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
+        fw = torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device="cpu")
+        fb = torch.empty_strided(bias.shape, bias.stride(), dtype=bias.dtype, device="cpu") if _present(bias) else None
+        backend = torch._C._select_conv_backend(fx, fw, fb, *rest, bias_sizes if fb is None else None)
+        if w.dim() == 3:  # 1-d: decided on the 2-d form, as the kernel runs it
+            fx, fw = fx.contiguous().unsqueeze(2), fw.unsqueeze(2)
+        return torch._C._conv_determine_backend_memory_format(fx, fw, backend)
+
+
+def _in_format(t: Any, fmt: Any) -> Any:
+    """Meta tensor ``t`` in memory format ``fmt`` (a 3-d tensor: channels-last of its 4-d form)."""
+    if not _present(t):
+        return t
+    if t.dim() == 3 and fmt == torch.channels_last:
+        return t.unsqueeze(2).to(memory_format=fmt).squeeze(2)
+    return t.to(memory_format=fmt)
+
+
+_CONV_REST = ((3, "stride"), (4, "padding"), (5, "dilation"), (6, "transposed"), (7, "output_padding"), (8, "groups"))
+
+
+def _cpu_convolution(args: tuple, kwargs: dict, value: Any) -> Any:
+    """``convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)``."""
+    x, w, bias = (_arg(args, kwargs, k, n) for k, n in ((0, "input"), (1, "weight"), (2, "bias")))
+    rest = tuple(_arg(args, kwargs, k, n) for k, n in _CONV_REST)
+    return _in_format(value, _conv_memory_format(x, w, bias, None, rest))
+
+
+def _cpu_convolution_backward(args: tuple, kwargs: dict, value: Any) -> Any:
+    """``convolution_backward(grad_output, input, weight, bias_sizes, stride, ...)``: grad_input
+    and grad_weight in the forward's format, grad_bias as it is."""
+    x, w, sizes = (_arg(args, kwargs, k, n) for k, n in ((1, "input"), (2, "weight"), (3, "bias_sizes")))
+    rest = tuple(_arg(args, kwargs, k + 1, n) for k, n in _CONV_REST)
+    fmt = _conv_memory_format(x, w, None, sizes, rest)
+    return (_in_format(value[0], fmt), _in_format(value[1], fmt), value[2])
+
+
+def _cuda_log_sigmoid(args: tuple, kwargs: dict, value: Any) -> Any:
+    """CUDA ``log_sigmoid_forward`` returns an empty ``buffer`` (its backward does not read it;
+    meta: ``self``'s shape, as CPU's)."""
+    out, buffer = value
+    return value if buffer.numel() == 0 else (out, _remade(buffer, shape=(0,)))
+
+
 _aten = torch.ops.aten
 #: device type -> op -> (args, kwargs, meta result) -> what that device's kernel returns
 RULES: dict[str, dict[Any, Callable[[tuple, dict, Any], Any]]] = {
@@ -186,6 +251,11 @@ RULES: dict[str, dict[Any, Callable[[tuple, dict, Any], Any]]] = {
         _aten.native_dropout_backward.default: _dropout_backward,
         _aten.mse_loss_backward.default: _mse_loss_backward,
         _aten.native_dropout.default: _native_dropout,
+        _aten.convolution.default: _cpu_convolution,
+        _aten.convolution_backward.default: _cpu_convolution_backward,
+    },
+    "cuda": {
+        _aten.log_sigmoid_forward.default: _cuda_log_sigmoid,
     },
 }
 

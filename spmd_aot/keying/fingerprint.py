@@ -351,7 +351,12 @@ class Fingerprinter:
         if hasattr(v, "__wrapped__") and not hasattr(v, "__dict__") or type(v).__name__ == "_lru_cache_wrapper":
             return {"wrapper": type(v).__qualname__, "wrapped": self.of(v.__wrapped__, f"{path}.__wrapped__", depth)}
         if isinstance(v, weakref.ref):
-            return {"weakref": self.of(v(), f"{path}()", depth)}
+            # a tensor behind a weakref is a cache of state keyed elsewhere (``nn.LSTM``'s
+            # ``_flat_weight_refs`` point at its parameters, and die when they are swapped for
+            # sharded ones at a job's first call): whether it is alive is no ingredient
+            target = v()
+            return {"weakref": None if target is None or isinstance(target, torch.Tensor)
+                    else self.of(target, f"{path}()", depth)}
         if isinstance(v, logging.Logger):
             return {"logger": v.name}
         if isinstance(v, re.Pattern):

@@ -95,15 +95,27 @@ def describe(exc: BaseException, module: str = "") -> str | None:
     if construct in ("nonzero", "bool_index", "masked_select") and _LOSS_LINE.search(_function_source(exc, user)):
         fix = _LOSS + fix
     if user is not None and user.filename.startswith(_INSTALLED_DIRS):  # not the user's line to rewrite
-        fix = _library_fix(user.filename) + f"; in code you write: {fix}"
+        fix = _library_fix(user.filename, line, _function_source(exc, user)) + f"; in code you write: {fix}"
     return f"the step {wrote}{_where(frames, user)}{module} ({type(exc).__name__}: {op}): {_WHY}; {fix}"
 
 
-def _library_fix(filename: str) -> str:
-    """What to do when the line is an installed library's."""
+# transformers' CTC heads (Wav2Vec2, HuBERT, WavLM, ...ForCTC) check their labels on the host, then
+# compute CTC, whose kernel indexes with label values it does not bound: no load may admit it
+_CTC_CHECK = re.compile(r"labels\.max\(\)\s*>=\s*self\.config\.vocab_size")
+_CTC_FIX = ("the line is transformers' label check of a CTC head (`...ForCTC(labels=...)`): CTC loss is not "
+            "admitted in a stored graph (torch's CTC kernel indexes with label values it does not bound); "
+            "compile a step with a loss of static shapes (the model without `labels`, its logits into "
+            "`F.cross_entropy` per frame, or a `...ForSequenceClassification` head), or run the CTC step eagerly")
+
+
+def _library_fix(filename: str, line: str, source: str) -> str:
+    """What to do when the line is an installed library's (``source``: the function holding it)."""
+    transformers = f"{os.sep}transformers{os.sep}" in filename
+    if transformers and _CTC_CHECK.search(line):
+        return _CTC_FIX
     moe = (" (transformers' mixture-of-experts models: their default `experts_implementation`, `grouped_mm`, "
            "or `\"batched_mm\"` in their config)"
-           if f"{os.sep}transformers{os.sep}" in filename else "")
+           if transformers and "expert" in source.lower() else "")
     return (f"the line is in an installed library: choose its static-shape option where it has one{moe}, or "
             "swap the module for a stand-in that computes the same with static shapes while tracing "
             "(`spmd_aot.Override`)")

@@ -28,6 +28,7 @@ from torch.nn.utils import stateless
 from . import data_dependent
 from ..format import fused_meta
 from . import grouped_mm
+from . import rnn
 from .accumulation import Accumulation
 from .casts import forward_casts
 from . import repeated
@@ -149,10 +150,12 @@ class _StepTracer:
     def trace(self, inputs: list[torch.Tensor]) -> TracedStep:
         """make_fx over ``inputs``; a failure becomes an ``UnsupportedError`` naming the module."""
         try:
-            with _without_grad() if self.forward_only else contextlib.nullcontext(), fused_meta.registered():
-                # MoE grouped products (and their histc) traced as static-shape ops: grouped_mm.py
+            with _without_grad() if self.forward_only else contextlib.nullcontext(), fused_meta.registered(), \
+                    rnn.native_rnn_cells():
+                # MoE grouped products (and their histc) traced as static-shape ops: grouped_mm.py;
+                # recurrent layers as native cells of allowlisted ops: rnn.py
                 gm = make_fx(self._flat_step, tracing_mode="fake",
-                             decomposition_table=grouped_mm.DECOMPOSITIONS)(*inputs)
+                             decomposition_table={**grouped_mm.DECOMPOSITIONS, **rnn.DECOMPOSITIONS})(*inputs)
         except UnsupportedError:
             raise
         except Exception as exc:

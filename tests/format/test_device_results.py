@@ -64,8 +64,10 @@ def test_every_rule_is_tested_here():
               aten._native_batch_norm_legit.no_stats, aten._native_batch_norm_legit_no_training.default,
               aten.native_batch_norm_backward.default,
               aten._embedding_bag.default, aten.threshold_backward.default, aten.native_dropout_backward.default,
-              aten.mse_loss_backward.default, aten.native_dropout.default}
+              aten.mse_loss_backward.default, aten.native_dropout.default,
+              aten.convolution.default, aten.convolution_backward.default}
     assert set(RULES["cpu"]) == tested
+    assert set(RULES["cuda"]) == {aten.log_sigmoid_forward.default}
 
 
 def _bn_cases():
@@ -170,3 +172,54 @@ def test_ops_without_a_rule_are_left_as_meta_says(op):
     value = torch.empty(3, 4, device="meta")
     assert corrected("cpu", op, (), {}, value) is value
     assert corrected("cuda", aten.native_batch_norm.default, (), {}, value) is value
+
+
+def _conv_cases():
+    """Inputs contiguous, channels-last, and channels-last by a transposed sequence (Segformer's
+    ``transpose(1, 2).view(...)``), depthwise and dense, 1-d and 2-d, with and without bias."""
+    for dims, groups, layout, bias in itertools.product((1, 2), (1, 8), ("contiguous", "channels_last", "seq"),
+                                                        (True, False)):
+        spatial = (4, 4) if dims == 2 else (16,)
+        if layout == "seq":
+            x = torch.randn(2, 16, 8).transpose(1, 2).view(2, 8, *spatial)
+        else:
+            x = torch.randn(2, 8, *spatial)
+            if layout == "channels_last" and dims == 2:
+                x = x.to(memory_format=torch.channels_last)
+        w = torch.randn(8, 8 // groups, *(3,) * dims)
+        b = torch.randn(8) if bias else None
+        rest = ([1] * dims, [1] * dims, [1] * dims, False, [0] * dims, groups)
+        yield (dims, groups, layout, bias), x, w, b, rest
+
+
+def _strides(value):
+    return [None if v is None else (tuple(v.shape), v.stride()) for v in (value if isinstance(value, tuple) else (value,))]
+
+
+def test_convolution_results_have_the_strides_cpu_returns():
+    """oneDNN returns a channels-last result for a channels-last input (meta: contiguous); the
+    sequence view of a depthwise convolution's output fits only those strides."""
+    wrong, ran = [], 0
+    for label, x, w, b, rest in _conv_cases():
+        real = aten.convolution.default(x, w, b, *rest)
+        derived = corrected("cpu", aten.convolution.default, _meta((x, w, b, *rest)), {},
+                            aten.convolution.default(*_meta((x, w, b, *rest))))
+        g = torch.randn_like(real)
+        sizes = [8] if b is not None else None
+        real_bw = aten.convolution_backward.default(g, x, w, sizes, *rest, [True, True, b is not None])
+        margs = _meta((g, x, w, sizes, *rest, [True, True, b is not None]))
+        derived_bw = corrected("cpu", aten.convolution_backward.default, margs, {},
+                               aten.convolution_backward.default(*margs))
+        ran += 1
+        if _strides(derived) != _strides(real) or _strides(derived_bw) != _strides(real_bw):
+            wrong.append((label, _strides(derived), _strides(real), _strides(derived_bw), _strides(real_bw)))
+    assert ran == 24 and not wrong, wrong[:4]
+
+
+def test_cuda_log_sigmoid_forward_returns_an_empty_buffer():
+    """CUDA's kernel leaves ``buffer`` empty (its backward does not read it); meta: self's shape."""
+    x = torch.empty(3, 4, device="meta")
+    out, buffer = corrected("cuda", aten.log_sigmoid_forward.default, (x,), {}, aten.log_sigmoid_forward.default(x))
+    assert tuple(out.shape) == (3, 4) and tuple(buffer.shape) == (0,)
+    assert _describe(corrected("cpu", aten.log_sigmoid_forward.default, (x,), {},
+                               aten.log_sigmoid_forward.default(x))) == [((3, 4), torch.float32)] * 2

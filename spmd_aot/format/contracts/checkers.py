@@ -526,6 +526,28 @@ def group_norm(a: Args, *, backward: bool) -> None:
             _contiguous(t, name)
 
 
+def bucketize(a: Args) -> None:
+    """``boundaries`` 1-d and of ``self``'s dtype: the kernel binary-searches each value in it
+    (inside its length whatever the order of its values; unsorted boundaries give unspecified
+    buckets, as in eager)."""
+    x, b = a.tensor("self"), a.tensor("boundaries")
+    _need(b.dim() == 1, "boundaries", f"must be 1-d, has shape {_shape(b)}")
+    _dtype_eq(b, x, "boundaries", "self")
+
+
+def log_sigmoid_backward(a: Args) -> None:
+    """``grad_output`` and ``self`` broadcast to the gradient's shape; ``buffer`` is what the
+    forward saved: ``self``'s shape on CPU (the kernel iterates over it with the others), empty
+    on CUDA (its kernel ignores it)."""
+    g, x, buf = a.tensor("grad_output"), a.tensor("self"), a.tensor("buffer")
+    shape = _broadcast([g.shape, x.shape], ["grad_output", "self"])
+    # an empty [0] buffer would broadcast against a last dimension of 1 on CPU (a [.., 0] result)
+    empty_ok = list(buf.shape) == [0] and len(shape) >= 1 and shape[-1] != 1
+    _need(empty_ok or list(buf.shape) == list(x.shape), "buffer",
+          f"has shape {_shape(buf)}; must be self's {_shape(x)} (CPU) or [0] (CUDA) with a last dimension other than 1")
+    _dtype_eq(buf, x, "buffer", "self")
+
+
 def fft(a: Args, *, kind: str) -> None:
     """``dim`` distinct dimensions of ``self``; c2r: complex input whose last transformed dim
     holds exactly ``last_dim_size // 2 + 1`` values (pocketfft reads that many)."""

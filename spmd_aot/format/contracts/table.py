@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 from ..allowlist import is_opted_in
 from .rules import _bind, _general
-from .checkers import (attention_cpu, batch_norm, batch_norm_writes, collective, convolution, dims, elementwise, factory,
-                       fft, foreach, fused_step, grid_sampler, group_norm, index_values, layer_norm, matmul, nll_loss,
-                       pooling, softmax, unchecked_by_design)
+from .checkers import (attention_cpu, batch_norm, batch_norm_writes, bucketize, collective, convolution, dims, elementwise,
+                       factory, fft, foreach, fused_step, grid_sampler, group_norm, index_values, layer_norm,
+                       log_sigmoid_backward, matmul, nll_loss, pooling, softmax, unchecked_by_design)
 from .all_to_all import all_to_all_single
 from .views import complex_view, conj_view, polar, real_view, split_views, strided_view
 
@@ -43,6 +43,7 @@ _ELEMENTWISE_OPS = """
     bitwise_or.Scalar bitwise_xor.Scalar bitwise_xor.Tensor ceil.default cosh.default div.Scalar_mode
     div.Tensor_mode elu.default floor.default fmod.Scalar fmod.Tensor log10.default log2.default
     logical_xor.default remainder.Scalar remainder.Tensor round.default sinh.default tan.default trunc.default
+    log_sigmoid_forward.default
 """
 _KERNEL_CHECKED_OPS = """
     _unsafe_view.default view.default reshape.default expand.default expand_as.default t.default transpose.int
@@ -56,6 +57,7 @@ _KERNEL_CHECKED_OPS = """
     reflection_pad1d.default reflection_pad2d.default reflection_pad3d.default replication_pad2d.default
     replication_pad3d.default avg_pool3d.default max_pool3d_with_indices.default _adaptive_avg_pool3d.default
     col2im.default upsample_nearest2d.vec upsample_bilinear2d.vec _cdist_forward.default _pdist_forward.default
+    eye.default eye.m upsample_bilinear2d.default upsample_bilinear2d_backward.default
 """
 _DIM_OPS = {  # reductions and dim-taking ops: (dim argument names)
     "amax.default": ("dim",), "amin.default": ("dim",), "argmax.default": ("dim",), "cumsum.default": ("dim",),
@@ -98,10 +100,12 @@ _RULES: list[tuple[Callable, str]] = [
     (P(index_values, op="gather"), "gather.default"),
     (P(index_values, op="scatter_add"), "scatter_add.default"),
     (P(index_values, op="index"), "index.Tensor index_put.default"),
-    (P(index_values, op="scatter"), "scatter.value scatter.src scatter_reduce.two"),
+    (P(index_values, op="scatter"), "scatter.value scatter.src scatter_reduce.two scatter_.value scatter_.src"),
     (P(index_values, op="embedding_bag"), "_embedding_bag.default"),
     (P(index_values, op="masked_scatter"), "masked_scatter.default"),
-    (factory, "empty_strided.default"),
+    (factory, "empty_strided.default new_empty_strided.default"),
+    (bucketize, "bucketize.Tensor"),
+    (log_sigmoid_backward, "log_sigmoid_backward.default"),
     (P(batch_norm, backward=False), "_native_batch_norm_legit.default _native_batch_norm_legit.no_stats "
                                     "_native_batch_norm_legit_no_training.default"),
     (P(group_norm, backward=False), "native_group_norm.default"),
