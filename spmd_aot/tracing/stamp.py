@@ -109,6 +109,8 @@ def _label_nodes(gm: torch.fx.GraphModule, labels: BlockLabels, d: int):
             label[node] = _dataflow_label(node, label, elements)
             if label[node] is not None:
                 elements.pop(node, None)  # a block's own node: its lists are copied as they are
+        elif node.target is operator.getitem and node.args[0] in elements:  # an item of a block (clipping's norms)
+            label[node] = _dataflow_label(node, label, elements)
     return label, elements
 
 
@@ -260,6 +262,7 @@ class _Stamper:
         self.copies: dict[torch.fx.Node, list] = {}
         self.placeholders = 0
         self.constants: dict[str, torch.Tensor] = {}  # lifted constants, by their new name
+        self.resized: set[torch.fx.Node] = set()  # shared template nodes whose copy has another shape
         self._current: torch.fx.Node | None = None  # the template node being copied
 
     def run(self):
@@ -366,11 +369,29 @@ class _Stamper:
             tm = node.meta.get("tensor_meta")
             if isinstance(tm, (list, tuple)) and len(tm) == size:
                 meta["tensor_meta"] = type(tm)(tm[i] for i, _ in plan)
+        elif ctx is None and isinstance(val, torch.Tensor) and \
+                (plan is not None or any(a in self.resized for a in node.all_input_nodes)):
+            meta["val"] = self._recomputed(node, new, val)  # e.g. clipping's stacked per-parameter norms
+            meta.pop("tensor_meta", None)
+            if meta["val"].shape != val.shape:
+                self.resized.add(node)
         elif val is not None:
             meta["val"] = self._value(val, new, ctx)
         if ctx is not None and "comm" in meta:
             meta["comm"] = self.rename(meta["comm"], ctx)
         return meta
+
+    def _recomputed(self, node, new, val) -> torch.Tensor:
+        """A shared node's value from its new arguments' (its lists grew, or what it reads did):
+        the op run on fake tensors, which also gives its aliasing."""
+        if not isinstance(node.target, torch._ops.OpOverload):
+            raise NotRepeatable(f"{node.name}'s value depends on the number of blocks")
+        args, kwargs = torch.fx.node.map_arg((new.args, new.kwargs), lambda n: n.meta.get("val"))
+        with self._mode(val):
+            out = node.target(*args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            raise NotRepeatable(f"{node.name}'s value depends on the number of blocks")
+        return out
 
     def rename(self, value, ctx):
         """FQNs and labels of template block ``ctx[0]`` made block ``ctx[1]``'s."""

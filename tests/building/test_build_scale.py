@@ -97,6 +97,20 @@ def _mlp(depth):
     return spmd_aot.Job(step=_step, model=lambda: Stack(depth), optimizer=_adamw, batch=lambda: torch.randn(4, 8))
 
 
+def _clipped_step(model, optim, batch):
+    loss = model(batch).square().mean()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a norm over every block's gradients
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _mlp_clipped(depth):
+    return spmd_aot.Job(step=_clipped_step, model=lambda: Stack(depth), batch=lambda: torch.randn(4, 8),
+                        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+
+
 def _lm(depth):
     return spmd_aot.Job(step=train_step, model=lambda: Transformer(n_layers=depth, d_model=16, n_heads=2, max_len=8),
                         optimizer=_adamw, batch=lambda: (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))))
@@ -126,9 +140,10 @@ def low_threshold(monkeypatch):
 
 
 @pytest.mark.parametrize("model,depth,placement", [  # each case traces 3 + 4 + depth blocks
-    ("mlp", 5, "shard"), ("mlp", 6, "shard"), ("mlp", 6, "replicate"), ("lm", 5, "shard"), ("llama", 5, "replicate")])
+    ("mlp", 5, "shard"), ("mlp", 6, "shard"), ("mlp", 6, "replicate"), ("mlp_clipped", 5, "shard"),
+    ("lm", 5, "shard"), ("llama", 5, "replicate")])
 def test_a_stamped_stack_is_node_for_node_the_full_trace(low_threshold, model, depth, placement):
-    job = {"mlp": _mlp, "lm": _lm, "llama": _llama}[model](depth)
+    job = {"mlp": _mlp, "mlp_clipped": _mlp_clipped, "lm": _lm, "llama": _llama}[model](depth)
     stamped, full = _traced(job, placement, True), _traced(job, placement, False)
     assert stamped.blocks["stamped"] == depth and full.blocks == {}
     a, b = signature(stamped.gm), signature(full.gm)
