@@ -22,9 +22,13 @@ import time
 import traceback
 
 # What ranks import anyway (and what a first trace imports lazily), imported once in the server.
+# transformers (the `test` extra; skipped by the server when it is not installed): the ranks of the
+# corpus and of the context, expert, pipeline and TP-style tests build its models, and its import
+# (transformers.modeling_utils, ~2 s of CPU) would otherwise be paid again by every one of them.
 PRELOAD = ["spmd_aot", "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
            "torch.nn.parallel", "torch._dynamo", "torch.testing._internal.distributed.fake_pg",
-           "safetensors.torch", "spmd_aot.runtime.step", "spmd_aot.building.builder", "support.jobs", "support.features"]
+           "safetensors.torch", "spmd_aot.runtime.step", "spmd_aot.building.builder", "support.jobs", "support.features",
+           "transformers.modeling_utils"]
 
 _server_lock = threading.Lock()  # launches start from several threads; the server once
 _server_started = False
