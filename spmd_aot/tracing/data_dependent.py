@@ -105,7 +105,13 @@ _CTC_CHECK = re.compile(r"labels\.max\(\)\s*>=\s*self\.config\.vocab_size")
 _CTC_FIX = ("the line is transformers' label check of a CTC head (`...ForCTC(labels=...)`): CTC loss is not "
             "admitted in a stored graph (torch's CTC kernel indexes with label values it does not bound); "
             "compile a step with a loss of static shapes (the model without `labels`, its logits into "
-            "`F.cross_entropy` per frame, or a `...ForSequenceClassification` head), or run the CTC step eagerly")
+            "`F.cross_entropy` per frame, or a `...ForSequenceClassification` head; with `layerdrop=0.0` in its "
+            "config), or run the CTC step eagerly")
+# transformers' LayerDrop (speech encoders: Wav2Vec2, HuBERT, WavLM, Whisper) draws on the host
+# whether to skip each layer
+_LAYERDROP = re.compile(r"skip_the_layer|layerdrop")
+_LAYERDROP_FIX = ("the line is transformers' LayerDrop, which draws on the host whether to skip each layer while "
+                  "training: set `layerdrop=0.0` in the model's config (`from_pretrained(..., layerdrop=0.0)`)")
 
 
 def _library_fix(filename: str, line: str, source: str) -> str:
@@ -113,6 +119,8 @@ def _library_fix(filename: str, line: str, source: str) -> str:
     transformers = f"{os.sep}transformers{os.sep}" in filename
     if transformers and _CTC_CHECK.search(line):
         return _CTC_FIX
+    if transformers and _LAYERDROP.search(line):
+        return _LAYERDROP_FIX
     moe = (" (transformers' mixture-of-experts models: their default `experts_implementation`, `grouped_mm`, "
            "or `\"batched_mm\"` in their config)"
            if transformers and "expert" in source.lower() else "")

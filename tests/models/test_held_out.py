@@ -184,7 +184,8 @@ def test_each_model_loads_without_opt_in_and_matches_eager_on_two_gloo_ranks(bui
 
 def test_a_ctc_head_with_labels_is_refused_naming_a_loss_that_builds(tmp_path):
     """``Wav2Vec2ForCTC(labels=...)`` checks its labels on the host (``labels.max()``) and then
-    computes CTC: the build says it is a CTC head, that CTC cannot be stored, and what builds."""
+    computes CTC: the build says it is a CTC head, that CTC cannot be stored, and what builds
+    (a per-frame loss with ``layerdrop=0.0``; LayerDrop's own refusal names that option)."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     config = transformers.Wav2Vec2Config(vocab_size=16, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -207,6 +208,21 @@ def test_a_ctc_head_with_labels_is_refused_naming_a_loss_that_builds(tmp_path):
     assert "\n" not in message and "label check of a CTC head" in message, message
     assert "modeling_wav2vec2.py" in message and "test_held_out.py" in message, message
     assert "F.cross_entropy" in message and "experts_implementation" not in message, message
+
+    def frames_step(model, optim, batch):  # the rewrite the message names, before layerdrop=0.0
+        logits = model(input_values=batch["input_values"]).logits
+        loss = F.cross_entropy(logits.reshape(-1, 16), batch["labels"].reshape(-1))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    config.layerdrop = 0.1  # transformers' default: a host-side draw per layer while training
+    job = spmd_aot.Job(step=frames_step, model=lambda: transformers.Wav2Vec2ForCTC(config), optimizer=_optim,
+                       batch=lambda: {"input_values": torch.randn(2, 400), "labels": torch.randint(0, 16, (2, 39))})
+    with pytest.raises(UnsupportedError) as info:
+        spmd_aot.build(job, world_size=1, cache_dir=tmp_path)
+    assert "transformers' LayerDrop" in str(info.value) and "`layerdrop=0.0`" in str(info.value), str(info.value)
 
 
 class CachedIndex(nn.Module):
