@@ -26,8 +26,8 @@ import torch
 
 from ..errors import UnsupportedError
 
-__all__ = ["OptimizerSet", "TracedNumber", "as_optimizer", "members", "tensor_updates", "traced_hyperparameters",
-           "user_object"]
+__all__ = ["OptimizerSet", "TracedNumber", "as_optimizer", "members", "schedulers_refused", "tensor_updates",
+           "traced_hyperparameters", "user_object"]
 
 
 def members(optim) -> list:
@@ -129,6 +129,46 @@ class OptimizerSet:
         if self._state is None or not all(a is b for a, b in zip(self._state[0], dicts)):
             self._state = (dicts, _MergedState(self))
         return self._state[1]
+
+
+# ---------------------------------------------------------------------------- schedulers
+@contextlib.contextmanager
+def schedulers_refused():
+    """While tracing the user's step: a learning-rate scheduler stepped inside it is refused.
+
+    A scheduler's ``step()`` is Python that writes new numbers into ``param_groups``; a stored
+    step replays tensor ops only, so inside it the scheduler would run once, while tracing, and
+    never again: the learning rate would silently stay where the trace left it. Stepped after
+    the compiled step returns, it moves the numbers the step reads as inputs."""
+    from torch.optim import lr_scheduler
+
+    def refuse(self, *args, **kwargs):
+        raise UnsupportedError(
+            f"the step calls {type(self).__name__}.step(){_caller()}: a compiled step replays its tensor "
+            "ops only, so a learning-rate scheduler stepped inside it would move the learning rate once, "
+            "while tracing, and never again; call scheduler.step() after the compiled step returns (the "
+            "learning rate and the numbers schedulers move are inputs of the stored step: no rebuild)")
+
+    classes = [lr_scheduler.LRScheduler] + [c for c in vars(lr_scheduler).values()
+                                            if isinstance(c, type) and "step" in vars(c)
+                                            and c is not lr_scheduler.LRScheduler]
+    with contextlib.ExitStack() as stack:
+        for cls in classes:
+            stack.enter_context(mock.patch.object(cls, "step", refuse))
+        yield
+
+
+def _caller() -> str:
+    """`` at file:line `code` `` of the innermost frame outside torch and spmd-aot, or ``""``."""
+    import os
+    import traceback
+
+    skip = tuple(os.path.dirname(os.path.dirname(m.__file__)) + os.sep for m in (torch.optim, importlib.import_module(
+        __name__.rsplit(".", 1)[0])))
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if not frame.filename.startswith(skip) and not frame.filename.startswith("<"):
+            return f" at {frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
+    return ""
 
 
 # ---------------------------------------------------------------------------- hyperparameter inputs

@@ -38,7 +38,7 @@ from ..parallel.groups import GroupGather, ParamGroup, assign_groups, resharding
 from ..parallel import axes
 from ..passes.ops import GRADIENT_PATH_VIEWS, is_wait
 from ..parallel.plan import Plan
-from .optimizers import TracedNumber, members, tensor_updates, traced_hyperparameters, user_object
+from .optimizers import TracedNumber, members, schedulers_refused, tensor_updates, traced_hyperparameters, user_object
 from ..state import TrainState
 
 __all__ = ["TracedStep", "trace_step"]
@@ -229,7 +229,7 @@ class _StepTracer:
         with recording, (self.transform_model() if self.transform_model else contextlib.nullcontext()), \
                 stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
                 optimizer, self.where.tracking(state.model), self.axis_contexts, self.accumulation.recording(), \
-                forward_casts(state.model, self.plan):
+                forward_casts(state.model, self.plan), schedulers_refused():
             result = self.step(state.model, batch) if forward_only else \
                 self.step(state.model, user_object(state.optim), batch)
         stale = [names[0] for (names, _), leaf in zip(state.params, leaves) if leaf.grad is not None]

@@ -445,6 +445,30 @@ def test_an_l2_penalty_over_sharded_parameters_in_the_step_is_refused_naming_wha
         spmd_aot.build(job, world_size=2, placement="shard", cache_dir=tmp_path)
 
 
+SCHEDULERS: dict = {}
+
+
+def adamw_scheduled(model):
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    SCHEDULERS["lr"] = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1 / (1 + s))
+    return optim
+
+
+def scheduler_inside_step(model, optim, batch):
+    """Python on param_groups inside the step: the stored step would never run it."""
+    loss = train_steps.plain_step(model, optim, batch)
+    SCHEDULERS["lr"].step()
+    return loss
+
+
+def test_a_scheduler_stepped_inside_the_step_is_refused_naming_the_line(tmp_path):
+    job = spmd_aot.Job(step=scheduler_inside_step, model=train_steps.mlp, optimizer=adamw_scheduled,
+                       batch=lambda: train_steps.class_batch(0, 0))
+    with pytest.raises(spmd_aot.UnsupportedError, match=r"calls LambdaLR.step\(\) at .*test_step_patterns.py:\d+ "
+                                                        r"`SCHEDULERS\[\"lr\"\].step\(\)`.*after the compiled step"):
+        spmd_aot.build(job, world_size=1, cache_dir=tmp_path)
+
+
 def test_adafactor_on_sharded_parameters_is_refused_at_build(tmp_path):
     job = spmd_aot.Job(step=train_steps.plain_step, model=train_steps.mlp, optimizer=adafactor,
                        batch=lambda: train_steps.class_batch(0, 0))
