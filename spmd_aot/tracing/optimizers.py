@@ -163,10 +163,12 @@ def _caller() -> str:
     import os
     import traceback
 
-    skip = tuple(os.path.dirname(os.path.dirname(m.__file__)) + os.sep for m in (torch.optim, importlib.import_module(
-        __name__.rsplit(".", 1)[0])))
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    skip = (os.path.dirname(os.path.dirname(torch.optim.__file__)) + os.sep, ours)
+    examples = ours + "examples" + os.sep  # user code, shipped with spmd-aot
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if not frame.filename.startswith(skip) and not frame.filename.startswith("<"):
+        name = frame.filename
+        if (name.startswith(examples) or not name.startswith(skip)) and not name.startswith("<"):
             return f" at {frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
     return ""
 
