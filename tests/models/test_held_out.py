@@ -9,7 +9,8 @@ package and run on 2 gloo ranks against eager PyTorch (DDP, ``fully_shard``):
 * an in-place ``scatter_`` of a routing mask (DeepSeek-V3's group-limited top-k), ``bucketize``d
   positions, a parameter table resized with ``interpolate(size=..., mode="bilinear")`` (BEiT's
   relative position bias), a scan written step by step into a transposed buffer (RecurrentGemma:
-  its backward copies with ``new_empty_strided``), and SigLIP's pairwise loss (``torch.eye``
+  its backward copies with ``new_empty_strided``), a weight-normed convolution (Wav2Vec2's
+  positional convolution: ``_weight_norm_interface``) and SigLIP's pairwise loss (``torch.eye``
   labels, ``F.logsigmoid``); replicated.
 
 A position index memoized in a ``functools.lru_cache`` shared by every instance (BEiT's relative
@@ -67,6 +68,8 @@ class HeldOut(nn.Module):
         self.qkv = nn.Linear(D, 3 * D)
         self.gate, self.experts = nn.Linear(D, E), nn.Parameter(torch.randn(E, D) * 0.1)
         self.decay = nn.Parameter(torch.full((D,), 0.5))
+        # Wav2Vec2's positional convolution: weight norm over the last dim (``_weight_norm_interface``)
+        self.pos_conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(D, D, 3, padding=1, groups=2), dim=2)
         self.head = nn.Linear(D, V)
 
     def forward(self, x):
@@ -89,7 +92,7 @@ class HeldOut(nn.Module):
         for t in range(T):
             prev = self.decay * prev + h[:, t]
             hs[:, t] = prev
-        return self.head(hs)
+        return self.head(hs + self.pos_conv(hs.transpose(1, 2)).transpose(1, 2))
 
 
 def lm_step(model, optim, batch):

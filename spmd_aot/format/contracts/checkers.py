@@ -548,6 +548,34 @@ def log_sigmoid_backward(a: Args) -> None:
     _dtype_eq(buf, x, "buffer", "self")
 
 
+def weight_norm(a: Args, *, backward: bool) -> None:
+    """``torch._weight_norm``'s fused kernel (``nn.utils.parametrizations.weight_norm`` over dim 0
+    or the last): it reads ``v`` and the per-slice ``g`` (and in backward ``grad_w`` and the
+    saved norms) through raw pointers, sized from ``v``'s shape and ``dim`` alone, so each is
+    contiguous and of exactly its shape: ``g`` and the norms keep ``v``'s ``dim`` and are 1 elsewhere."""
+    names = ("saved_v", "saved_g") if backward else ("v", "g")
+    v, g = a.tensor(names[0]), a.tensor(names[1])
+    dim = a.get("dim", 0)
+    _need(isinstance(dim, int) and v.dim() >= 1 and dim in (0, v.dim() - 1), "dim",
+          f"= {dim!r} must be 0 or the last dimension of {names[0]} {_shape(v)}")
+    # an empty weight divides by a zero size in the CPU kernel (SIGFPE, found by the fuzzer)
+    _need(v.numel() > 0, names[0], f"has shape {_shape(v)}; must have no zero size")
+    per_slice = [s if k == dim else 1 for k, s in enumerate(v.shape)]
+    _contiguous(v, names[0])
+    _shape_eq(g, per_slice, names[1], f"{names[0]}.shape[dim] with 1 elsewhere")
+    _contiguous(g, names[1])
+    _dtype_eq(g, v, names[1], names[0])
+    if backward:
+        grad, norms = a.tensor("grad_w"), a.tensor("saved_norms")
+        _shape_eq(grad, v.shape, "grad_w", "saved_v.shape")
+        _contiguous(grad, "grad_w")
+        _dtype_eq(grad, v, "grad_w", "saved_v")
+        _shape_eq(norms, per_slice, "saved_norms", "saved_g.shape")
+        _contiguous(norms, "saved_norms")
+        _need(norms.dtype in (v.dtype, _opmath(v.dtype)), "saved_norms",
+              f"has dtype {norms.dtype}, must be {v.dtype} or {_opmath(v.dtype)}")
+
+
 def fft(a: Args, *, kind: str) -> None:
     """``dim`` distinct dimensions of ``self``; c2r: complex input whose last transformed dim
     holds exactly ``last_dim_size // 2 + 1`` values (pocketfft reads that many)."""

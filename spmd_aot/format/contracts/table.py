@@ -11,7 +11,8 @@ from ..allowlist import is_opted_in
 from .rules import _bind, _general
 from .checkers import (attention_cpu, batch_norm, batch_norm_writes, bucketize, collective, convolution, dims, elementwise,
                        factory, fft, foreach, fused_step, grid_sampler, group_norm, index_values, layer_norm,
-                       log_sigmoid_backward, matmul, nll_loss, pooling, softmax, unchecked_by_design)
+                       log_sigmoid_backward, matmul, nll_loss, pooling, softmax, unchecked_by_design,
+                       weight_norm)
 from .all_to_all import all_to_all_single
 from .views import complex_view, conj_view, polar, real_view, split_views, strided_view
 
@@ -106,6 +107,8 @@ _RULES: list[tuple[Callable, str]] = [
     (factory, "empty_strided.default new_empty_strided.default"),
     (bucketize, "bucketize.Tensor"),
     (log_sigmoid_backward, "log_sigmoid_backward.default"),
+    (P(weight_norm, backward=False), "_weight_norm_interface.default"),
+    (P(weight_norm, backward=True), "_weight_norm_interface_backward.default"),
     (P(batch_norm, backward=False), "_native_batch_norm_legit.default _native_batch_norm_legit.no_stats "
                                     "_native_batch_norm_legit_no_training.default"),
     (P(group_norm, backward=False), "native_group_norm.default"),
