@@ -54,7 +54,9 @@ HF_REFUSED_STYLES = {
     "moe_tp_experts": "is expert parallelism, not supported yet; leave the experts out of the plan",
     "grouped_gemm": "is expert parallelism, not supported yet; leave the experts out of the plan",
     "ep_router": "is expert parallelism, not supported yet; leave the router out of the plan",
-    "mla_kv_a_proj": "is not supported yet; leave the module out of the plan",
+    "mla_kv_a_proj": ("is not supported yet; leave the module out of the plan: pass a dict, the model's "
+                      "config.base_model_tp_plan without this pattern (and without patterns the model lacks), "
+                      "and the projection stays whole on every TP rank"),
     "local_params": _LOCAL, "local": _LOCAL, "local_colwise": _LOCAL, "local_rowwise": _LOCAL,
     "local_packed_rowwise": _LOCAL, "gather": _LOCAL, "isolated": _LOCAL,
     "unit_colwise": "is not supported yet; plan the module 'colwise'",
