@@ -51,6 +51,9 @@ def encode_artifact(traced, key: Any, plan: Plan, slots: list[Slot], stats: dict
                     "constants": [[i, v] for i, v in sorted(traced.out_constants.items())],
                     "tensors": [_val_entry(v) for v in _output_vals(gm)]},
     }
+    left = getattr(traced, "gradients_left", None)
+    if left is not None and left.params:  # the graph's last outputs: [param input index, keep .grad]
+        layout["outputs"]["gradients"] = [[i, keep] for i, keep in zip(left.params, left.keep)]
     schema = {"mesh_shape": list(plan.mesh_shape),
               "nodes": _schema_map(gm, placeholders, layout["inputs"], traced.group_names)}
     constants = {}
@@ -136,6 +139,16 @@ def check_layout(layout, digest: str, world_size: int) -> None:
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)
                 and isinstance(item[1], (int, float, bool, str, type(None)))):
             bad(f"output constant {str(item)[:60]!r} is malformed")
+    gradients = outputs.get("gradients", [])
+    n_params = sum(1 for entry in layout["inputs"] if entry["kind"] == "param")
+    if not isinstance(gradients, list) or len(gradients) > n_params:
+        bad("output gradients must be a list of at most one per parameter")
+    for item in gradients:
+        if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int and 0 <= item[0] < n_params
+                and isinstance(item[1], bool)):
+            bad(f"output gradient {str(item)[:60]!r} is malformed")
+    if len({item[0] for item in gradients}) != len(gradients):
+        bad("output gradients name a parameter twice")
 
 
 _LAYOUT_FIELDS = {"kind": str, "fqn": str, "local_shape": list, "dtype": str, "placement": list}

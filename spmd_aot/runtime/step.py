@@ -377,6 +377,9 @@ class _BoundStep:
         self.baked = state.baked_hyperparameters()
         self.out_spec = artifact.out_spec()
         self.out_constants = dict((int(i), v) for i, v in artifact.layout["outputs"]["constants"])
+        # the gradients the step leaves on its parameters: the graph's last outputs (tracing/gradients_left.py)
+        self.gradients = [(state.params[i][1], keep) for i, keep in artifact.layout["outputs"].get("gradients", [])]
+        self.digest = artifact.digest
         self._cached_state = None  # (optimizer state dict, watched entries, state inputs)
         self.modules = list(state.model.modules())
         self.modes = [m.training for m in self.modules]  # train/eval is in the key (dropout, BatchNorm)
@@ -436,7 +439,31 @@ class _BoundStep:
             optim._opt_called = True  # read by torch's LRScheduler.step (else it warns of a wrong call order)
         n = self.out_spec.num_leaves
         leaves = [self.out_constants[i] if i in self.out_constants else next(outs) for i in range(n)]
+        if self.gradients:
+            self._leave_gradients(list(outs))
         return pytree.tree_unflatten(leaves, self.out_spec)
+
+    def _leave_gradients(self, grads: list[torch.Tensor]) -> None:
+        """Put the step's gradients on ``p.grad`` as eager leaves them: under replicate the whole
+        averaged gradient (DDP's), under shard a DTensor of this rank's shard with the
+        parameter's mesh, placements and shape (FSDP2's). A step that cleared with
+        ``set_to_none=False`` writes into the ``.grad`` tensor already there, as eager does."""
+        from torch.distributed.tensor import DTensor
+
+        if len(grads) != len(self.gradients):
+            raise CorruptArtifactError(f"artifact {self.digest[:12]}: the graph returns {len(grads)} gradients "
+                                       f"for the {len(self.gradients)} its layout names")
+        with torch.no_grad():
+            for (p, keep), g in zip(self.gradients, grads):
+                held = p.grad
+                if keep and held is not None and isinstance(held, DTensor) == isinstance(p, DTensor) \
+                        and held.shape == p.shape:
+                    (held._local_tensor if isinstance(held, DTensor) else held).copy_(g)
+                elif isinstance(p, DTensor):
+                    p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
+                                                shape=p.shape, stride=p.stride())
+                else:
+                    p.grad = g
 
 
 _STORE_FAILURES = (CacheIOError, LinkError, LockTimeoutError, OSError)  # the cache cannot take an entry

@@ -30,6 +30,7 @@ from ..format import fused_meta
 from . import grouped_mm
 from . import rnn
 from .accumulation import Accumulation
+from .gradients_left import Clearing, GradientsLeft
 from .casts import forward_casts
 from . import repeated
 from ..errors import UnsupportedError
@@ -58,6 +59,8 @@ class TracedStep:
     untaken: set[int] = dataclasses.field(default_factory=set)
     # how a stack of identical blocks was traced: stamped from three (repeated.py), or why not
     blocks: dict = dataclasses.field(default_factory=dict)
+    # the gradients the step leaves on its parameters: the graph's last outputs (gradients_left.py)
+    gradients_left: GradientsLeft = dataclasses.field(default_factory=GradientsLeft)
 
 
 def trace_step(step: Callable, state: TrainState, plan: Plan, mesh, inputs: list[torch.Tensor],
@@ -107,6 +110,8 @@ def _stamped_trace(step, state: TrainState, plan: Plan, mesh, inputs) -> TracedS
         traced = _StepTracer(step, cut_state, plan, mesh, None, accumulation, recorder).trace(cut_inputs)
         if plan.world_size > 1 and mesh is not None and accumulation.sync_points() is not None:
             raise repeated.NotRepeatable("the step accumulates gradients over several backward() calls")
+        if traced.gradients_left.params:
+            raise repeated.NotRepeatable("the step leaves its gradients on the parameters")
         return traced
 
     done = repeated.stamped(state, plan, inputs, trace_cut)
@@ -146,6 +151,7 @@ class _StepTracer:
         self.without_gradient: set[int] = set()  # traced leaves the optimizer stepped without a gradient
         self.gradient_collectives: dict[str, str] = {}
         self.out_spec = self.out_constants = None
+        self.gradients_left = GradientsLeft()
 
     def trace(self, inputs: list[torch.Tensor]) -> TracedStep:
         """make_fx over ``inputs``; a failure becomes an ``UnsupportedError`` naming the module."""
@@ -176,7 +182,8 @@ class _StepTracer:
             ) from exc
         untaken = self._drop_untaken_state(gm)
         return TracedStep(gm, self.out_spec, self.out_constants, _group_names(gm, self.mesh, self.plan),
-                          self.gradient_collectives, self.groups, self.axis_contexts.budget(), untaken=untaken)
+                          self.gradient_collectives, self.groups, self.axis_contexts.budget(), untaken=untaken,
+                          gradients_left=self.gradients_left)
 
     def _drop_untaken_state(self, gm) -> set[int]:
         """Parameters the optimizer stepped without a gradient (requires_grad, but the loss does
@@ -226,19 +233,33 @@ class _StepTracer:
             _each_optimizer_swapped(state.optim, by_real, traced_state, hypers, self.accumulation,
                                     self.without_gradient, on_step)
         recording = self.recorder.recording() if self.recorder is not None else contextlib.nullcontext()
+        clearing = Clearing(leaves)
         with recording, (self.transform_model() if self.transform_model else contextlib.nullcontext()), \
                 stateless._reparametrize_module(state.model, bindings), computes, resharding(gathers), \
                 optimizer, self.where.tracking(state.model), self.axis_contexts, self.accumulation.recording(), \
-                forward_casts(state.model, self.plan), schedulers_refused():
+                forward_casts(state.model, self.plan), schedulers_refused(), clearing.recording():
             result = self.step(state.model, batch) if forward_only else \
                 self.step(state.model, user_object(state.optim), batch)
-        stale = [names[0] for (names, _), leaf in zip(state.params, leaves) if leaf.grad is not None]
-        if stale:
+        return self._outputs(result) + self._gradients_left(leaves, clearing)
+
+    def _gradients_left(self, leaves: list, clearing: Clearing) -> list:
+        """The local parts of the gradients the step leaves on its parameters, which become the
+        graph's last outputs (``gradients_left.py``); refused where the step did not clear them
+        before their first gradient (they would accumulate across steps)."""
+        left = [i for i, leaf in enumerate(leaves) if leaf.grad is not None]
+        if not left:
+            return []
+        names = [self.state.params[i][0][0] for i in left if id(leaves[i]) not in clearing.cleared]
+        if names:
+            code = getattr(self.step, "__code__", None)
+            where = f"{code.co_filename}:{code.co_firstlineno}: " if code is not None else ""
             raise UnsupportedError(
-                f"the step leaves gradients on {len(stale)} parameter(s) (first: {stale[0]}); "
-                "a compiled step must end with optim.zero_grad() (set_to_none=True, the default)"
-            )
-        return self._outputs(result)
+                f"{where}the step leaves gradients on {len(names)} parameter(s) (first: {names[0]}) that it did "
+                "not clear before their first backward(), so they would accumulate across steps, which a stored "
+                "step cannot carry: call optim.zero_grad() at the start of the step (before the forward) or at "
+                "its end")
+        self.gradients_left = GradientsLeft(tuple(left), tuple(not clearing.cleared[id(leaves[i])] for i in left))
+        return [_local(leaves[i].grad) for i in left]
 
     def _leaves(self, params: list) -> list:
         """The parameters as the expander's leaves, each with a hook naming its gradient's collectives."""
@@ -287,6 +308,16 @@ class _StepTracer:
                 )
         tensors = [v for v in out_leaves if isinstance(v, torch.Tensor)]
         return [_unpartial(v).to_local() if hasattr(v, "to_local") else v for v in tensors]
+
+
+def _local(grad):
+    """A gradient's local part: a DTensor's (Replicate under replicate, the parameter's shard
+    under shard: the gradient is reduced by then), a plain tensor as it is."""
+    if not hasattr(grad, "to_local"):
+        return grad
+    if any(p.is_partial() for p in grad.placements):
+        raise AssertionError(f"a gradient left unreduced ({grad.placements}) at the end of the step")
+    return grad.to_local()
 
 
 def _unpartial(v):

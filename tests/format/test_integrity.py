@@ -558,7 +558,11 @@ def test_ref_to_another_keys_manifest_is_not_served(store, built, tmp_path):
     lambda layout: layout.update(outputs={}),
     lambda layout: layout["outputs"].update(spec="not a spec"),
     lambda layout: layout["inputs"][0].update(local_shape="3x4"),
-], ids=["inputs-not-maps", "no-outputs", "bad-spec", "shape-not-list"])
+    lambda layout: layout["outputs"].update(gradients={"0": True}),
+    lambda layout: layout["outputs"].update(gradients=[[len(layout["inputs"]), True]]),
+    lambda layout: layout["outputs"].update(gradients=[[0, True], [0, False]]),
+], ids=["inputs-not-maps", "no-outputs", "bad-spec", "shape-not-list", "gradients-not-list",
+        "gradient-of-no-parameter", "gradient-twice"])
 def test_malformed_layout_is_refused_on_read(store, built, mutate):
     manifest = read_manifest(store, built[1])
     layout = _unpack(store.get(manifest["blobs"]["layout"]))

@@ -274,6 +274,91 @@ def _worker(rank, world, cases, cache_dir):
                 "groups_compiled": [{k: v for k, v in g.items() if k != "params"} for g in got[1].param_groups],
                 "moved": ref[3],
             }
+    for placement in PLACEMENTS:  # after the cases: their caches hold plain_step
+        out["zero_grad_first", placement] = _zero_grad_first(placement, rank, world, cache_dir)
+    return out
+
+
+# ---------------------------------------------------------------------------- zero_grad first
+def zero_grad_first(model, optim, batch):
+    """PyTorch's tutorial order: gradients cleared first, this step's left on the parameters
+    (after clipping, as users clip)."""
+    x, y = batch
+    optim.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    optim.step()
+    return loss
+
+
+def zero_grad_kept(model, optim, batch):
+    """The model's zero_grad, keeping the .grad tensors (eager writes into the same ones)."""
+    x, y = batch
+    model.zero_grad(set_to_none=False)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def accumulating(model, optim, batch):
+    """Gradients never cleared: they accumulate across steps."""
+    x, y = batch
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optim.step()
+
+
+# name -> (case of CASES whose model, optimizer and batch it runs, step); its cache is the case's,
+# where plain_step (zero_grad last) is stored: the step's own source must make it miss
+ZERO_GRAD_FIRST = {"zero_grad_first": ("frozen_adamw", zero_grad_first),
+                   "zero_grad_kept": ("frozen_sgd", zero_grad_kept)}
+ZERO_GRAD_STEPS = 3
+
+
+def _grads(model) -> dict:
+    """Each parameter's .grad: whole value, placements under shard, and the tensor's identity."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        out[name] = None if g is None else (train_steps.full(g).detach().clone(), str(getattr(g, "placements", None)),
+                                            tuple(g.shape), id(g))
+    return out
+
+
+def _zero_grad_run(case, step, placement, rank, world, fn=None):
+    make_model, make_optim, _, batch = CASES[case]
+    torch.manual_seed(0)
+    model = make_model()
+    stepped = _eager_model(model, placement, world) if fn is None else model
+    optim = make_optim(model)
+    losses, grads = [], []
+    for s in range(ZERO_GRAD_STEPS):
+        losses.append((fn or step)(stepped, optim, batch(rank, s)).detach())
+        grads.append(_grads(model))
+    return model, optim, losses, grads
+
+
+def _zero_grad_first(placement, rank, world, cache_dir):
+    out = {}
+    for name, (case, step) in ZERO_GRAD_FIRST.items():
+        ref = _zero_grad_run(case, step, placement, rank, world)
+        fn = spmd_aot.compile(step, placement=placement, cache_dir=f"{cache_dir}/{case}-{placement}")
+        got = _zero_grad_run(case, step, placement, rank, world, fn)
+        grad_diff, described = 0.0, []
+        for g1, g2 in zip(ref[3], got[3]):
+            for k in g1:
+                if g1[k] is not None and g2[k] is not None:
+                    grad_diff = max(grad_diff, (g1[k][0].float() - g2[k][0].float()).abs().max().item())
+            described.append({k: v and v[1:3] for k, v in g1.items()} == {k: v and v[1:3] for k, v in g2.items()})
+        same_tensor = [[g[k] is not None and g[k][3] == steps[0][k][3] for k in g] for steps in (ref[3], got[3])
+                       for g in steps[1:]]
+        out[name] = {"diffs": _diffs(ref[:3] + (None,), got[:3] + (None,)), "grad": grad_diff,
+                     "described": described, "hit": fn.cache_info.hit,
+                     "frozen_none": [[v is None for k, v in g.items() if k.startswith(("embed", "encoder"))]
+                                     for g in got[3]],
+                     "same_tensor": same_tensor[:ZERO_GRAD_STEPS - 1], "same_tensor_got": same_tensor[ZERO_GRAD_STEPS - 1:],
+                     "placements": sorted({v[1] for v in got[3][-1].values() if v is not None})}
     return out
 
 
@@ -588,3 +673,30 @@ def test_the_stored_graph_reads_every_hyperparameter_input(tmp_path, make_optim,
     hyper = {s["fqn"]: i for s, i in zip(artifact.layout["inputs"], placeholders) if s["kind"] == "hyper"}
     assert {fqn.removeprefix("param_groups[0].") for fqn in hyper} == fed
     assert all(i in read for i in hyper.values()), [f for f, i in hyper.items() if i not in read]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_zero_grad_first_matches_eager_and_leaves_its_gradients(results, placement):
+    """optim.zero_grad() first (AdamW, clipped) and model.zero_grad(set_to_none=False) first
+    (SGD momentum): parameters, optimizer state, losses and every parameter's .grad after each
+    step as eager DDP / fully_shard leave them (DTensor shards with the parameter's placement
+    under shard), frozen ones None; set_to_none=False keeps each .grad tensor, as eager; the
+    stored zero_grad-last step of the same job does not serve them."""
+    for per_rank in results:
+        for name, r in per_rank["zero_grad_first", placement].items():
+            print(name, placement, r)
+            assert not r["hit"], name
+            assert max(r["diffs"].values()) < TOLERANCE and r["grad"] < TOLERANCE, (name, r)
+            assert all(r["described"]), (name, r)
+            assert all(all(step) for step in r["frozen_none"]), (name, r)
+            assert r["placements"] == (["(Shard(dim=0),)"] if placement == "shard" else ["None"]), r
+            if name == "zero_grad_kept":  # the 4 trained parameters' .grad: the same tensors every step
+                assert all(sum(step) == 4 for steps in (r["same_tensor"], r["same_tensor_got"]) for step in steps), r
+
+
+def test_gradients_left_without_clearing_first_are_refused(tmp_path):
+    job = spmd_aot.Job(step=accumulating, model=train_steps.mlp, optimizer=train_steps.sgd,
+                       batch=lambda: train_steps.class_batch(0, 0))
+    with pytest.raises(spmd_aot.UnsupportedError, match=r"did not clear before their first backward\(\)") as info:
+        spmd_aot.build(job, world_size=2, placement="replicate", cache_dir=tmp_path)
+    assert "test_step_patterns.py:" in str(info.value) and "optim.zero_grad() at the start" in str(info.value)
