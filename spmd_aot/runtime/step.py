@@ -455,13 +455,19 @@ class _BoundStep:
                                        f"for the {len(self.gradients)} its layout names")
         with torch.no_grad():
             for (p, keep), g in zip(self.gradients, grads):
+                sharded = isinstance(p, DTensor)
+                local = p._local_tensor if sharded else p
+                if sharded and g.shape[1:] == local.shape[1:] and 0 <= local.shape[0] <= g.shape[0]:
+                    g = g[:local.shape[0]]  # the graph's padded shard: this rank's rows (sharding.py)
+                if g.shape != local.shape or g.dtype != p.dtype:
+                    raise CorruptArtifactError(
+                        f"artifact {self.digest[:12]}: the graph returns a {g.dtype} {list(g.shape)} gradient for "
+                        f"a {p.dtype} parameter of local shape {list(local.shape)}")
                 held = p.grad
-                if keep and held is not None and isinstance(held, DTensor) == isinstance(p, DTensor) \
-                        and held.shape == p.shape:
-                    (held._local_tensor if isinstance(held, DTensor) else held).copy_(g)
-                elif isinstance(p, DTensor):
-                    p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
-                                                shape=p.shape, stride=p.stride())
+                if keep and held is not None and isinstance(held, DTensor) == sharded and held.shape == p.shape:
+                    (held._local_tensor if sharded else held).copy_(g)
+                elif sharded:  # the parameter's own spec (mesh, placements, global shape): DTensor.from_local's
+                    p.grad = DTensor(g, p._spec, requires_grad=False)  # result, without its autograd wrapper
                 else:
                     p.grad = g
 

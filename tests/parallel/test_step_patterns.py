@@ -317,12 +317,13 @@ ZERO_GRAD_STEPS = 3
 
 
 def _grads(model) -> dict:
-    """Each parameter's .grad: whole value, placements under shard, and the tensor's identity."""
+    """Each parameter's .grad: whole value, placements under shard, global and local shapes (an
+    uneven shard: 5 rows on 2 ranks), and the tensor's identity."""
     out = {}
     for name, p in model.named_parameters():
         g = p.grad
         out[name] = None if g is None else (train_steps.full(g).detach().clone(), str(getattr(g, "placements", None)),
-                                            tuple(g.shape), id(g))
+                                            (tuple(g.shape), tuple(getattr(g, "_local_tensor", g).shape)), id(g))
     return out
 
 
