@@ -139,7 +139,21 @@ print(json.dumps({{"validate": "spmd_aot.format.validate" in sys.modules,
 
 
 def test_a_tampered_program_part_is_refused(signed, tmp_path, monkeypatch):
+    from spmd_aot.entries import check_entry
+
     store, key, digest = signed
+    # 0. the program part is what a signed load runs: the graph, code and schema are read (and
+    # re-hashed) only if asked for, so a damaged graph blob is refused when read, by verify too
+    graph = read_manifest(store, digest)["blobs"]["graph"]
+    path = store.blob_path(graph)
+    os.chmod(path, 0o600)
+    path.write_bytes(path.read_bytes()[:-1] + b"\0")
+    art = read_artifact(store, digest)  # not read: the entry loads from its program part
+    assert program_blob.program(art, [], torch.device("cpu")) is not None
+    with pytest.raises(CorruptArtifactError, match=graph[:16]):
+        art.graph  # noqa: B018
+    with pytest.raises(CorruptArtifactError, match=graph[:16]):  # now quarantined: missing
+        check_entry(store, key, digest)
     part = read_manifest(store, digest)["blobs"][program_blob.PART]
     # 1. the bytes changed in place: they no longer hash to the name the signed manifest pins
     path = store.blob_path(part)
@@ -161,24 +175,6 @@ def test_a_tampered_program_part_is_refused(signed, tmp_path, monkeypatch):
         read_artifact(store, other)
     with pytest.raises(Exception, match="signature"):
         hit_and_eager(tmp_path / "signed", steps=1)
-
-
-def test_a_signed_load_reads_its_graph_only_when_asked_and_verifies_it_then(signed):
-    """The program part is what a signed load runs: its graph, code and schema are read (and
-    re-hashed) only if asked for, so a damaged graph blob is refused when read, by verify too."""
-    from spmd_aot.entries import check_entry
-
-    store, key, digest = signed
-    graph = read_manifest(store, digest)["blobs"]["graph"]
-    path = store.blob_path(graph)
-    os.chmod(path, 0o600)
-    path.write_bytes(path.read_bytes()[:-1] + b"\0")
-    art = read_artifact(store, digest)  # not read: the entry loads from its program part
-    assert program_blob.program(art, [], torch.device("cpu")) is not None
-    with pytest.raises(CorruptArtifactError, match=graph[:16]):
-        art.graph  # noqa: B018
-    with pytest.raises(CorruptArtifactError, match=graph[:16]):  # now quarantined: missing
-        check_entry(store, key, digest)
 
 
 def test_an_unsigned_entry_with_a_forged_program_part_is_checked_in_full(tmp_path, state, checks):
