@@ -28,6 +28,8 @@ import dataclasses
 
 import torch
 
+from ..errors import UnsupportedError
+
 __all__ = ["Clearing", "GradientsLeft"]
 
 
@@ -67,6 +69,23 @@ class Clearing:
             if id(p) in self.ids and id(p) not in self.arrived:
                 self.cleared[id(p)] = bool(set_to_none)
 
+    def left(self, leaves, names: list[str], step) -> tuple[GradientsLeft, list[torch.Tensor]]:
+        """After the step: which parameters it leaves a gradient on, and those gradients' local
+        parts (the graph's last outputs); refused where the step did not clear them before
+        their first gradient (``names`` are the parameters' names, ``step`` the user's function)."""
+        left = [i for i, leaf in enumerate(leaves) if leaf.grad is not None]
+        uncleared = [names[i] for i in left if id(leaves[i]) not in self.cleared]
+        if uncleared:
+            code = getattr(step, "__code__", None)
+            where = f"{code.co_filename}:{code.co_firstlineno}: " if code is not None else ""
+            raise UnsupportedError(
+                f"{where}the step leaves gradients on {len(uncleared)} parameter(s) (first: {uncleared[0]}) that it "
+                "did not clear before their first backward(), so they would accumulate across steps, which a stored "
+                "step cannot carry: call optim.zero_grad() at the start of the step (before the forward) or at "
+                "its end")
+        found = GradientsLeft(tuple(left), tuple(not self.cleared[id(leaves[i])] for i in left))
+        return found, [_local(leaves[i].grad) for i in left]
+
     @contextlib.contextmanager
     def recording(self):
         optimizer_zero_grad = torch.optim.Optimizer.zero_grad
@@ -97,3 +116,13 @@ class Clearing:
             del torch.Tensor.grad
             torch.nn.Module.zero_grad = module_zero_grad
             torch.optim.Optimizer.zero_grad = optimizer_zero_grad
+
+
+def _local(grad):
+    """A gradient's local part: a DTensor's (Replicate under replicate, the parameter's padded
+    shard under shard: reduced by the end of the step), a plain tensor as it is."""
+    if not hasattr(grad, "to_local"):
+        return grad
+    if any(p.is_partial() for p in grad.placements):
+        raise AssertionError(f"a gradient left unreduced ({grad.placements}) at the end of the step")
+    return grad.to_local()

@@ -240,26 +240,8 @@ class _StepTracer:
                 forward_casts(state.model, self.plan), schedulers_refused(), clearing.recording():
             result = self.step(state.model, batch) if forward_only else \
                 self.step(state.model, user_object(state.optim), batch)
-        return self._outputs(result) + self._gradients_left(leaves, clearing)
-
-    def _gradients_left(self, leaves: list, clearing: Clearing) -> list:
-        """The local parts of the gradients the step leaves on its parameters, which become the
-        graph's last outputs (``gradients_left.py``); refused where the step did not clear them
-        before their first gradient (they would accumulate across steps)."""
-        left = [i for i, leaf in enumerate(leaves) if leaf.grad is not None]
-        if not left:
-            return []
-        names = [self.state.params[i][0][0] for i in left if id(leaves[i]) not in clearing.cleared]
-        if names:
-            code = getattr(self.step, "__code__", None)
-            where = f"{code.co_filename}:{code.co_firstlineno}: " if code is not None else ""
-            raise UnsupportedError(
-                f"{where}the step leaves gradients on {len(names)} parameter(s) (first: {names[0]}) that it did "
-                "not clear before their first backward(), so they would accumulate across steps, which a stored "
-                "step cannot carry: call optim.zero_grad() at the start of the step (before the forward) or at "
-                "its end")
-        self.gradients_left = GradientsLeft(tuple(left), tuple(not clearing.cleared[id(leaves[i])] for i in left))
-        return [_local(leaves[i].grad) for i in left]
+        self.gradients_left, grads = clearing.left(leaves, [names[0] for names, _ in state.params], self.step)
+        return self._outputs(result) + grads
 
     def _leaves(self, params: list) -> list:
         """The parameters as the expander's leaves, each with a hook naming its gradient's collectives."""
@@ -308,16 +290,6 @@ class _StepTracer:
                 )
         tensors = [v for v in out_leaves if isinstance(v, torch.Tensor)]
         return [_unpartial(v).to_local() if hasattr(v, "to_local") else v for v in tensors]
-
-
-def _local(grad):
-    """A gradient's local part: a DTensor's (Replicate under replicate, the parameter's shard
-    under shard: the gradient is reduced by then), a plain tensor as it is."""
-    if not hasattr(grad, "to_local"):
-        return grad
-    if any(p.is_partial() for p in grad.placements):
-        raise AssertionError(f"a gradient left unreduced ({grad.placements}) at the end of the step")
-    return grad.to_local()
 
 
 def _unpartial(v):
