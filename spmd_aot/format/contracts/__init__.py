@@ -10,7 +10,7 @@ meta kernels are no bounds checks either. So an op is admitted only with a contr
 * general rules, from the op's schema, for every op: a tensor the op writes (``a!``, ``out=``)
   has no internal overlap (no stride 0, no self-overlapping strides) and overlaps no other
   argument, except the identical tensor where the kernel is elementwise (``x.add_(x)``);
-* one relation checker per op family (``checkers``; ``table.CONTRACTS``: overload name -> checker), as data; a
+* one relation checker per op family (``checkers``, ``normalization``; ``table.CONTRACTS``: overload name -> checker), as data; a
   checker states the exact size, dtype, stride and contiguity relations between arguments;
   ``views`` holds those of the views that reinterpret memory (``as_strided``: its extent inside
   its input's storage; the complex views of rotary embeddings: pairs that line up).

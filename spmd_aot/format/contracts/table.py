@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 from ..allowlist import is_opted_in
 from .rules import _bind, _general
-from .checkers import (attention_cpu, batch_norm, batch_norm_writes, bucketize, collective, convolution, dims, elementwise,
-                       factory, fft, foreach, fused_step, grid_sampler, group_norm, index_values, layer_norm,
-                       log_sigmoid_backward, matmul, nll_loss, pooling, softmax, unchecked_by_design,
-                       weight_norm)
+from .checkers import (attention_cpu, bucketize, collective, convolution, dims, elementwise, factory, fft, foreach,
+                       fused_step, grid_sampler, index_values, log_sigmoid_backward, matmul, nll_loss, pooling,
+                       softmax, unchecked_by_design)
+from .normalization import batch_norm, batch_norm_writes, group_norm, layer_norm, weight_norm
 from .all_to_all import all_to_all_single
 from .views import complex_view, conj_view, polar, real_view, split_views, strided_view
 
