@@ -5,8 +5,9 @@ A stack qualifies when one ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict``
 blocks as children ``0, 1, ...``, every block is described identically by the key's
 fingerprint (``keying/fingerprint.py``: class, code, attributes, parameter and buffer shapes
 and dtypes, hooks), every block's parameters have the same layouts under the plan and none is
-shared with anything outside its block, and the plan has no axis that treats blocks apart
-(tensor, context, expert or pipeline parallel; shard-group patterns). Anything else is traced
+shared with anything outside its block, every module of a block takes the tensor-parallel
+style its counterpart in block 0 takes, and the plan has no axis that treats blocks apart
+(context, expert or pipeline parallel; shard-group patterns). Anything else is traced
 whole, and the reason is kept in the entry's statistics.
 
 The cut model is the user's own objects, shortened in place for the duration of a trace: the
@@ -27,6 +28,7 @@ from torch import nn
 
 from ..parallel.groups import block_prefixes
 from ..parallel.plan import Plan
+from ..parallel.tp_plan import first_match
 import torch.utils._pytree as pytree
 
 from ..state import TrainState
@@ -72,8 +74,12 @@ def find_stack(state, plan: Plan) -> Stack | str | None:
 
 
 def _refusal(state, plan: Plan, stack: Stack) -> str | None:
-    if plan.tp > 1 or plan.cp > 1 or plan.ep > 1 or plan.shard_groups:
+    if plan.cp > 1 or plan.ep > 1 or plan.shard_groups:
         return "the plan has an axis or shard-group patterns that may treat blocks apart"
+    if plan.tp_plan:
+        apart = _tp_apart(plan, stack)
+        if apart:
+            return apart
     if state.optim is not None and (len(members(state.optim)) != 1 or "step" in vars(state.optim)):
         return "several optimizers, or an optimizer whose step is wrapped"
     blocks = list(stack.container.children())
@@ -92,6 +98,32 @@ def _refusal(state, plan: Plan, stack: Stack) -> str | None:
             layouts[block].append((rest, plan.layout_for(names[0], p.shape)))
     if any(v != layouts[0] for v in layouts.values()):
         return "the blocks' parameters are laid out differently"
+    return None
+
+
+def _tp_apart(plan: Plan, stack: Stack) -> str | None:
+    """Why the tp_plan treats a block apart from block 0, or None: every module of every block
+    must take the style its counterpart in block 0 takes (first match wins, as the plan is
+    applied), or none when that one takes none. Patterns are matched against the module names,
+    not compared as text: ``layers.*.attn.q`` and ``layers.1*.attn.q`` (blocks 1 and 10-19)
+    read alike but plan different blocks."""
+    def styles(i: int, block: nn.Module) -> dict[str, str | None]:
+        head = f"{stack.prefix}{i}"
+        out = {}
+        for rel, _ in block.named_modules():
+            match = first_match(plan.tp_plan, f"{head}.{rel}" if rel else head)
+            out[rel] = match and match[1]
+        return out
+
+    blocks = list(stack.container.children())
+    first = styles(0, blocks[0])
+    for i, block in enumerate(blocks[1:], 1):
+        other = styles(i, block)
+        if other != first:
+            rel = next(r for r in [*first, *other] if first.get(r) != other.get(r))
+            name = f"{stack.prefix}{i}" + (f".{rel}" if rel else "")
+            return (f"the tp_plan treats block {stack.prefix}{i} apart: module {name} takes style "
+                    f"{other.get(rel)!r}, its counterpart in block {stack.prefix}0 {first.get(rel)!r}")
     return None
 
 
@@ -254,8 +286,7 @@ def stamped(state, plan: Plan, inputs: list, trace_cut):
                 raise NotRepeatable("a parameter gets no gradient")
             cuts.append((traced, recorder.labels(slots)))
         (small, labels), (check, _) = cuts
-        if small.axis_budget != check.axis_budget:
-            raise NotRepeatable("the axes' collectives grow with the blocks")
+        budget = _budget(small.axis_budget, check.axis_budget, stack.depth)
         with _unprofiled():
             template = Template(small.gm, labels)
             _same(template.stamp(TEMPLATE_DEPTH + 1)[0], check.gm)
@@ -265,6 +296,7 @@ def stamped(state, plan: Plan, inputs: list, trace_cut):
         return str(exc)
     except Exception as exc:  # the full trace reports a failing step in its own words
         return f"tracing {TEMPLATE_DEPTH} blocks failed: {type(exc).__name__}: {str(exc)[:200]}"
+    small.axis_budget = budget  # the template's budget made the whole stack's (the caller reads it there)
     collectives = {}
     by_name = {n.name: n for n in small.gm.graph.nodes}
     for name, fqn in small.gradient_collectives.items():
@@ -272,6 +304,20 @@ def stamped(state, plan: Plan, inputs: list, trace_cut):
             collectives[new.name] = fqn if ctx is None else _renamed(fqn, stack.prefix, ctx)
     blocks = {"stamped": stack.depth, "traced": [TEMPLATE_DEPTH, TEMPLATE_DEPTH + 1], "prefix": stack.prefix}
     return gm, collectives, small, blocks
+
+
+def _budget(three: dict[str, int], four: dict[str, int], depth: int) -> dict[str, int]:
+    """The collectives the axes' calls may add over ``depth`` blocks, from the traces of three
+    and four: what the fourth block added, once per block past the third. Tensor parallel adds
+    its collectives per call of a planned module, so each block adds its own; a kind that shrank
+    with the blocks means the axes do not treat each block alike, which stamping cannot carry."""
+    out = {}
+    for kind in sorted(three.keys() | four.keys()):
+        per_block = four.get(kind, 0) - three.get(kind, 0)
+        if per_block < 0:
+            raise NotRepeatable(f"the axes' {kind} collectives shrink with the blocks")
+        out[kind] = three.get(kind, 0) + (depth - TEMPLATE_DEPTH) * per_block
+    return out
 
 
 @contextlib.contextmanager

@@ -394,11 +394,16 @@ class _Stamper:
         return out
 
     def rename(self, value, ctx):
-        """FQNs and labels of template block ``ctx[0]`` made block ``ctx[1]``'s."""
+        """FQNs and labels of template block ``ctx[0]`` made block ``ctx[1]``'s: a label names
+        its block's modules inside text too (tensor parallel's ``tp layers.1.mlp.2 output``), so
+        every whole name of the block in a string is renamed, not only a leading one."""
         if isinstance(value, str):
             old = f"{self.t.prefix}{ctx[0]}"
+            new = f"{self.t.prefix}{ctx[1]}"
             if value == old or value.startswith(old + "."):
-                return f"{self.t.prefix}{ctx[1]}" + value[len(old):]
+                value = new + value[len(old):]
+            if self.t.prefix and old in value:  # without a prefix a block's name is a bare number
+                value = re.sub(rf"(?<![\w.]){re.escape(old)}(?=[.\s]|$)", new, value)
             return value
         if isinstance(value, (list, tuple)):
             return type(value)(self.rename(v, ctx) for v in value)

@@ -123,8 +123,8 @@ def _llama(depth):
                         model=lambda: corpus._decoder("LlamaConfig", "LlamaForCausalLM", num_hidden_layers=depth))
 
 
-def _traced(job, placement: str, by_blocks: bool, world: int = 4):
-    plan = ParallelOptions(placement=placement).plan(world, "cpu")
+def _traced(job, placement: str, by_blocks: bool, world: int = 4, **options):
+    plan = ParallelOptions(placement=placement, **options).plan(world, "cpu")
     fake_mode = FakeTensorMode()
     state = _fake_state(job, plan, fake_mode)
     with fake_world(world):
@@ -139,12 +139,21 @@ def low_threshold(monkeypatch):
     monkeypatch.setattr(repeated, "MIN_BLOCKS", 5)  # stamp small stacks, so the full trace stays cheap
 
 
-@pytest.mark.parametrize("model,depth,placement", [  # each case traces 3 + 4 + depth blocks
-    ("mlp", 5, "shard"), ("mlp", 6, "shard"), ("mlp", 6, "replicate"), ("mlp_clipped", 5, "shard"),
-    ("lm", 5, "shard"), ("llama", 5, "replicate")])
-def test_a_stamped_stack_is_node_for_node_the_full_trace(low_threshold, model, depth, placement):
+# tensor parallel inside each block (its all-reduces and gathers are the block's nodes), on
+# FSDP x TP, HSDP x TP and transformers' own plan on DDP x TP (each also covers its DP placement)
+_LM_TP = {"tp_plan": {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}}
+_MESHES = {"": ({}, 4), "fsdp_tp": ({**_LM_TP, "mesh_shape": (2, 2)}, 4),
+           "hsdp_tp": ({**_LM_TP, "mesh_shape": (2, 2, 2)}, 8), "hf_tp": ({"tp_plan": "hf", "mesh_shape": (2, 2)}, 4)}
+
+
+@pytest.mark.parametrize("model,depth,placement,mesh", [  # each case traces 3 + 4 + depth blocks
+    ("mlp", 5, "shard", ""), ("mlp", 6, "shard", ""), ("mlp", 6, "replicate", ""), ("mlp_clipped", 5, "shard", ""),
+    ("lm", 5, "shard", "fsdp_tp"), ("lm", 5, "shard", "hsdp_tp"), ("llama", 5, "replicate", "hf_tp")])
+def test_a_stamped_stack_is_node_for_node_the_full_trace(low_threshold, model, depth, placement, mesh):
     job = {"mlp": _mlp, "mlp_clipped": _mlp_clipped, "lm": _lm, "llama": _llama}[model](depth)
-    stamped, full = _traced(job, placement, True), _traced(job, placement, False)
+    options, world = _MESHES[mesh]
+    stamped = _traced(job, placement, True, world, **options)
+    full = _traced(job, placement, False, world, **options)
     assert stamped.blocks["stamped"] == depth and full.blocks == {}
     a, b = signature(stamped.gm), signature(full.gm)
     assert len(a) == len(b)
@@ -173,3 +182,11 @@ def test_a_stamped_build_passes_the_load_check_and_says_so(tmp_path):
                        batch=lambda: torch.randn(4, 8))
     built = spmd_aot.build(job, world_size=4, placement="shard", cache_dir=tmp_path)  # checks as a load does
     assert built.stats["blocks"] == {"stamped": repeated.MIN_BLOCKS, "traced": [3, 4], "prefix": "layers."}
+
+
+def test_a_tp_plan_that_treats_one_block_apart_is_traced_whole(low_threshold):
+    plan = {"blocks.3.mlp.0": "colwise", "blocks.3.mlp.2": "rowwise"}  # block 3 alone split
+    traced = _traced(_lm(5), "shard", True, 4, tp_plan=plan, mesh_shape=(2, 2))
+    assert traced.blocks == {"full_trace": "the tp_plan treats block blocks.3 apart: module blocks.3.mlp.0 takes "
+                                           "style 'colwise', its counterpart in block blocks.0 None"}
+    assert any("tp blocks.3.mlp.2" in repr(n.meta.get("comm")) for n in traced.gm.graph.nodes)
