@@ -16,10 +16,13 @@ nothing.
 sequence 8192 unless ``--seq``), with ``--param-dtype bf16``, ``--checkpoint`` (every block),
 ``--mesh-shape RxS[xT]`` and ``--tp`` (torchtitan's TP plan on the last mesh dimension), and prints
 ``spmd-aot plan``'s per-rank estimate for the same configuration beside the build's.
+``--full-trace`` traces every block instead of stamping the stack from three (the baseline).
 
     PYTHONPATH=. python tools/bench/bench_build_scale.py [--layers 80] [--world 1024] [--placement shard]
         [--stages] [--without-recorder]
     PYTHONPATH=. python tools/bench/bench_build_scale.py --shape 70b --world 1024 --param-dtype bf16 --checkpoint
+    PYTHONPATH=. python tools/bench/bench_build_scale.py --shape 405b --layers 126 --world 2048 \
+        --mesh-shape 256x8 --tp --param-dtype bf16 --checkpoint
 """
 
 from __future__ import annotations
@@ -196,6 +199,19 @@ def _without_recorder():
         guards.recording_sources = original
 
 
+@contextlib.contextmanager
+def _full_trace():
+    """No stack counts as deep enough to stamp: every block is traced, as before stamping."""
+    from spmd_aot.tracing import repeated
+
+    original = repeated.MIN_BLOCKS
+    repeated.MIN_BLOCKS = sys.maxsize
+    try:
+        yield
+    finally:
+        repeated.MIN_BLOCKS = original
+
+
 def _shape_job(args, layers: int):
     """A Llama-3 shape (``--shape``), its build options and the plan's estimate of them (GiB per rank)."""
     import llama3_shapes
@@ -231,7 +247,8 @@ def _build_once(args, layers: int) -> dict:
             batch=lambda: (torch.randint(0, vocab, (1, seq)), torch.randint(0, vocab, (1, seq))))
     with tempfile.TemporaryDirectory() as cache, \
             (_stage_clock() if args.stages else contextlib.nullcontext({})) as stages, \
-            (_without_recorder() if args.without_recorder else contextlib.nullcontext()):
+            (_without_recorder() if args.without_recorder else contextlib.nullcontext()), \
+            (_full_trace() if args.full_trace else contextlib.nullcontext()):
         start, cpu = time.perf_counter(), time.process_time()
         built = spmd_aot.build(job, world_size=args.world, cache_dir=cache, **options)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -248,7 +265,8 @@ def _report(args, r: dict) -> None:
           f"peak RSS {r['rss_gb']:.2f} GB, {r['nodes']} nodes, collectives {r['by_kind']}, "
           f"estimated peak live tensors {r['peak_gib']:.2f} GiB per rank"
           + (f"; spmd-aot plan's estimate {r['plan_gib']:.2f} GiB" if r.get("plan_gib") is not None else "")
-          + (" [without the source recorder]" if args.without_recorder else ""))
+          + (" [without the source recorder]" if args.without_recorder else "")
+          + (" [every block traced]" if args.full_trace else ""))
     if r.get("blocks"):  # a stack of identical blocks: stamped from three and four, or why it was traced whole
         print(f"    blocks: {r['blocks']}")
     stages = dict(r["stages"])
@@ -272,6 +290,8 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", action="store_true", help="CPU seconds per build stage")
     parser.add_argument("--without-recorder", action="store_true",
                         help="build without the source recorder (measures its share; the entry guards nothing)")
+    parser.add_argument("--full-trace", action="store_true",
+                        help="trace every block, as before stacks were stamped (the baseline to compare)")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one depth, for the parent
     args = parser.parse_args(argv)
     depths = [int(d) for d in args.layers.split(",")]
@@ -290,6 +310,7 @@ def main(argv=None) -> int:
             command += [f"--{flag.replace('_', '-')}", getattr(args, flag)] if getattr(args, flag) else []
         command += ["--tp"] * args.tp + ["--checkpoint"] * args.checkpoint
         command += ["--stages"] * args.stages + ["--without-recorder"] * args.without_recorder
+        command += ["--full-trace"] * args.full_trace
         done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))
         if done.returncode:
             sys.stderr.write(done.stderr)
