@@ -174,6 +174,34 @@ def cut_to(state, stack: Stack, depth: int):
             o.state = st
 
 
+@contextlib.contextmanager
+def _last_indices(stack: Stack, depth: int, *, checking: bool):
+    """For the check trace (``checking``): blocks 1.. of the cut carry the indices of the stack's
+    last blocks in their index attributes, restored on exit.
+
+    Why: blocks may differ only by an integer that is each block's own index (``_alike``:
+    transformers' ``layer_idx``), which the stamp assumes the step never reads. A forward that
+    does read it (``config.layer_types[self.layer_idx]``, a last-layer special case, a threshold
+    past the first blocks) gives the check trace another graph than the stamp of the three-block
+    trace, whose blocks carry 0, 1, 2, and the stack is traced whole. An index read only inside
+    the blocks the check does not carry (one middle block alone) is not seen."""
+    changed = []
+    if checking:
+        blocks = list(stack.container.children())
+        for i, block in enumerate(blocks[1:], 1):
+            late = stack.depth - depth + i
+            for (_, first), (_, module) in zip(blocks[0].named_modules(), block.named_modules()):
+                for name, value in list(vars(module).items()):
+                    if type(value) is int and value == i and vars(first).get(name) == 0:
+                        changed.append((module, name, value))
+                        setattr(module, name, late)
+    try:
+        yield
+    finally:
+        for module, name, value in changed:
+            setattr(module, name, value)
+
+
 def _position() -> int:
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
@@ -277,7 +305,7 @@ def stamped(state, plan: Plan, inputs: list, trace_cut):
     cuts = []
     try:
         for depth in (TEMPLATE_DEPTH, TEMPLATE_DEPTH + 1):
-            with cut_to(state, stack, depth):
+            with cut_to(state, stack, depth), _last_indices(stack, depth, checking=depth > TEMPLATE_DEPTH):
                 cut = TrainState(state.model, state.optim, batch, plan)
                 slots = cut.slots()
                 recorder = BlockRecorder(stack, depth)

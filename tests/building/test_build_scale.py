@@ -89,6 +89,24 @@ class Scaled(Stack):
         return x
 
 
+class Indexed(nn.Module):
+    """A block that knows its index, as transformers' ``layer_idx``, and treats the last block apart."""
+
+    def __init__(self, layer_idx: int, layers: int):
+        super().__init__()
+        self.linear, self.layer_idx, self.last = nn.Linear(8, 8), layer_idx, layers - 1
+
+    def forward(self, x):
+        x = torch.relu(self.linear(x))
+        return x * 2 if self.layer_idx == self.last else x
+
+
+class LastApart(Stack):
+    def __init__(self, layers: int):
+        super().__init__(0)
+        self.layers = nn.ModuleList(Indexed(i, layers) for i in range(layers))
+
+
 def _adamw(m):
     return torch.optim.AdamW(m.parameters(), lr=1e-3)
 
@@ -175,6 +193,15 @@ def test_blocks_that_differ_or_a_forward_that_counts_them_are_traced_whole(low_t
     scaled = _traced(job, "shard", True)
     assert "four-block graph stamped from three differs from its trace" in scaled.blocks["full_trace"]
     assert signature(scaled.gm) == signature(_traced(job, "shard", False).gm)
+
+
+def test_a_forward_that_reads_its_blocks_index_past_the_first_ones_is_traced_whole(low_threshold):
+    """Blocks that differ only by their own index stamp alike, so the check trace gives its blocks
+    the last blocks' indices: a last-layer special case differs there and the stack is traced whole."""
+    job = spmd_aot.Job(step=_step, model=lambda: LastApart(6), optimizer=_adamw, batch=lambda: torch.randn(4, 8))
+    traced = _traced(job, "shard", True)
+    assert "four-block graph stamped from three differs from its trace" in traced.blocks["full_trace"]
+    assert signature(traced.gm) == signature(_traced(job, "shard", False).gm)  # indices restored after the check
 
 
 def test_a_stamped_build_passes_the_load_check_and_says_so(tmp_path):
