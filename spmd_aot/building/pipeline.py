@@ -18,7 +18,7 @@ import torch
 
 from ..keying import guards
 from ..format.allowlist import extra_ops
-from ..entries import check_entry, store_artifact
+from ..entries import check_entry, gc_pause, store_artifact
 from ..format.artifact import amended, encode_artifact, layout_entries
 from ..errors import CorruptArtifactError, UnsupportedError
 from ..keying.key import CacheKey
@@ -52,12 +52,13 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     with numpy_lookups_skipped(), masks_used_as_given(), guards.recording_sources() as ran:
         traced = trace_step(step, state, plan, mesh, inputs, transform_model=swap)
         gm = traced.gm
-        strip_profiler_ops(gm)
-        remove_detach(gm)
-        dedupe_collectives(gm)
-        prefetch_groups(gm)
-        if plan.world_size > 1:
-            axes.graph_passes(gm, plan, traced)
+        with gc_pause.paused():  # the passes rewrite a graph that stays: no garbage cycles (entries/gc_pause.py)
+            strip_profiler_ops(gm)
+            remove_detach(gm)
+            dedupe_collectives(gm)
+            prefetch_groups(gm)
+            if plan.world_size > 1:
+                axes.graph_passes(gm, plan, traced)
         slots = state.slots()
         layout = layout_entries(slots, plan)
         if transforms.module_override or transforms.gm_transformation is not None:
@@ -66,12 +67,24 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
             gm = _checked(override.transform(gm, layout), gm, type(override).__qualname__)
         if transforms.gm_transformation is not None:
             gm = _checked(transforms.gm_transformation(gm), gm, "gm_transformation")
-    rewrite_inplace_views(gm)  # after user transformations too: a stored graph never changes geometry in place
-    ask_conv_weight_grads(gm)  # after user transformations too: the load refuses a bias-only conv gradient
-    sink_waits(gm)  # after user transformations too: they may add collectives
-    fold_views(gm)  # last: the passes above add views too
-    gm.recompile()  # passes edit gm.graph only; the stored code is generated once, here
-    traced.gm = gm
+    with gc_pause.paused():  # the passes, then acyclic containers from here to the blobs
+        rewrite_inplace_views(gm)  # after user transformations too: a stored graph never changes geometry in place
+        ask_conv_weight_grads(gm)  # after user transformations too: the load refuses a bias-only conv gradient
+        sink_waits(gm)  # after user transformations too: they may add collectives
+        fold_views(gm)  # last: the passes above add views too
+        gm.recompile()  # passes edit gm.graph only; the stored code is generated once, here
+        traced.gm = gm
+        blobs = _encoded(traced, state, slots, plan, key, start, ran, previous)
+    if "kernels" in key.values:  # the key asks for compiled kernels (``kernels.py``)
+        blobs = amended(blobs, *kernel_parts(blobs, plan, key.values["kernels"]))
+    return blobs
+
+
+def _encoded(traced, state: TrainState, slots, plan: Plan, key: CacheKey, start: float, ran,
+             previous) -> dict[str, bytes]:
+    """The entry's blobs for the traced, passed graph (``traced.gm``): its statistics, guards and
+    encoding."""
+    gm = traced.gm
     stats = {"nodes": len(gm.graph.nodes), **collective_stats(gm, traced.gradient_collectives),
              "peak_bytes": graph_peak_bytes(gm)}
     if traced.micro_batches > 1:  # only then: entries without accumulation keep the stats they had
@@ -88,10 +101,7 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
     recorded = guards.record(ran, key)
     log.debug("key %s: guarding %d files, %d distributions, %d tensor values", key.key[:12],
               len(recorded["files"]), len(recorded["distributions"]), len(recorded["tensors"]))
-    blobs = encode_artifact(traced, key, plan, slots, stats, recorded, previous)
-    if "kernels" in key.values:  # the key asks for compiled kernels (``kernels.py``)
-        blobs = amended(blobs, *kernel_parts(blobs, plan, key.values["kernels"]))
-    return blobs
+    return encode_artifact(traced, key, plan, slots, stats, recorded, previous)
 
 
 def _checked(result, gm, who: str) -> torch.fx.GraphModule:
@@ -160,7 +170,8 @@ def trace_and_store(store, step: Callable, state: TrainState, plan: Plan, key: C
         except CorruptArtifactError as exc:
             log.warning("cache entry for key %s is damaged (%s); rebuilding it", key.key[:12], exc)
         blobs = trace_to_blobs(step, state, plan, key, mesh, inputs, transforms, previous)
-        check_before_storing(blobs, key)  # what a load would refuse is never stored
+        with gc_pause.paused():
+            check_before_storing(blobs, key)  # what a load would refuse is never stored
         try:
             return store_artifact(store, key.key, blobs), True
         except store_failures as exc:

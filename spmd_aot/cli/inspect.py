@@ -170,9 +170,9 @@ def cmd_verify(args) -> int:
 
     Read-only: an artifact whose blobs the re-hash already found damaged is reported without
     being read, since reading a corrupt blob moves it to quarantine/. Decoding runs with Python's
-    cyclic collector paused, as a job's load does (``runtime/gc_pause.py``).
+    cyclic collector paused, as a job's load does (``entries/gc_pause.py``).
     """
-    from ..runtime import gc_pause
+    from ..entries import gc_pause
 
     with gc_pause.paused():
         return _verify(args)

@@ -113,7 +113,7 @@ class Artifact:
 
         if groups is None:
             groups = [str(d) for d in range(len(self.plan.mesh_shape))] if self.plan.world_size > 1 else []
-        # a job's load runs with Python's cyclic collector paused (``runtime/gc_pause.py``)
+        # a job's load runs with Python's cyclic collector paused (``entries/gc_pause.py``)
         with numpy_lookups_skipped():
             nodes = decode_graph(self.graph, groups=groups, device=device or torch.device("cpu"), world=world)
             expected = verified.recall(self.digest) if remember else None

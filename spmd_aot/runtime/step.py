@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from ..keying import guards
-from . import gc_pause, prepared, ranks
+from . import prepared, ranks
+from ..entries import gc_pause
 from .cache_info import CacheInfo
 from ..format.allowlist import opt_in_names, opted_in
 from ..entries import artifact_bytes, artifact_in_memory, read_artifact

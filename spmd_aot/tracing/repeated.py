@@ -31,6 +31,7 @@ from ..parallel.plan import Plan
 from ..parallel.tp_plan import first_match
 import torch.utils._pytree as pytree
 
+from ..entries import gc_pause
 from ..state import TrainState
 from .optimizers import members
 from .stamp import TEMPLATE_DEPTH, BlockLabels, NotRepeatable, Template, signature
@@ -315,7 +316,7 @@ def stamped(state, plan: Plan, inputs: list, trace_cut):
             cuts.append((traced, recorder.labels(slots)))
         (small, labels), (check, _) = cuts
         budget = _budget(small.axis_budget, check.axis_budget, stack.depth)
-        with _unprofiled():
+        with _unprofiled(), gc_pause.paused():  # the stamp keeps what it makes: no garbage cycles to find
             template = Template(small.gm, labels)
             _same(template.stamp(TEMPLATE_DEPTH + 1)[0], check.gm)
             gm, copies = template.stamp(stack.depth)

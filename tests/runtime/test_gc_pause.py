@@ -1,4 +1,4 @@
-"""The cyclic garbage collector is paused while a hit loads (``runtime/gc_pause.py``), and
+"""The cyclic garbage collector is paused while a hit loads (``entries/gc_pause.py``), and
 only then: a trace runs with it on, and the caller's setting is back afterwards."""
 
 import gc
@@ -9,7 +9,7 @@ import spmd_aot
 import spmd_aot.runtime.step as step_module
 from spmd_aot.building import pipeline
 from spmd_aot.examples.models import train_step
-from spmd_aot.runtime import gc_pause
+from spmd_aot.entries import gc_pause
 from support.jobs import fresh_objects, make_batch, make_job
 
 

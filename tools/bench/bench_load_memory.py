@@ -46,7 +46,7 @@ def _current_rss() -> int:
 def child(path: str) -> dict:
     import torch
 
-    from spmd_aot.runtime.gc_pause import paused as _gc_paused
+    from spmd_aot.entries.gc_pause import paused as _gc_paused
     from spmd_aot.format.serialize import decode_graph
     from spmd_aot.format.validate import check_graph
 

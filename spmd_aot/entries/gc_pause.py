@@ -1,4 +1,5 @@
-"""Python's cyclic garbage collector paused while a stored step loads.
+"""Python's cyclic garbage collector paused while an entry is decoded and checked: a stored
+step's load, ``spmd-aot verify``, and a build's encoding and check of the graph it traced.
 
 Why: loading decodes the graph, layout and schema into tens of thousands of small acyclic
 containers. Their allocations trigger the collector's full (generation 2) passes, and each pass
@@ -11,7 +12,9 @@ pass is skipped, not postponed.
 
 A trace (a miss) runs with the collector on: FX graphs and fake tensors are full of cycles, and a
 long trace must not grow without bound. ``spmd-aot verify``, which decodes every stored graph,
-pauses it the same way.
+pauses it the same way, and so does a build once its graph is traced: its statistics, encoding
+and the load check it runs on its own entry make the same acyclic containers, and the full
+passes they triggered over a deep model's traced heap were a fifth of an 80-layer build.
 """
 
 from __future__ import annotations
