@@ -495,6 +495,6 @@ def _constant(value) -> tuple:
         return (type(value).__name__,)
     import hashlib
 
-    data = value.detach().cpu().contiguous()
-    digest = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest() if data.numel() else ""
+    data = value.detach().cpu().clone(memory_format=torch.contiguous_format)  # its own storage, exactly its bytes
+    digest = hashlib.sha256(bytes(data.untyped_storage())).hexdigest() if data.numel() else ""
     return (tuple(value.shape), str(value.dtype), digest)
