@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..format.allowlist import opt_in_names, opted_in
-from ..entries import read_manifest
+from ..entries import gc_pause, read_manifest
 from ..errors import SpmdAotError
 from ..tracing.fake_factories import fake_factories
 from ..tracing.model_caches import clear_model_caches
@@ -85,25 +85,28 @@ def build(job: Job, *, parallel: ParallelOptions | None = None, run: RunOptions 
     allow_ops, kernels, world_size = run.allow_ops, run.kernels, plan.world_size
     transforms = Transforms(run.module_override, run.gm_transformation)
     store = run.store if run.store is not None else open_store(run.cache_dir, trust_cache=run.trust_cache)
-    fake_mode = FakeTensorMode()
-    state = _fake_state(job, plan, fake_mode)
-    plan = state.plan  # bound to the model (a tp_plan="hf" resolved)
-    clear_model_caches(state.model)  # no tensor of an earlier build's trace comes back from a cache
-    with fake_world(world_size):
-        mesh = device_mesh(plan)
-        key = compute_key(job.step, state, plan, transforms.identities(), run.extra_sources, kernels=kernels)
-        with fake_mode:
-            inputs = state.graph_inputs()
-        for attempt in range(3):  # gc may evict the entry between storing (or finding) and reading it
-            with opted_in(allow_ops), _backward_for(plan, state):
-                digest, traced = trace_and_store(store, job.step, state, plan, key, mesh, inputs, transforms)
-            try:
-                with reading(store, digest):
-                    stats = read_manifest(store, digest)["stats"]
-                break
-            except ArtifactGoneError:
-                if attempt == 2:
-                    raise
+    # what the build keeps (the fake model, the traced graph) is left out of the collector's
+    # passes while it runs (entries/gc_pause.py)
+    with gc_pause.set_aside():
+        fake_mode = FakeTensorMode()
+        state = _fake_state(job, plan, fake_mode)
+        plan = state.plan  # bound to the model (a tp_plan="hf" resolved)
+        clear_model_caches(state.model)  # no tensor of an earlier build's trace comes back from a cache
+        with fake_world(world_size):
+            mesh = device_mesh(plan)
+            key = compute_key(job.step, state, plan, transforms.identities(), run.extra_sources, kernels=kernels)
+            with fake_mode:
+                inputs = state.graph_inputs()
+            for attempt in range(3):  # gc may evict the entry between storing (or finding) and reading it
+                with opted_in(allow_ops), _backward_for(plan, state):
+                    digest, traced = trace_and_store(store, job.step, state, plan, key, mesh, inputs, transforms)
+                try:
+                    with reading(store, digest):
+                        stats = read_manifest(store, digest)["stats"]
+                    break
+                except ArtifactGoneError:
+                    if attempt == 2:
+                        raise
     seconds = time.perf_counter() - start
     log.info("build %s: key %s, digest %s, %s, %.2f s", plan.describe(), key.key[:12], digest[:12],
              "traced and stored" if traced else "already cached", seconds)

@@ -46,12 +46,14 @@ def trace_to_blobs(step: Callable, state: TrainState, plan: Plan, key: CacheKey,
                    previous: str | None = None) -> dict[str, bytes]:
     """``previous``: the manifest this entry replaces under the same key (see ``lookup``)."""
     start = time.perf_counter()
+    gc_pause.keep()  # the fake model and state stay to the end of a build (entries/gc_pause.py)
     swap = functools.partial(swapped_submodules, state.model, transforms.module_override) \
         if transforms.module_override else None
     # every file that runs is guarded; torch's transformer modules use an unhinted mask as given
     with numpy_lookups_skipped(), masks_used_as_given(), guards.recording_sources() as ran:
         traced = trace_step(step, state, plan, mesh, inputs, transform_model=swap)
         gm = traced.gm
+        gc_pause.keep()  # so does the traced graph
         with gc_pause.paused():  # the passes rewrite a graph that stays: no garbage cycles (entries/gc_pause.py)
             strip_profiler_ops(gm)
             remove_detach(gm)

@@ -321,6 +321,7 @@ def stamped(state, plan: Plan, inputs: list, trace_cut):
             _same(template.stamp(TEMPLATE_DEPTH + 1)[0], check.gm)
             gm, copies = template.stamp(stack.depth)
             _check_inputs(gm, inputs)
+            gc_pause.keep()  # a build keeps the stamped graph to its end (entries/gc_pause.py)
     except NotRepeatable as exc:
         return str(exc)
     except Exception as exc:  # the full trace reports a failing step in its own words

@@ -61,3 +61,30 @@ def test_paused_keeps_a_callers_disabled_collector_off():
     with gc_pause.paused():
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+def test_set_aside_freezes_for_its_block_only_and_leaves_a_process_freeze_alone():
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    gc_pause.keep()  # outside a build: nothing is set aside
+    assert gc.get_freeze_count() == 0
+    with gc_pause.set_aside():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        made = [[] for _ in range(1000)]
+        gc_pause.keep()
+        assert gc.get_freeze_count() >= frozen + 1000
+        with gc_pause.set_aside():  # nested: the outer block keeps what it holds
+            pass
+        assert gc.get_freeze_count() >= frozen + 1000
+        del made
+    assert gc.get_freeze_count() == 0, "the build's objects must go back to the collector"
+    gc.freeze()  # a process that froze its own objects (a pre-fork server) keeps them frozen
+    try:
+        held = gc.get_freeze_count()
+        with gc_pause.set_aside():
+            gc_pause.keep()
+        assert gc.get_freeze_count() == held
+    finally:
+        gc.unfreeze()
