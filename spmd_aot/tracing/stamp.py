@@ -218,6 +218,21 @@ class _StampedGraphModule(_LazyGraphModule):
         return super().code
 
 
+def _create_node(graph: torch.fx.Graph, op: str, target, args: tuple, kwargs: dict, name: str) -> torch.fx.Node:
+    """``graph.create_node``, less its walk of every argument for symbolic sizes (a warning
+    only, a fifth of a stamp's cost): a stamped node's arguments are its template node's, which
+    the trace created through ``create_node``, with nodes exchanged for nodes. The node is
+    created bare and given its arguments as a pass rewires them (the ``args``/``kwargs``
+    setters, which account for uses), so names, users and the graph's indexes are as
+    ``create_node`` leaves them."""
+    new = graph.create_node(op, target, name=name)
+    if args:
+        new.args = args
+    if kwargs:
+        new.kwargs = kwargs
+    return new
+
+
 def _template_block(k: int, n: int) -> int:
     return 0 if k == 0 else TEMPLATE_DEPTH - 1 if k == n - 1 else 1
 
@@ -352,11 +367,11 @@ class _Stamper:
             match = _SUFFIX.match(node.name)
             name = match.group(1) if match else node.name
         target = name if node.op in ("placeholder", "get_attr") else node.target  # its name, for these
-        new = self.graph.create_node(node.op, target, args, kwargs, name=name)
+        new = _create_node(self.graph, node.op, target, args, kwargs, name)
         if plan is not None:
             self.index_maps[new] = {(i, None if c is None else c[1]): pos for pos, (i, c) in enumerate(plan)}
         self._current = node
-        new.meta = self._meta(node, new, ctx, plan, size)
+        new.meta.update(self._meta(node, new, ctx, plan, size))  # in place: assigning re-indexes the node
         self.values[id(new)] = list(_tensors(new.meta.get("val")))
         self.copies.setdefault(node, []).append((new, ctx))
         return new
