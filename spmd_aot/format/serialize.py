@@ -51,11 +51,18 @@ _ENUMS = {
 def encode_graph(graph: torch.fx.Graph, group_names: dict[str, int]) -> bytes:
     """Graph -> msgpack bytes. ``group_names`` maps traced process-group names to mesh dims."""
     nodes = []
+    by_target: dict = {}  # id(target) -> (name, argument names, group arguments): checked once per target
     for node in graph.nodes:
         if node.op not in _OPCODES:
             raise UnsafeArtifactError(f"cannot store node {node.name} with opcode {node.op}")
-        groups = _group_argument_names(node)
-        schema_names = _argument_names(node)
+        if node.op == "call_function":
+            known = by_target.get(id(node.target))  # the graph holds its targets: ids stay unique
+            if known is None:  # a refused target raises here, at its first node
+                known = by_target[id(node.target)] = (_target_name(node), _argument_names(node),
+                                                  _group_argument_names(node))
+            target, schema_names, groups = known
+        else:
+            target, schema_names, groups = node.target, (), _group_argument_names(node)
         args = [
             _encode_group(v, group_names) if i < len(schema_names) and schema_names[i] in groups
             else _encode(v)
@@ -63,7 +70,6 @@ def encode_graph(graph: torch.fx.Graph, group_names: dict[str, int]) -> bytes:
         ]
         kwargs = {k: _encode_group(v, group_names) if k in groups else _encode(v)
                   for k, v in node.kwargs.items()}
-        target = _target_name(node) if node.op == "call_function" else node.target
         nodes.append({"op": node.op, "name": node.name, "target": target, "args": args, "kwargs": kwargs})
     return msgpack.packb({"format": GRAPH_FORMAT, "nodes": nodes}, use_bin_type=True)
 
