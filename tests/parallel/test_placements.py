@@ -256,15 +256,27 @@ def test_override_replacement_and_transform_are_built_stored_and_match_eager(tmp
         assert norm_type == "DataDependentNorm"  # the user's model is left as it was
 
 
-def test_gm_transformation_is_applied_and_keyed(tmp_path):
+def test_gm_transformation_is_applied_keyed_and_guarded(tmp_path, monkeypatch):
+    import importlib
+
+    from spmd_aot.entries import read_manifest
+    from spmd_aot.store import open_store
+
+    # a helper only the transformation runs (not the trace): its file must be guarded all the same
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "node_counter.py").write_text("def count(gm, seen):\n    seen.append(len(gm.graph.nodes))\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "lib"))
+    counter = importlib.import_module("node_counter")
     seen = []
 
     def count_nodes(gm):
-        seen.append(len(gm.graph.nodes))
+        counter.count(gm, seen)
 
-    plain = spmd_aot.build(_job(), world_size=2, cache_dir=tmp_path)
-    hooked = spmd_aot.build(_job(), world_size=2, cache_dir=tmp_path, gm_transformation=count_nodes)
+    plain = spmd_aot.build(_job(), world_size=2, cache_dir=tmp_path / "cache")
+    hooked = spmd_aot.build(_job(), world_size=2, cache_dir=tmp_path / "cache", gm_transformation=count_nodes)
     assert seen and seen[0] > 0 and hooked.traced and hooked.key != plain.key
+    guarded = {path for path, *_ in read_manifest(open_store(tmp_path / "cache"), hooked.digest)["guards"]["files"]}
+    assert "node_counter.py" in guarded, guarded
 
 
 def test_override_changing_parameters_is_refused(tmp_path):
