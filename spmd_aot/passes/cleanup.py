@@ -50,9 +50,26 @@ def _rewire(node: torch.fx.Node, replaced: dict) -> None:
     argument list at once per replaced node: a multi-tensor optimizer call lists every
     parameter, so a deep model's step paid (parameters x replaced views) there, seconds at 80
     layers. Each node's arguments are rewritten once, when the walk reaches it, instead."""
-    if replaced and any(a in replaced for a in node.all_input_nodes):
-        node.args = torch.fx.node.map_arg(node.args, lambda a: replaced.get(a, a))
-        node.kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: replaced.get(a, a))
+    if not replaced or not any(a in replaced for a in node.all_input_nodes):
+        return
+    hits = []
+
+    def swap(a):
+        b = replaced.get(a)
+        if b is None:
+            return a
+        hits.append(a)
+        return b
+
+    # only what changes is assigned: an assignment re-indexes the node and re-registers its uses
+    args = torch.fx.node.map_arg(node.args, swap)
+    if hits:
+        node.args = args
+    if node.kwargs:
+        hits.clear()
+        kwargs = torch.fx.node.map_arg(node.kwargs, swap)
+        if hits:
+            node.kwargs = kwargs
 
 
 def _meta(node) -> torch.Tensor | None:
