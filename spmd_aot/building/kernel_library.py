@@ -31,10 +31,11 @@ class NotPlain(UnsupportedError):
     """The compiled step needs Inductor's or AOTAutograd's Python around its library."""
 
 
-def library(cache_dir: pathlib.Path) -> bytes:
+def library(cache_dir: pathlib.Path, before: set = frozenset()) -> bytes:
     """The one Python-extension library (``<hash>.main.so``) the compile built in ``cache_dir``
-    (the other libraries there are Inductor's vector-ISA probes, not part of the step)."""
-    found = sorted(cache_dir.glob("*/*.main.so"))
+    (the other libraries there are Inductor's vector-ISA probes, not part of the step; files in
+    ``before`` are earlier compiles')."""
+    found = sorted(p for p in cache_dir.glob("*/*.main.so") if p not in before)
     if len(found) != 1:
         raise NotPlain(f"the compile built {len(found)} wrapper libraries, expected one (cpp_wrapper)")
     source = found[0].with_suffix(".cpp")
@@ -44,11 +45,12 @@ def library(cache_dir: pathlib.Path) -> bytes:
     return found[0].read_bytes()
 
 
-def plain_call(cache_dir: pathlib.Path, n_inputs: int) -> int:
-    """The number of outputs of the compiled step in ``cache_dir`` when calling its library with the
-    ``n_inputs`` inputs in order is all the step does; ``NotPlain`` saying what else it needs."""
-    entry = _one_entry(cache_dir / "aotautograd", "AOTAutograd")
-    graph = _one_entry(cache_dir / "fxgraph", "FX graph")
+def plain_call(cache_dir: pathlib.Path, n_inputs: int, before: set = frozenset()) -> int:
+    """The number of outputs of the graph compiled into ``cache_dir`` (the entries not in ``before``)
+    when calling its library with the ``n_inputs`` inputs in order is all it does; ``NotPlain``
+    saying what else it needs."""
+    entry = _one_entry(cache_dir / "aotautograd", "AOTAutograd", before)
+    graph = _one_entry(cache_dir / "fxgraph", "FX graph", before)
     try:
         needs = _needs(entry, graph, n_inputs)
     except AttributeError as exc:  # another torch release's entries: what a bare call skips is unknown
@@ -86,8 +88,8 @@ def _needs(entry, graph, n_inputs: int) -> list[str]:
     return needs
 
 
-def _one_entry(folder: pathlib.Path, what: str):
-    found = [p for p in sorted(folder.glob("*/**/*")) if p.is_file()]
+def _one_entry(folder: pathlib.Path, what: str, before: set):
+    found = [p for p in sorted(folder.glob("*/**/*")) if p.is_file() and p not in before]
     if len(found) != 1:
         raise NotPlain(f"the compile wrote {len(found)} {what} cache entries, expected one")
     with open(found[0], "rb") as f:

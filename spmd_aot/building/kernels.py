@@ -48,7 +48,7 @@ import torch
 
 from ..errors import UnsupportedError
 from ..format.kernels_blob import ENTRY, INDUCTOR_SETTINGS, KERNELS_FORMAT, WORLD_GROUP, group_name
-from . import kernel_collectives, kernel_library
+from . import kernel_collectives, kernel_library, kernel_list_ops, kernel_segments
 
 __all__ = ["kernel_parts", "compile_graph", "KernelsUnavailable"]
 
@@ -83,15 +83,9 @@ def kernel_parts(blobs: dict[str, bytes], plan, requested: dict) -> tuple[dict[s
 
 def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested: dict) -> bytes:
     """The ``kernels`` blob for one stored graph (``KernelsUnavailable`` when it cannot be had)."""
-    from safetensors.torch import load as load_safetensors
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from ..format.bounded import unpack as unpack_bounded
     from ..format.fused_meta import registered
-    from ..format.limits import load_limits
-    from ..format.serialize import decode_graph, to_fx_graph
 
     device = torch.device(plan.device_type)
     if device.type != "cpu":
@@ -101,6 +95,37 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
             "GPU at build time)")
     groups = [group_name(d) for d in range(len(plan.mesh_shape))] if plan.world_size > 1 else []
     world = WORLD_GROUP if len(groups) > 1 else None  # 1-D: the world is dimension 0
+    gm = compilable_graph(graph, constants, groups, world, device)
+    _probe_vector_isa()
+    # Inductor's cache pointed at a fresh directory: every kernel is built there (none reused from
+    # the user's cache), so all that the compile built can be collected
+    with tempfile.TemporaryDirectory(prefix="spmd-aot-inductor-") as cache_dir, temporary_cache_dir(cache_dir), \
+            registered(), _build_groups(plan, groups, world), inductor_settings():
+        parts, fake = segmented(gm, layout, device)
+        log.info("kernels for %s: %s", plan.describe(), parts.describe())
+        libraries = []
+        for i, (module, inputs) in enumerate(zip(parts.modules, parts.examples)):
+            start = time.perf_counter()
+            libraries.append(_compile_library(module, inputs, pathlib.Path(cache_dir), fake, requested))
+            log.info("compiled kernels: library %d of %d (%d nodes, called %d times) in %.1f s", i + 1,
+                     len(parts.modules), len(module.graph.nodes), sum(c.library == i for c in parts.calls),
+                     time.perf_counter() - start)
+    doc = {"format": KERNELS_FORMAT, "requested": requested, "groups": groups, "cxx": _compiler(),
+           "entry": ENTRY, "inputs": parts.n_inputs, "libraries": libraries,
+           "calls": [[c.library, c.inputs] for c in parts.calls], "outputs": parts.outputs}
+    if world is not None:  # only then: blobs of 1-D meshes keep the fields they always had
+        doc["world"] = world
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+def compilable_graph(graph: bytes, constants: bytes, groups: list[str], world: str | None,
+                     device: torch.device) -> torch.fx.GraphModule:
+    """The stored graph decoded (as a load decodes it), with the rewrites Inductor needs: fused
+    optimizer steps and in-place collectives functional, collectives callable from C++."""
+    from safetensors.torch import load as load_safetensors
+
+    from ..format.serialize import decode_graph, to_fx_graph
+
     nodes = decode_graph(graph, groups=groups, device=device, world=world or (groups[0] if groups else None))
     root = torch.nn.Module()
     for name, tensor in load_safetensors(constants).items():
@@ -109,31 +134,62 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
     _functional_steps(gm)
     _out_of_place_collectives(gm)
     _shimmable_collectives(gm)
-    slots = unpack_bounded(layout, "layout", objects=load_limits().objects)["inputs"]
+    return gm
+
+
+def slots_of(layout: bytes) -> list[dict]:
+    """The stored layout's input slots (the step's inputs, in order)."""
+    from ..format.bounded import unpack as unpack_bounded
+    from ..format.limits import load_limits
+
+    return unpack_bounded(layout, "layout", objects=load_limits().objects)["inputs"]
+
+
+def segmented(gm: torch.fx.GraphModule, layout: bytes, device: torch.device):
+    """(``kernel_segments.Partition``, its fake mode): ``gm`` run on fake inputs shaped as the
+    layout's slots (every node's ``meta["val"]``), its optimizer's list ops split per block, then
+    cut into segments. Collectives need the build's groups bound (``_build_groups``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
     fake = FakeTensorMode(shape_env=ShapeEnv())
     with fake:
-        example = [torch.empty(s["local_shape"], dtype=getattr(torch, s["dtype"]), device=device) for s in slots]
-    # Inductor's cache pointed at a fresh directory: every kernel is built there (none reused from
-    # the user's cache), so all that the compile built can be collected
-    with tempfile.TemporaryDirectory(prefix="spmd-aot-inductor-") as cache_dir, temporary_cache_dir(cache_dir), \
-            registered(), _build_groups(plan, groups, world), inductor_settings():
-        try:
-            torch._inductor.standalone_compile(
-                gm, example, dynamic_shapes="from_example_inputs", options=dict(requested["options"]),
-                fake_mode=fake)
-        except Exception as exc:  # Inductor's own failures: an op it cannot lower, a compiler error
-            raise KernelsUnavailable(f"Inductor could not compile the graph: {type(exc).__name__}: "
-                                     f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from exc
-        try:
-            outputs = kernel_library.plain_call(pathlib.Path(cache_dir), len(slots))
-            native = kernel_library.library(pathlib.Path(cache_dir))
-        except kernel_library.NotPlain as exc:
-            raise KernelsUnavailable(str(exc)) from exc
-    doc = {"format": KERNELS_FORMAT, "requested": requested, "groups": groups, "cxx": _compiler(),
-           "library": native, "entry": ENTRY, "inputs": len(slots), "outputs": outputs}
-    if world is not None:  # only then: blobs of 1-D meshes keep the fields they always had
-        doc["world"] = world
-    return msgpack.packb(doc, use_bin_type=True)
+        example = [torch.empty(s["local_shape"], dtype=getattr(torch, s["dtype"]), device=device)
+                   for s in slots_of(layout)]
+    FakeTensorProp(gm, fake).propagate_dont_convert_inputs(*example)
+    kernel_list_ops.split_per_block(gm)
+    return kernel_segments.partition(gm), fake
+
+
+def _probe_vector_isa() -> None:
+    """Inductor's probes of the CPU's vector instruction sets (small C++ programs it compiles and
+    loads, about 7 CPU-s, once per process), run in Inductor's own cache directory, where they
+    persist from one build to the next, not in the fresh one each build's libraries are collected
+    from. What they find is keyed (``kernels_blob.ingredient``: the CPU capability)."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    valid_vec_isa_list()
+
+
+def _compile_library(module: torch.fx.GraphModule, example: list, cache_dir: pathlib.Path, fake,
+                     requested: dict) -> dict:
+    """One segment compiled into its library: ``{"library": bytes, "inputs": n, "outputs": m}``."""
+    before = {p for p in cache_dir.rglob("*") if p.is_file()}
+    try:
+        torch._inductor.standalone_compile(
+            module, example, dynamic_shapes="from_example_inputs", options=dict(requested["options"]),
+            fake_mode=fake)
+    except Exception as exc:  # Inductor's own failures: an op it cannot lower, a compiler error
+        raise KernelsUnavailable(f"Inductor could not compile the graph: {type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from exc
+    n_inputs = len(example)
+    try:
+        outputs = kernel_library.plain_call(cache_dir, n_inputs, before)
+        native = kernel_library.library(cache_dir, before)
+    except kernel_library.NotPlain as exc:
+        raise KernelsUnavailable(str(exc)) from exc
+    return {"library": native, "inputs": n_inputs, "outputs": outputs}
 
 
 _OUT_OF_PLACE_COLLECTIVES = {

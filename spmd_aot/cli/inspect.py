@@ -137,7 +137,8 @@ def _print_kernels(store, manifest: dict) -> None:
         say(f"kernels:      CORRUPT: {exc}")
         return
     count = d["libraries"]
-    say(f"kernels:      {count} {'library' if count == 1 else 'libraries'}, {human_bytes(d['bytes'])}, compiled in "
+    say(f"kernels:      {count} {'library' if count == 1 else 'libraries'} in {d['calls']} "
+        f"call{'s' if d['calls'] != 1 else ''}, {human_bytes(d['bytes'])}, compiled in "
         f"{manifest['stats'].get('kernel_seconds', '?')} s (native code: runs only from a signed entry or a "
         "trusted cache)")
     say(f"  torch {d['torch']}, {d['cxx']}, cpu capability {d['cpu_capability']}, options {d['options']}")

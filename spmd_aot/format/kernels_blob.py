@@ -1,15 +1,20 @@
 """The ``kernels`` blob's format, and its check as data: what ``verify``, ``show`` and a load read
 before anything in it may run.
 
-The blob (written by ``building/kernels.py``) is msgpack: one native library (the whole step,
-compiled by Inductor's C++ wrapper into a Python extension module whose init is
-``PyInit_<ENTRY>``), how it is called (inputs in, outputs out), the options it was built with, the
-compiler, and the process-group names it calls collectives on. Decoding it runs nothing (no
-pickle, and since format 2 no pickle is stored at all); the library loads only from a signed
-entry or a trusted cache (``runtime/kernel_load.py``).
+The blob (written by ``building/kernels.py``) is msgpack: the native libraries (each a segment of
+the step, compiled by Inductor's C++ wrapper into a Python extension module whose init is
+``PyInit_<ENTRY>``, with its number of inputs and outputs), the calls that run the step, the options
+it was built with, the compiler, and the process-group names it calls collectives on.
 
-Format 1 held Inductor's saved artifact (pickles) and the libraries of its Python wrapper; a
-format-1 blob is refused here (``verify``) and skipped at load (the step runs interpreted).
+The calls are data: ``[library, [reference, ...]]`` each, where a reference numbers a value: the
+step's inputs first, then every output of every call in order; ``outputs`` references the step's
+results. A repeated block is one library called once per block. ``check`` proves every reference
+names a value defined before it is read and every call passes its library's number of inputs, so
+running the calls is bounded, in-range work. Decoding runs nothing (no pickle); the libraries load
+only from a signed entry or a trusted cache (``runtime/kernel_load.py``).
+
+Format 1 held Inductor's saved artifact (pickles), format 2 one library for the whole step; a
+blob of another format is refused here (``verify``) and skipped at load (the step runs interpreted).
 """
 
 from __future__ import annotations
@@ -23,23 +28,27 @@ __all__ = ["KERNELS_FORMAT", "ENTRY", "OPTIONS", "INDUCTOR_SETTINGS", "WORLD_GRO
            "decode", "check", "unpack", "describe"]
 
 #: Version of the ``kernels`` blob's layout.
-KERNELS_FORMAT = 2
+KERNELS_FORMAT = 3
 #: The library's module name: its init is ``PyInit_<ENTRY>``, its one function ``<ENTRY>``.
 ENTRY = "inductor_entry_cpp"
 _MAX_SLOTS = 1 << 20
+#: Most calls, and most references in all calls together, a blob may hold.
+_MAX_CALLS = 1 << 16
+_MAX_REFERENCES = 1 << 22
 #: Decode limits: those of format 1 (up to 4096 libraries), so that an older blob still decodes
 #: and is skipped by its ``format`` rather than refused as corrupt.
 _MAX_ITEMS = 4096
 
 #: Inductor options the build passes (part of the key: other options, other kernels).
 OPTIONS: dict = {}
-#: Inductor settings of the build (in the key: other settings, other library). ``cpp_wrapper``: the
-#: whole step as one C++ library (see the module doc). No precompiled header: the library is the
-#: same without one, and building one costs a compile of torch's headers. ``sink_waits``: each
+#: Inductor settings of the build (in the key: other settings, other library). ``cpp_wrapper``: each
+#: segment of the step as one C++ library (see the module doc). A precompiled header: the build
+#: compiles several libraries (one per distinct segment), and parsing torch's headers once, not
+#: once per library, cut a 6-layer LM's compile from 39 to 33 s. ``sink_waits``: each
 #: collective's wait as late as its first reader (Inductor's default waits right after the issue,
 #: so a gradient bucket's all-reduce would not overlap the rest of the backward, as the
 #: interpreted graph's own ``passes/schedule.py`` makes it do).
-INDUCTOR_SETTINGS = {"cpp_cache_precompile_headers": False, "cpp_wrapper": True,
+INDUCTOR_SETTINGS = {"cpp_cache_precompile_headers": True, "cpp_wrapper": True,
                      "reorder_for_compute_comm_overlap": True,
                      "reorder_for_compute_comm_overlap_passes": ["sink_waits"]}
 
@@ -73,7 +82,7 @@ WORLD_GROUP = "spmd_aot.kernels.world"
 def decode(data: bytes, where: str) -> dict:
     """The blob's top-level map, decoded as bounded msgpack and not yet checked (a load reads its
     ``format`` first: an older blob is skipped, not misread)."""
-    doc = unpack_bounded(data, where, objects=4 * _MAX_ITEMS + 64, max_array=_MAX_ITEMS,
+    doc = unpack_bounded(data, where, objects=_MAX_REFERENCES + 4 * _MAX_ITEMS + 64, max_array=_MAX_SLOTS,
                          max_map=_MAX_ITEMS)
     if not isinstance(doc, dict):
         raise CorruptArtifactError(f"{where}: kernels blob is not a map; rebuild the entry with "
@@ -88,15 +97,22 @@ def check(doc: dict, where: str) -> dict:
 
     if doc.get("format") != KERNELS_FORMAT:
         bad(f"has format {str(doc.get('format'))[:20]!r}, this spmd_aot reads {KERNELS_FORMAT}")
-    if not isinstance(doc.get("library"), bytes) or not doc["library"] or not isinstance(doc.get("requested"), dict) \
-            or not isinstance(doc.get("cxx"), str):
-        bad("lacks its library, requested options or compiler")
+    if not isinstance(doc.get("requested"), dict) or not isinstance(doc.get("cxx"), str):
+        bad("lacks its requested options or compiler")
     if doc.get("entry") != ENTRY:
         bad(f"names entry {str(doc.get('entry'))[:40]!r}, not {ENTRY!r}")
-    for field in ("inputs", "outputs"):
-        count = doc.get(field)
-        if type(count) is not int or not 0 <= count <= _MAX_SLOTS:
-            bad(f"has {field} {str(count)[:20]!r}")
+    count = doc.get("inputs")
+    if type(count) is not int or not 0 <= count <= _MAX_SLOTS:
+        bad(f"has inputs {str(count)[:20]!r}")
+    libraries = doc.get("libraries")
+    if not isinstance(libraries, list) or not libraries:
+        bad("lacks its libraries")
+    for library in libraries:
+        if not isinstance(library, dict) or not isinstance(library.get("library"), bytes) or not library["library"] \
+                or any(type(library.get(f)) is not int or not 0 <= library[f] <= _MAX_SLOTS
+                       for f in ("inputs", "outputs")):
+            bad("has a library without its code or its numbers of inputs and outputs")
+    _check_calls(doc, libraries, bad)
     groups = doc.get("groups")
     if not isinstance(groups, list) or groups != [group_name(d) for d in range(len(groups))]:
         bad(f"names groups {str(groups)[:80]}")
@@ -104,6 +120,26 @@ def check(doc: dict, where: str) -> dict:
     if world is not None and (world != WORLD_GROUP or len(groups) < 2):
         bad(f"names world group {str(world)[:80]} for {len(groups)} mesh dimensions")
     return doc
+
+
+def _check_calls(doc: dict, libraries: list, bad) -> None:
+    """Every call names a library and passes it that library's number of values, each defined before."""
+    calls, outputs = doc.get("calls"), doc.get("outputs")
+    if not isinstance(calls, list) or not 0 < len(calls) <= _MAX_CALLS or not isinstance(outputs, list):
+        bad("lacks its calls or outputs")
+    defined, references = doc["inputs"], 0
+    for call in calls:
+        if not isinstance(call, list) or len(call) != 2 or type(call[0]) is not int \
+                or not 0 <= call[0] < len(libraries) or not isinstance(call[1], list):
+            bad("has a call that names no library")
+        library = libraries[call[0]]
+        references += len(call[1])
+        if len(call[1]) != library["inputs"] or references > _MAX_REFERENCES \
+                or any(type(r) is not int or not 0 <= r < defined for r in call[1]):
+            bad(f"has a call of library {call[0]} with inputs that are not its {library['inputs']} defined values")
+        defined += library["outputs"]
+    if any(type(r) is not int or not 0 <= r < defined for r in outputs):
+        bad("returns a value no call defines")
 
 
 def unpack(data: bytes, where: str) -> dict:
@@ -116,6 +152,6 @@ def describe(data: bytes, where: str) -> dict:
     doc = unpack(data, where)
     return {"torch": doc["requested"].get("torch"), "cxx": doc["cxx"],
             "cpu_capability": doc["requested"].get("cpu_capability"),
-            "options": doc["requested"].get("options"), "libraries": 1,
-            "library_bytes": len(doc["library"]), "inputs": doc["inputs"], "outputs": doc["outputs"],
-            "bytes": len(data)}
+            "options": doc["requested"].get("options"), "libraries": len(doc["libraries"]),
+            "calls": len(doc["calls"]), "library_bytes": sum(len(lib["library"]) for lib in doc["libraries"]),
+            "inputs": doc["inputs"], "outputs": len(doc["outputs"]), "bytes": len(data)}

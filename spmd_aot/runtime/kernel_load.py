@@ -11,14 +11,16 @@ permissions (which any copy into the cache, a shared filesystem or a remote laye
 
 Otherwise the step runs the interpreted graph (``program.Program``), exactly as without kernels,
 and the reason is logged once per process; so does a blob of an older format (its ``format`` is
-read first, nothing else of it). A trusted load writes the one library into a fresh private
+read first, nothing else of it). A trusted load writes each library into a fresh private
 directory (``mkdtemp``: mode 0700), loads it as the Python extension module it is
 (``importlib.machinery.ExtensionFileLoader``: a ``dlopen`` and its ``PyInit``), and registers the
 live process group of each mesh dimension under the name the kernels were compiled with
 (``kernels_blob.group_name``), and on a mesh of several dimensions the default group under
 ``kernels_blob.WORLD_GROUP``. No ``torch._inductor`` or ``torch._dynamo`` import: the build
-proved a bare call of the library is the whole step (``building/kernel_library.py``); calling it
-is the two conversions Inductor's own wrapper makes, tensors to handles and back.
+proved a bare call of each library is all its segment does (``building/kernel_library.py``);
+calling one is the two conversions Inductor's own wrapper makes, tensors to handles and back. The
+step is the blob's calls in order (``format/kernels_blob.py``): a repeated block's library once per
+block, each value released after its last reader.
 """
 
 from __future__ import annotations
@@ -69,22 +71,48 @@ def interpreting(digest: str, why: str) -> None:
 class KernelProgram:
     """The compiled step, called like ``program.Program``: inputs in, the graph's outputs out.
 
-    The library's entry takes a list of new tensor handles (it steals them: each is a new
+    Each library's entry takes a list of new tensor handles (it steals them: each is a new
     reference to the input's tensor, so the caller's tensors stay valid, and are updated in
-    place where the step writes them) and returns handles the caller owns."""
+    place where the step writes them) and returns handles the caller owns. The calls pass values
+    by reference number (the step's inputs, then each call's outputs); a value is dropped after
+    its last reader, as Inductor frees a buffer inside one library."""
 
-    def __init__(self, entry, n_inputs: int, n_outputs: int, directory: str):
-        self._entry, self.n_inputs, self.n_outputs, self.directory = entry, n_inputs, n_outputs, directory
+    def __init__(self, entries: list, libraries: list[dict], calls: list, outputs: list[int], n_inputs: int,
+                 directory: str):
+        self.n_inputs, self.directory = n_inputs, directory
+        self.n_outputs = len(outputs)
+        self._outputs = outputs
+        last: dict[int, int] = {}
+        for i, (_, refs) in enumerate(calls):
+            for r in refs:
+                last[r] = i
+        keep = set(outputs)
+        drops: list[list[int]] = [[] for _ in calls]
+        for r, i in last.items():
+            if r not in keep:
+                drops[i].append(r)
+        self._plan = [(entries[lib], refs, libraries[lib]["outputs"], drops[i])
+                      for i, (lib, refs) in enumerate(calls)]
+        self._size = n_inputs + sum(libraries[lib]["outputs"] for lib, _ in calls)
 
     def __call__(self, *inputs: torch.Tensor):
         if len(inputs) != self.n_inputs:
             raise TypeError(f"compiled step takes {self.n_inputs} inputs, got {len(inputs)}")
-        handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(list(inputs))
-        outputs = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(self._entry(handles))
-        if len(outputs) != self.n_outputs:
-            raise CorruptArtifactError(f"compiled step returned {len(outputs)} outputs, its blob says "
-                                       f"{self.n_outputs}; rebuild the entry")
-        return outputs
+        values: list = list(inputs)
+        values.extend([None] * (self._size - self.n_inputs))
+        at = self.n_inputs
+        to_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
+        from_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
+        for entry, refs, n_outputs, drops in self._plan:
+            outputs = from_handles(entry(to_handles([values[r] for r in refs])))
+            if len(outputs) != n_outputs:
+                raise CorruptArtifactError(f"a compiled library returned {len(outputs)} outputs, its blob says "
+                                           f"{n_outputs}; rebuild the entry")
+            values[at:at + n_outputs] = outputs
+            at += n_outputs
+            for r in drops:
+                values[r] = None
+        return [values[r] for r in self._outputs]
 
 
 def load_kernels(artifact, live_groups: list[str], trust_cache: bool | None, device: torch.device):
@@ -114,11 +142,13 @@ def load_kernels(artifact, live_groups: list[str], trust_cache: bool | None, dev
     _register_groups(doc["groups"], live_groups, doc.get("world"))
     from ..building import kernel_collectives  # noqa: F401  (defines the operators the library calls)
 
-    directory, path = _private_library(doc["library"])
-    entry = _load(path, artifact.digest)
-    log.info("artifact %s: running its compiled kernels (%d bytes of native code, built by %s)",
-             artifact.digest[:12], len(doc["library"]), doc["cxx"])
-    return KernelProgram(entry, doc["inputs"], doc["outputs"], directory)
+    directory = _private_directory()
+    entries = [_load(_library_file(directory, i, library["library"]), f"{artifact.digest[:16]}_{i}")
+               for i, library in enumerate(doc["libraries"])]
+    log.info("artifact %s: running its compiled kernels (%d libraries, %d calls, %d bytes of native code, "
+             "built by %s)", artifact.digest[:12], len(entries), len(doc["calls"]),
+             sum(len(lib["library"]) for lib in doc["libraries"]), doc["cxx"])
+    return KernelProgram(entries, doc["libraries"], doc["calls"], doc["outputs"], doc["inputs"], directory)
 
 
 def _register_groups(names: list[str], live: list[str], world: str | None) -> None:
@@ -144,18 +174,23 @@ def _register_groups(names: list[str], live: list[str], world: str | None) -> No
         _register_process_group(name, group)
 
 
-def _private_library(content: bytes) -> tuple[str, str]:
-    """(directory, path): ``content`` written to a new file in a new private directory."""
+def _private_directory() -> str:
+    """A new private directory for this load's libraries (removed at exit)."""
     directory = tempfile.mkdtemp(prefix="spmd-aot-kernels-")  # 0700, a new name: nobody else writes here
     with _lock:
         if not _dirs:
             atexit.register(_remove_dirs)
         _dirs.append(directory)
-    path = os.path.join(directory, f"{kernels_blob.ENTRY}.so")
+    return directory
+
+
+def _library_file(directory: str, index: int, content: bytes) -> str:
+    """``content`` written to a new file in ``directory``; its path."""
+    path = os.path.join(directory, f"{kernels_blob.ENTRY}_{index}.so")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o700)
     with os.fdopen(fd, "wb") as f:
         f.write(content)
-    return directory, path
+    return path
 
 
 #: What the library's init reads (Inductor sets it the same way before loading its own): the
@@ -163,18 +198,19 @@ def _private_library(content: bytes) -> tuple[str, str]:
 _DATA_PTR_ENV = "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"
 
 
-def _load(path: str, digest: str):
+def _load(path: str, tag: str):
     """The library's entry function, the module imported from ``path`` under a name of its own
-    (not put in ``sys.modules``: nothing imports it by name)."""
+    (``tag``: the artifact's digest and the library's number; not put in ``sys.modules``: nothing
+    imports it by name)."""
     os.environ[_DATA_PTR_ENV] = str(torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr)
-    name = f"spmd_aot_kernels_{digest[:16]}.{kernels_blob.ENTRY}"  # PyInit_<ENTRY>: the last part
+    name = f"spmd_aot_kernels_{tag}.{kernels_blob.ENTRY}"  # PyInit_<ENTRY>: the last part
     try:
         loader = importlib.machinery.ExtensionFileLoader(name, path)
         module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
         loader.exec_module(module)
         return getattr(module, kernels_blob.ENTRY)
     except (ImportError, OSError, RuntimeError, AttributeError) as exc:  # dlopen, PyInit or entry failed
-        raise CorruptArtifactError(f"artifact {digest[:12]}: its compiled kernels do not load "
+        raise CorruptArtifactError(f"artifact {tag[:12]}: its compiled kernels do not load "
                                    f"({type(exc).__name__}: {str(exc)[:200]}); rebuild it") from exc
 
 

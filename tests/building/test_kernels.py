@@ -129,7 +129,7 @@ def test_show_lists_the_kernels(world1, capsys):
 
     assert main(["show", result.key, "--cache-dir", str(cache)]) == 0
     out = capsys.readouterr().out
-    assert "kernels:      1 library, " in out
+    assert "kernels:      1 library in 1 call, " in out
 
 
 def _ddp_worker(rank, world, cache_dir, trusting_ranks):
@@ -438,11 +438,47 @@ def test_the_blob_names_only_the_compiled_groups(groups, world, ok):
     from spmd_aot.errors import CorruptArtifactError
     from spmd_aot.format import kernels_blob
 
-    doc = {"format": kernels_blob.KERNELS_FORMAT, "library": b"\x7fELF", "requested": {}, "cxx": "c++",
-           "entry": kernels_blob.ENTRY, "inputs": 1, "outputs": 1, "groups": groups,
-           **({"world": world} if world is not None else {})}
+    doc = {**_blob(), "groups": groups, **({"world": world} if world is not None else {})}
     if ok:
         assert kernels_blob.check(doc, "test") is doc
     else:
         with pytest.raises(CorruptArtifactError, match="names"):
+            kernels_blob.check(doc, "test")
+
+
+def _blob(**changes) -> dict:
+    """A well-formed kernels blob (its library bytes are not code: these tests only check the data)."""
+    from spmd_aot.format import kernels_blob
+
+    doc = {"format": kernels_blob.KERNELS_FORMAT, "requested": {}, "cxx": "c++", "entry": kernels_blob.ENTRY,
+           "inputs": 2, "groups": [],
+           "libraries": [{"library": b"\x7fELF", "inputs": 2, "outputs": 1},
+                         {"library": b"\x7fELF", "inputs": 1, "outputs": 2}],
+           "calls": [[0, [0, 1]], [1, [2]], [0, [3, 4]]], "outputs": [5]}
+    doc.update(changes)
+    return doc
+
+
+@pytest.mark.parametrize("changes, ok", [
+    ({}, True),
+    ({"calls": [[0, [0, 2]], [1, [2]]]}, False),  # reads value 2 before any call defines it
+    ({"calls": [[0, [0]]]}, False),  # library 0 takes 2 inputs
+    ({"calls": [[2, [0]]]}, False),  # no library 2
+    ({"calls": [[0, [0, -1]]]}, False),
+    ({"outputs": [6]}, False),  # five values are defined (2 inputs, then 1 + 2 + 1 outputs): 0..5
+    ({"calls": []}, False),
+    ({"libraries": [{"library": b"", "inputs": 2, "outputs": 1}]}, False),
+    ({"libraries": [{"library": b"x", "inputs": "2", "outputs": 1}]}, False),
+])
+def test_the_blob_calls_only_values_defined_before(changes, ok):
+    """Running the stored calls reads no value out of range: each reference names a step input or an
+    output of an earlier call, and each call passes its library's number of inputs."""
+    from spmd_aot.errors import CorruptArtifactError
+    from spmd_aot.format import kernels_blob
+
+    doc = _blob(**changes)
+    if ok:
+        assert kernels_blob.check(doc, "test") is doc
+    else:
+        with pytest.raises(CorruptArtifactError):
             kernels_blob.check(doc, "test")

@@ -1,0 +1,73 @@
+"""The stored graph cut into segments (``kernel_segments``, ``kernel_list_ops``): run call by call as
+a load runs the kernels blob, the segments compute what the whole graph computes, and a deeper
+model adds calls, not libraries. Eager and on CPU: no Inductor compile, seconds."""
+
+import pytest
+import torch
+
+import spmd_aot
+from spmd_aot.building import kernels
+from spmd_aot.entries import read_manifest
+from spmd_aot.examples.models import Transformer, train_step
+from spmd_aot.store import open_store
+
+VOCAB, SEQ = 64, 16
+
+
+def _job(layers: int) -> spmd_aot.Job:
+    def batch():
+        g = torch.Generator().manual_seed(0)
+        return (torch.randint(0, VOCAB, (2, SEQ), generator=g), torch.randint(0, VOCAB, (2, SEQ), generator=g))
+
+    return spmd_aot.Job(step=train_step,
+                        model=lambda: Transformer(vocab=VOCAB, d_model=32, n_heads=2, n_layers=layers, max_len=SEQ),
+                        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True),
+                        batch=batch)
+
+
+def _stored(layers: int, cache) -> dict[str, bytes]:
+    result = spmd_aot.build(_job(layers), world_size=1, cache_dir=cache)
+    store = open_store(cache)
+    return {name: store.get(digest) for name, digest in read_manifest(store, result.digest)["blobs"].items()}
+
+
+def _inputs(slots) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.rand(s["local_shape"], generator=g).to(getattr(torch, s["dtype"]))
+            if getattr(torch, s["dtype"]).is_floating_point
+            else torch.randint(0, SEQ, s["local_shape"], generator=g) for s in slots]
+
+
+@pytest.fixture(scope="module")
+def depths(tmp_path_factory):
+    cpu = torch.device("cpu")
+    out = {}
+    for layers in (3, 4):
+        blobs = _stored(layers, tmp_path_factory.mktemp(f"segments{layers}"))
+        whole = kernels.compilable_graph(blobs["graph"], blobs["constants"], [], None, cpu)
+        cut = kernels.compilable_graph(blobs["graph"], blobs["constants"], [], None, cpu)
+        parts, _ = kernels.segmented(cut, blobs["layout"], cpu)
+        out[layers] = (whole, parts, kernels.slots_of(blobs["layout"]))
+    return out
+
+
+def test_segments_called_in_order_compute_the_whole_step(depths):
+    for layers, (whole, parts, slots) in depths.items():
+        expected_inputs = _inputs(slots)
+        expected = whole(*expected_inputs)
+        values = _inputs(slots)
+        inputs = list(values)
+        for call in parts.calls:
+            values.extend(parts.modules[call.library](*[values[r] for r in call.inputs]))
+        got = [values[r] for r in parts.outputs]
+        assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected)), layers
+        # parameters and optimizer state, updated in place by the segments as by the whole graph
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(inputs, expected_inputs)), layers
+        assert any(not torch.equal(a, b) for a, b in zip(inputs, _inputs(slots))), "the step updated nothing"
+
+
+def test_a_deeper_model_adds_calls_not_libraries(depths):
+    (_, shallow, _), (_, deep, _) = depths[3][:3], depths[4][:3]
+    assert len(deep.modules) == len(shallow.modules) <= 8, (shallow.describe(), deep.describe())
+    # forward, backward and optimizer update of one more block: each a call of an existing library
+    assert len(deep.calls) - len(shallow.calls) == 3, (shallow.describe(), deep.describe())
