@@ -25,10 +25,16 @@ def _job(layers: int) -> spmd_aot.Job:
                         batch=batch)
 
 
-def _stored(layers: int, cache) -> dict[str, bytes]:
-    result = spmd_aot.build(_job(layers), world_size=1, cache_dir=cache)
+def _blobs(cache, digest: str) -> dict[str, bytes]:
     store = open_store(cache)
-    return {name: store.get(digest) for name, digest in read_manifest(store, result.digest)["blobs"].items()}
+    return {name: store.get(blob) for name, blob in read_manifest(store, digest)["blobs"].items()}
+
+
+def _run_segments(parts, values: list) -> list:
+    """The blob's calls, as a load runs them, with each segment run eagerly."""
+    for call in parts.calls:
+        values.extend(parts.modules[call.library](*[values[r] for r in call.inputs]))
+    return [values[r] for r in parts.outputs]
 
 
 def _inputs(slots) -> list[torch.Tensor]:
@@ -43,7 +49,8 @@ def depths(tmp_path_factory):
     cpu = torch.device("cpu")
     out = {}
     for layers in (3, 4):
-        blobs = _stored(layers, tmp_path_factory.mktemp(f"segments{layers}"))
+        cache = tmp_path_factory.mktemp(f"segments{layers}")
+        blobs = _blobs(cache, spmd_aot.build(_job(layers), world_size=1, cache_dir=cache).digest)
         whole = kernels.compilable_graph(blobs["graph"], blobs["constants"], [], None, cpu)
         cut = kernels.compilable_graph(blobs["graph"], blobs["constants"], [], None, cpu)
         parts, _ = kernels.segmented(cut, blobs["layout"], cpu)
@@ -55,11 +62,8 @@ def test_segments_called_in_order_compute_the_whole_step(depths):
     for layers, (whole, parts, slots) in depths.items():
         expected_inputs = _inputs(slots)
         expected = whole(*expected_inputs)
-        values = _inputs(slots)
-        inputs = list(values)
-        for call in parts.calls:
-            values.extend(parts.modules[call.library](*[values[r] for r in call.inputs]))
-        got = [values[r] for r in parts.outputs]
+        inputs = _inputs(slots)
+        got = _run_segments(parts, list(inputs))
         assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected)), layers
         # parameters and optimizer state, updated in place by the segments as by the whole graph
         assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(inputs, expected_inputs)), layers
@@ -71,3 +75,38 @@ def test_a_deeper_model_adds_calls_not_libraries(depths):
     assert len(deep.modules) == len(shallow.modules) <= 8, (shallow.describe(), deep.describe())
     # forward, backward and optimizer update of one more block: each a call of an existing library
     assert len(deep.calls) - len(shallow.calls) == 3, (shallow.describe(), deep.describe())
+
+
+def _sharded_worker(rank, world, cache, digest):
+    """On a live gloo group: the shard step's segments (all-gathers, reduce-scatters and their waits
+    inside them) called in order, against the whole graph."""
+    import torch.distributed as dist
+
+    from spmd_aot.format.kernels_blob import group_name
+    from spmd_aot.runtime.kernel_load import _register_groups
+
+    blobs = _blobs(cache, digest)
+    cpu = torch.device("cpu")
+    groups = [group_name(0)]
+    _register_groups(groups, [dist.group.WORLD.group_name], None)
+    whole = kernels.compilable_graph(blobs["graph"], blobs["constants"], groups, None, cpu)
+    cut = kernels.compilable_graph(blobs["graph"], blobs["constants"], groups, None, cpu)
+    parts, _ = kernels.segmented(cut, blobs["layout"], cpu)
+    slots = kernels.slots_of(blobs["layout"])
+    expected_inputs = _inputs(slots)
+    expected = whole(*expected_inputs)
+    inputs = _inputs(slots)
+    got = _run_segments(parts, list(inputs))
+    outputs = max((a - b).abs().max().item() for a, b in zip(got, expected))
+    state = max((a.float() - b.float()).abs().max().item() for a, b in zip(inputs, expected_inputs))
+    collectives = sum(1 for m in parts.modules for n in m.graph.nodes if "spmd_aot.all_gather" in str(n.target))
+    return outputs, state, collectives, len(parts.modules), len(parts.calls)
+
+
+def test_sharded_segments_with_their_collectives_compute_the_whole_step(tmp_path):
+    from support.multiproc import run_ranks
+
+    digest = spmd_aot.build(_job(3), world_size=2, cache_dir=tmp_path, placement="shard").digest
+    for outputs, state, collectives, libraries, calls in run_ranks(_sharded_worker, 2, str(tmp_path), digest):
+        assert outputs == 0 and state < 1e-6, (outputs, state)
+        assert collectives > 0 and calls > libraries, (collectives, libraries, calls)
