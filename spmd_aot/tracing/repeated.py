@@ -25,6 +25,7 @@ from collections import defaultdict
 
 import torch
 from torch import nn
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from ..parallel.groups import block_prefixes
 from ..parallel.plan import Plan
@@ -306,7 +307,10 @@ def stamped(state, plan: Plan, inputs: list, trace_cut):
     cuts = []
     try:
         for depth in (TEMPLATE_DEPTH, TEMPLATE_DEPTH + 1):
-            with cut_to(state, stack, depth), _last_indices(stack, depth, checking=depth > TEMPLATE_DEPTH):
+            # lazy modules: the short traces' graphs are read, never run, so their Python code is
+            # never generated (make_fx's module generates and compiles it when made)
+            with cut_to(state, stack, depth), _last_indices(stack, depth, checking=depth > TEMPLATE_DEPTH), \
+                    _use_lazy_graph_module(True):
                 cut = TrainState(state.model, state.optim, batch, plan)
                 slots = cut.slots()
                 recorder = BlockRecorder(stack, depth)
