@@ -1,9 +1,9 @@
-"""The compiled step as one native library a job calls without Inductor, and the proof that a
-bare call of it is the whole step.
+"""A compiled segment of the step as one native library a job calls without Inductor, and the
+proof that a bare call of it is the whole segment.
 
 Why: loading Inductor's saved artifact imports ``torch._inductor`` (1.2-2 s cold) and runs
 AOTAutograd's and Inductor's Python around the kernels; a job's first call paid ~1.5 s for it.
-Compiled with ``cpp_wrapper``, Inductor writes the whole graph, the calls between kernels too, as
+Compiled with ``cpp_wrapper``, Inductor writes a whole graph, the calls between kernels too, as
 one C++ Python extension module (``PyInit_inductor_entry_cpp``): its one function takes the
 inputs as tensor handles (``torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors``) and returns the
 outputs' handles. Importing that file is a ``dlopen``.

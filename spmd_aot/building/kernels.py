@@ -3,11 +3,13 @@
 Why: a loaded step runs op by op through ``program.Program``; Inductor fuses the pointwise ops
 of forward, backward and optimizer into a few generated C++ loops. The build compiles the very
 graph it stores (decoded back from the graph blob, so kernels and interpreter run the same
-graph) with ``torch._inductor.standalone_compile`` and Inductor's C++ wrapper (``cpp_wrapper``):
-the whole step, kernels and the calls between them, becomes one C++ Python extension library.
-The ``kernels`` blob (``format/kernels_blob.py``) stores that library and how to call it, once
-``kernel_library.plain_call`` has shown a bare call of it is the whole step (no AOTAutograd or
-Inductor Python around it); so a job loads it with a ``dlopen`` and never imports Inductor
+graph) with ``torch._inductor.standalone_compile`` and Inductor's C++ wrapper (``cpp_wrapper``).
+The graph is first cut into segments (``kernel_segments``: a repeated block is one segment,
+compiled once and called per block, so the compile does not grow with depth); each distinct
+segment, kernels and the calls between them, becomes one C++ Python extension library. The
+``kernels`` blob (``format/kernels_blob.py``) stores the libraries and the calls that run the
+step, once ``kernel_library.plain_call`` has shown a bare call of each is its whole segment (no
+AOTAutograd or Inductor Python around it); so a job loads them with ``dlopen`` and never imports Inductor
 (``runtime/kernel_load.py``). It also records what built it: torch's full release, the C++
 compiler, the CPU capability, the options.
 
