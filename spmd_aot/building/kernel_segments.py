@@ -60,13 +60,14 @@ class Partition:
         return f"{len(self.calls)} calls of {len(self.modules)} libraries ({dict(sorted(uses.items()))})"
 
 
-def partition(gm: fx.GraphModule) -> Partition:
-    """``gm`` (every node with ``meta["val"]``, from a fake run) as segments and calls."""
+def partition(gm: fx.GraphModule, whole: bool = False) -> Partition:
+    """``gm`` (every node with ``meta["val"]``, from a fake run) as segments and calls; with
+    ``whole``, as one segment."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     body = [n for n in gm.graph.nodes if n.op == "call_function"]
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     position = {n: i for i, n in enumerate(body)}
-    segment_of = _segments(body)
+    segment_of = dict.fromkeys(body, 0) if whole else _segments(body)
     for node in body:  # a tuple or an in-flight collective never crosses: its reader joins its producer
         source = node.args[0] if node.args else None
         if isinstance(source, fx.Node) and source in position and _stays_with_producer(node, source):

@@ -104,14 +104,16 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
     with tempfile.TemporaryDirectory(prefix="spmd-aot-inductor-") as cache_dir, temporary_cache_dir(cache_dir), \
             registered(), _build_groups(plan, groups, world), inductor_settings():
         parts, fake = segmented(gm, layout, device)
-        log.info("kernels for %s: %s", plan.describe(), parts.describe())
-        libraries = []
-        for i, (module, inputs) in enumerate(zip(parts.modules, parts.examples)):
-            start = time.perf_counter()
-            libraries.append(_compile_library(module, inputs, pathlib.Path(cache_dir), fake, requested))
-            log.info("compiled kernels: library %d of %d (%d nodes, called %d times) in %.1f s", i + 1,
-                     len(parts.modules), len(module.graph.nodes), sum(c.library == i for c in parts.calls),
-                     time.perf_counter() - start)
+        try:
+            libraries = _compile_libraries(parts, pathlib.Path(cache_dir), fake, requested, plan)
+        except KernelsUnavailable as exc:
+            if len(parts.modules) == 1:
+                raise
+            # a segment Inductor cannot compile plainly: the whole step as one library, as it compiles
+            log.warning("kernels for %s: segmented compile failed (%s); compiling the step whole",
+                        plan.describe(), exc)
+            parts = kernel_segments.partition(gm, whole=True)
+            libraries = _compile_libraries(parts, pathlib.Path(cache_dir), fake, requested, plan)
     doc = {"format": KERNELS_FORMAT, "requested": requested, "groups": groups, "cxx": _compiler(),
            "entry": ENTRY, "inputs": parts.n_inputs, "libraries": libraries,
            "calls": [[c.library, c.inputs] for c in parts.calls], "outputs": parts.outputs}
@@ -162,6 +164,18 @@ def segmented(gm: torch.fx.GraphModule, layout: bytes, device: torch.device):
     FakeTensorProp(gm, fake).propagate_dont_convert_inputs(*example)
     kernel_list_ops.split_per_block(gm)
     return kernel_segments.partition(gm), fake
+
+
+def _compile_libraries(parts, cache_dir: pathlib.Path, fake, requested: dict, plan) -> list[dict]:
+    log.info("kernels for %s: %s", plan.describe(), parts.describe())
+    libraries = []
+    for i, (module, inputs) in enumerate(zip(parts.modules, parts.examples)):
+        start = time.perf_counter()
+        libraries.append(_compile_library(module, inputs, cache_dir, fake, requested))
+        log.info("compiled kernels: library %d of %d (%d nodes, called %d times) in %.1f s", i + 1,
+                 len(parts.modules), len(module.graph.nodes), sum(c.library == i for c in parts.calls),
+                 time.perf_counter() - start)
+    return libraries
 
 
 def _probe_vector_isa() -> None:
