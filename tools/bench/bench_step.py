@@ -7,6 +7,7 @@
     python tools/bench/bench_step.py --sweep --fused-adamw   # every variant's AdamW fused=True
     python tools/bench/bench_step.py --kernels --with-torch-compile --layers 12 --batch 2   # compiled kernels
     python tools/bench/bench_step.py --kernels --with-torch-compile --worlds 4 --placements "hsdp,shard x tp"
+    python tools/bench/bench_step.py --kernels --with-torch-compile --worlds 4 --placements "replicate x tp"
     python tools/bench/bench_step.py --context-parallel --seq 256   # cp 2 at world 2, dp_shard 2 x cp 2 at 4
     python tools/bench/bench_step.py --expert-parallel              # dp_shard 2 x ep 2 at world 4
 
@@ -18,9 +19,15 @@ identical copies of the example transformer + AdamW, one per variant:
   eager     plain eager at world 1; eager DDP for replicate; eager FSDP2 ``fully_shard`` per
             block then the root for shard; HSDP: the same on a (2, 2) mesh; ``shard x tp``
             (dp_shard 2 x tp 2, world 4: the blocks' MLPs column- then row-wise, ``TP_PLAN``):
-            ``parallelize_module`` over tp, then ``fully_shard`` over dp_shard
+            ``parallelize_module`` over tp, then ``fully_shard`` over dp_shard; ``replicate x tp``
+            (dp_replicate 2 x tp 2, world 4, the same plan): ``parallelize_module`` over tp, then
+            DDP over dp_replicate's group (torch's ``_pre_dp_module_transform`` first: DDP takes
+            plain tensors, so TP's DTensor parameters are localized between forwards)
   compiled  (``--with-torch-compile``) ``torch.compile`` of that eager model; its first step
-            is reported separately as compile seconds
+            is reported separately as compile seconds. For ``replicate x tp`` each block is
+            compiled instead (``Module.compile`` after ``parallelize_module``, before DDP:
+            torchtitan's order), since torch 2.13 cannot compile DDP over TP's localized
+            parameters whole (``BLOCK_COMPILE``)
   kernels   (``--kernels``) the entry built with ``kernels=True``, loaded from a trusted cache:
             the step runs Inductor's kernels compiled at build time (``spmd_aot/building/kernels.py``);
             its first call (key, load, bind) is reported as kernels first s
@@ -92,16 +99,25 @@ from bar_chart import write_svg  # noqa: E402  (a sibling file of this script)
 VOCAB, HEADS = 256, 4
 TARGET = {1: 0.95}  # loaded/eager the project aims for; 0.90 at world > 1
 EAGER_NAME = {"single": "eager", "replicate": "DDP", "shard": "FSDP2", "hsdp": "FSDP2 2x2", "shard x tp": "FSDP2 x TP",
+              "replicate x tp": "DDP x TP",
               "cp": "eager, whole seq", "shard x cp": "FSDP2 dp 2, whole seq", "shard x ep": "FSDP2"}
 # context / expert parallel configurations: placement -> (spmd_aot placement, mesh shape, extra options)
 AXIS_PLACEMENTS = {"cp": ("replicate", None, dict(context_parallel=True)),
                    "shard x cp": ("shard", (2, 2), dict(context_parallel=True)),
                    "shard x ep": ("shard", (2, 2), dict(expert_parallel="auto"))}
 EXPERTS, TOP_K = 4, 2
-# DP x TP (``shard x tp``, a (dp_shard 2, tp 2) mesh at world 4): each block's MLP split Megatron
-# style; the example attention splits its fused qkv by the full width, so it stays whole
+# DP x TP (``shard x tp``, a (dp_shard 2, tp 2) mesh, and ``replicate x tp``, a (dp_replicate 2,
+# tp 2) mesh, at world 4): each block's MLP split Megatron style; the example attention splits its
+# fused qkv by the full width, so it stays whole
 TP_PLAN = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
-TP_MESH = {"shard x tp": ((2, 2), ("dp_shard", "tp"))}
+TP_MESH = {"shard x tp": ((2, 2), ("dp_shard", "tp")), "replicate x tp": ((2, 2), ("dp_replicate", "tp"))}
+# Placements whose torch.compile variant compiles each block rather than the wrapped model. In torch
+# 2.13, torch.compile of DDP over a TP model (whose DTensor parameters ``_pre_dp_module_transform``
+# swaps for local tensors after each forward and back before the next) fails: by default AOTAutograd
+# hashes a DTensorSpec holding a SymInt ("unhashable type: non-nested SymInt"; the same with
+# ``optimize_ddp=False`` or compiling the model before DDP wraps it), and with ``dynamic=False`` the
+# second step backwards through the first step's graph, the parameters having been re-registered.
+BLOCK_COMPILE = {"replicate x tp"}
 
 
 # ---------------------------------------------------------------------------- the cp and ep models
@@ -208,7 +224,7 @@ def loss_step(model, optim, batch):
 class Config:
     world: int
     placement: str  # "single" (world 1), "replicate", "shard", "hsdp" (shard on a 2x2 mesh), "shard x tp",
-    #                 or AXIS_PLACEMENTS
+    #                 "replicate x tp", or AXIS_PLACEMENTS
     layers: int
     d_model: int
 
@@ -307,11 +323,14 @@ def build(cfg: Config, s: Settings, cache_dir: str) -> float:
 
 
 # ---------------------------------------------------------------------------- on every rank
-def _eager_model(cfg: Config, world: int, s: Settings):
-    """The eager oracle for this placement: (module to call, its optimizer)."""
+def _eager_model(cfg: Config, world: int, s: Settings, compile_blocks: bool = False):
+    """The eager oracle for this placement: (module to call, its optimizer); with
+    ``compile_blocks`` (DP x TP only) each block compiled before the data-parallel wrapper."""
     model, optim = _model_and_optim(cfg, s)
     if world == 1 or cfg.placement == "cp":  # cp alone: every rank runs the unsplit sequence
         return model, optim
+    if cfg.placement in TP_MESH:
+        return _tp_eager_model(cfg, model, s, compile_blocks)
     if cfg.spmd_placement == "replicate":
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(model), optim
@@ -319,14 +338,6 @@ def _eager_model(cfg: Config, world: int, s: Settings):
     from torch.distributed.fsdp import fully_shard
     if cfg.axis == "cp":  # over dp_shard only; the cp ranks of a share run the same job
         mesh = init_device_mesh("cpu", cfg.mesh_shape, mesh_dim_names=("dp_shard", "cp"))["dp_shard"]
-    elif cfg.placement in TP_MESH:  # torchtitan's order: TP first, then FSDP over the data-parallel dim
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        shape, names = TP_MESH[cfg.placement]
-        mesh_2d = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-        parallelize_module(model, mesh_2d["tp"], {k.replace("*", str(i)): styles[v]() for k, v in TP_PLAN.items()
-                                                  for i in range(len(model.blocks))})
-        mesh = mesh_2d["dp_shard"]
     else:  # ep: the unsplit model over the whole world
         shape = (world,) if cfg.axis == "ep" else cfg.mesh_shape or (world,)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
@@ -334,6 +345,37 @@ def _eager_model(cfg: Config, world: int, s: Settings):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     # fully_shard swaps parameters for DTensors: the optimizer must see the new ones.
+    return model, _adamw(model.parameters(), s)
+
+
+def _tp_eager_model(cfg: Config, model, s: Settings, compile_blocks: bool = False):
+    """DP x TP in torchtitan's order: ``parallelize_module`` over tp first, then the data-parallel
+    wrapper over the other dim: ``fully_shard`` per block and on the root over dp_shard, or DDP
+    over dp_replicate's group. DDP takes plain tensors, not TP's DTensors, so torch's
+    ``_pre_dp_module_transform`` localizes them between forwards (the composable ``replicate``
+    given a sub-mesh registers the same hooks): DDP then all-reduces each rank's local shard
+    gradients over its replicas, as the built step does."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    shape, names = TP_MESH[cfg.placement]
+    mesh_2d = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, mesh_2d["tp"], {k.replace("*", str(i)): styles[v]() for k, v in TP_PLAN.items()
+                                              for i in range(len(model.blocks))})
+    if compile_blocks:  # torchtitan's regional compile: blocks see TP's DTensor parameters
+        for block in model.blocks:
+            block.compile()
+    if names[0] == "dp_replicate":
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+        from torch.nn.parallel import DistributedDataParallel
+        _pre_dp_module_transform(model)
+        model = DistributedDataParallel(model, process_group=mesh_2d["dp_replicate"].get_group())
+    else:
+        from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh_2d["dp_shard"])
+        fully_shard(model, mesh=mesh_2d["dp_shard"])
+    # both swap parameters (for DTensors, for their local tensors): the optimizer must see the new ones
     return model, _adamw(model.parameters(), s)
 
 
@@ -377,8 +419,11 @@ def _measure(cfg: Config, s: Settings, cache_dir: str, rank: int, world: int) ->
     eager, eager_optim = _eager_model(cfg, world, s)
     variants["eager"] = lambda: cfg.step(eager, eager_optim, batch)
     if s.with_compile:
-        compiled_module, compiled_optim = _eager_model(cfg, world, s)
-        compiled_module = torch.compile(compiled_module)
+        if cfg.placement in BLOCK_COMPILE:
+            compiled_module, compiled_optim = _eager_model(cfg, world, s, compile_blocks=True)
+        else:
+            compiled_module, compiled_optim = _eager_model(cfg, world, s)
+            compiled_module = torch.compile(compiled_module)
         variants["compiled"] = lambda: cfg.step(compiled_module, compiled_optim, batch)
     if s.kernels:
         variants.update(_kernel_variants(cfg, s, cache_dir, world, batch))
@@ -626,8 +671,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, help="warm-up steps per variant (default 3)")
     parser.add_argument("--worlds", type=_ints, default=[1, 2, 4])
     parser.add_argument("--placements", default=None,
-                        help="comma-separated of replicate, shard, hsdp, 'shard x tp' (default the first "
-                             "three; --sweep: replicate,shard); world 1 runs once, plain; hsdp and 'shard x tp' "
+                        help="comma-separated of replicate, shard, hsdp, 'shard x tp', 'replicate x tp' (default "
+                             "the first three; --sweep: replicate,shard); world 1 runs once, plain; hsdp and the x tp "
                              "only at world 4 (2x2)")
     parser.add_argument("--with-torch-compile", action="store_true", help="also time torch.compile(eager model)")
     parser.add_argument("--sweep", action="store_true", help="layers {2,12} x d_model {64,256}: the target range")
@@ -666,7 +711,8 @@ def main(argv=None) -> int:
     placements = [p for p in pick("placements").split(",") if p]
     unknown = set(placements) - {"replicate", "shard", "hsdp", *TP_MESH}
     if unknown:
-        parser.error(f"unknown placement(s) {sorted(unknown)}; expected replicate, shard, hsdp, 'shard x tp'")
+        parser.error(f"unknown placement(s) {sorted(unknown)}; expected replicate, shard, hsdp, "
+                     "'shard x tp', 'replicate x tp'")
     s = Settings(seq=pick("seq"), batch=pick("batch"), steps=pick("steps"), blocks=pick("blocks"),
                  warmup=max(1, pick("warmup")), with_compile=args.with_torch_compile,
                  comm=_parse_comm(args.comm), fused_adamw=args.fused_adamw, kernels=args.kernels)
@@ -694,6 +740,9 @@ def main(argv=None) -> int:
               "share pass the same one); torch's own context_parallel does not run on CPU/gloo, so eager is the "
               "unsplit sequence (plain, or fully_shard over dp_shard), run by each cp rank; Δloss: the cp ranks' "
               "mean loss", flush=True)
+    if s.with_compile and any(c.placement in BLOCK_COMPILE for c in configs):
+        print(f"# torch.compile of {', '.join(sorted(BLOCK_COMPILE))}: each block compiled (torch 2.13 cannot "
+              "compile DDP over TP's localized parameters whole)", flush=True)
     if args.expert_parallel:
         print(f"# expert parallel: MoE with {EXPERTS} experts, top {TOP_K}, a shared expert per block; eager is "
               "fully_shard of the unsplit model over every rank", flush=True)
