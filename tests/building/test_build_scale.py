@@ -179,6 +179,11 @@ def test_a_stamped_stack_is_node_for_node_the_full_trace(low_threshold, model, d
     assert stamped.gradient_collectives == full.gradient_collectives
     assert (stamped.group_names, stamped.groups, stamped.axis_budget) == (full.group_names, full.groups, full.axis_budget)
     assert (stamped.out_spec, stamped.out_constants) == (full.out_spec, full.out_constants)
+    # its code, generated with the graph's node index set aside, is FX's; the index is intact after
+    graph = stamped.gm.graph
+    assert stamped.gm.code == graph.python_code(root_module="self").src
+    for op, target in {(n.op, n.target) for n in graph.nodes}:
+        assert graph.find_nodes(op=op, target=target) == [n for n in graph.nodes if (n.op, n.target) == (op, target)]
 
 
 def test_blocks_that_differ_or_a_forward_that_counts_them_are_traced_whole(low_threshold):
