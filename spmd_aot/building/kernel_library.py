@@ -45,10 +45,10 @@ def library(cache_dir: pathlib.Path, before: set = frozenset()) -> bytes:
     return found[0].read_bytes()
 
 
-def plain_call(cache_dir: pathlib.Path, n_inputs: int, before: set = frozenset()) -> int:
-    """The number of outputs of the graph compiled into ``cache_dir`` (the entries not in ``before``)
-    when calling its library with the ``n_inputs`` inputs in order is all it does; ``NotPlain``
-    saying what else it needs."""
+def plain_call(cache_dir: pathlib.Path, n_inputs: int, before: set = frozenset()) -> tuple[int, list[int]]:
+    """(number of outputs, positions of the inputs it writes in place) of the graph compiled into
+    ``cache_dir`` (the entries not in ``before``), when calling its library with the ``n_inputs``
+    inputs in order is all it does; ``NotPlain`` saying what else it needs."""
     entry = _one_entry(cache_dir / "aotautograd", "AOTAutograd", before)
     graph = _one_entry(cache_dir / "fxgraph", "FX graph", before)
     try:
@@ -57,7 +57,8 @@ def plain_call(cache_dir: pathlib.Path, n_inputs: int, before: set = frozenset()
         raise NotPlain(f"this torch's compile entries lack a field the check reads ({exc})") from exc
     if needs:
         raise NotPlain("the compiled step needs Inductor's Python around it: " + "; ".join(needs))
-    return len(entry.runtime_metadata.output_info)
+    written = [i for i, info in enumerate(entry.runtime_metadata.input_info) if info.mutates_data]
+    return len(entry.runtime_metadata.output_info), written
 
 
 def _needs(entry, graph, n_inputs: int) -> list[str]:

@@ -10,15 +10,16 @@ segment (inputs in first-use order, nodes by position): segments whose canonical
 are one library, compiled once and called once per block. Regions that do not repeat (the
 embedding, the loss, the optimizer's list ops) are segments of their own.
 
-A cut is only where a value may cross: views (and constants) are recomputed in the segment that
-reads them (a library may not return an alias of its input: AOTAutograd's Python would have to
-regenerate it), ``getitem`` of a multi-output op and ``wait_tensor`` of a collective stay with
-their producer. Correctness does not depend on finding the repeats: a graph with none is one
-segment, the whole step, as before.
+A cut is only where a value may cross: views are recomputed in the segment that reads them (a
+library may not return an alias of its input: AOTAutograd's Python would have to regenerate it),
+``getitem`` of a multi-output op and ``wait_tensor`` of a collective stay with their producer.
+Stored constants are inputs of the segments that read them (Inductor would append a constant it
+holds to the library's inputs, which a bare call does not pass). Correctness does not depend on
+finding the repeats: a graph with none is one segment, the whole step.
 
 The result is a ``Partition``: the distinct segment graphs (each with fake example inputs) and
-the calls that run the step, as value references (step inputs first, then each call's outputs
-in order); ``format/kernels_blob.py`` stores it and ``runtime/kernel_load.py`` runs it.
+the calls that run the step, as value references (step inputs first, then the stored constants,
+then each call's outputs in order); ``format/kernels_blob.py`` stores it and ``runtime/kernel_load.py`` runs it.
 """
 
 from __future__ import annotations
@@ -48,12 +49,15 @@ class Call:
 @dataclasses.dataclass
 class Partition:
     """Distinct segment graphs (``modules``, ``examples``: fake inputs), the ``calls`` that run the
-    step, and the references of the step's ``outputs``."""
+    step, and the references of the step's ``outputs``. References number the step's inputs, then
+    its stored ``constants`` (by name: a library never holds one, so Inductor appends none to its
+    inputs), then each call's outputs."""
     modules: list[fx.GraphModule]
     examples: list[list]
     calls: list[Call]
     outputs: list[int]
     n_inputs: int
+    constants: list[str]
 
     def describe(self) -> str:
         uses = collections.Counter(c.library for c in self.calls)
@@ -64,6 +68,7 @@ def partition(gm: fx.GraphModule, whole: bool = False) -> Partition:
     """``gm`` (every node with ``meta["val"]``, from a fake run) as segments and calls; with
     ``whole``, as one segment."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    constants = [n for n in gm.graph.nodes if n.op == "get_attr"]
     body = [n for n in gm.graph.nodes if n.op == "call_function"]
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     position = {n: i for i, n in enumerate(body)}
@@ -96,7 +101,7 @@ def partition(gm: fx.GraphModule, whole: bool = False) -> Partition:
             returns.append(set())
         returns[index].update(i for i, n in enumerate(g.members) if n in needed)
     returned_positions = [sorted(r) for r in returns]
-    refs = {n: i for i, n in enumerate(placeholders)}
+    refs = {n: i for i, n in enumerate(placeholders + constants)}
     calls = []
     for g in graphs:
         index = library_of[g.key]
@@ -105,7 +110,8 @@ def partition(gm: fx.GraphModule, whole: bool = False) -> Partition:
             refs[g.members[position_in_segment]] = len(refs)
     return Partition(modules=[g.module(returned_positions[i]) for i, g in enumerate(distinct)],
                      examples=[g.example for g in distinct], calls=calls,
-                     outputs=[refs[n] for n in returned], n_inputs=len(placeholders))
+                     outputs=[refs[n] for n in returned], n_inputs=len(placeholders),
+                     constants=[n.target for n in constants])
 
 
 def _stays_with_producer(node: fx.Node, source: fx.Node) -> bool:
@@ -115,9 +121,7 @@ def _stays_with_producer(node: fx.Node, source: fx.Node) -> bool:
 
 
 def _recomputed(node: fx.Node) -> bool:
-    """Read across a cut by recomputing it: views (a library returns no alias) and constants."""
-    if node.op == "get_attr":
-        return True
+    """Read across a cut by recomputing it: views (a library returns no alias)."""
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
@@ -130,8 +134,8 @@ _ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
 
 
 class _SegmentGraph:
-    """One segment as a standalone graph: external values as placeholders in first-use order, views
-    and constants it reads recomputed inside; ``key`` its canonical form."""
+    """One segment as a standalone graph: external values (constants too) as placeholders in
+    first-use order, views it reads recomputed inside; ``key`` its canonical form."""
 
     def __init__(self, gm: fx.GraphModule, members: list[fx.Node]):
         self.root, self.members = gm, members
@@ -176,7 +180,8 @@ class _SegmentGraph:
 
 def _canonical(graph: fx.Graph) -> tuple:
     """What makes two segments one library: each node's op, target and arguments (other nodes by
-    position), and each input's shape, stride, dtype and device."""
+    position), and each input's shape, stride, dtype and device (constants are inputs too: blocks
+    that read a constant each, one per layer, are one library)."""
     index: dict[fx.Node, int] = {}
     parts = []
     for i, node in enumerate(graph.nodes):
@@ -224,7 +229,7 @@ def _signature(node: fx.Node):
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
             shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
-            return (a.op, str(a.target) if a.op != "placeholder" else "", shape)
+            return (a.op, str(a.target) if a.op == "call_function" else "", shape)
         if isinstance(a, (list, tuple)):
             return tuple(arg(x) for x in a)
         return repr(a)

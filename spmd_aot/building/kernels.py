@@ -115,7 +115,7 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
             parts = kernel_segments.partition(gm, whole=True)
             libraries = _compile_libraries(parts, pathlib.Path(cache_dir), fake, requested, plan)
     doc = {"format": KERNELS_FORMAT, "requested": requested, "groups": groups, "cxx": _compiler(),
-           "entry": ENTRY, "inputs": parts.n_inputs, "libraries": libraries,
+           "entry": ENTRY, "inputs": parts.n_inputs, "constants": parts.constants, "libraries": libraries,
            "calls": [[c.library, c.inputs] for c in parts.calls], "outputs": parts.outputs}
     if world is not None:  # only then: blobs of 1-D meshes keep the fields they always had
         doc["world"] = world
@@ -162,6 +162,9 @@ def segmented(gm: torch.fx.GraphModule, layout: bytes, device: torch.device):
         example = [torch.empty(s["local_shape"], dtype=getattr(torch, s["dtype"]), device=device)
                    for s in slots_of(layout)]
     FakeTensorProp(gm, fake).propagate_dont_convert_inputs(*example)
+    for node in gm.graph.nodes:  # a constant is a library's input: its example is fake too
+        if node.op == "get_attr":
+            node.meta["val"] = fake.from_tensor(getattr(gm, node.target))
     kernel_list_ops.split_per_block(gm)
     return kernel_segments.partition(gm), fake
 
@@ -190,7 +193,8 @@ def _probe_vector_isa() -> None:
 
 def _compile_library(module: torch.fx.GraphModule, example: list, cache_dir: pathlib.Path, fake,
                      requested: dict) -> dict:
-    """One segment compiled into its library: ``{"library": bytes, "inputs": n, "outputs": m}``."""
+    """One segment compiled into its library: ``{"library": bytes, "inputs": n, "outputs": m,
+    "strides": each input's strides, as the library asserts them, "written": the inputs it updates}``."""
     before = {p for p in cache_dir.rglob("*") if p.is_file()}
     try:
         torch._inductor.standalone_compile(
@@ -201,11 +205,12 @@ def _compile_library(module: torch.fx.GraphModule, example: list, cache_dir: pat
                                  f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from exc
     n_inputs = len(example)
     try:
-        outputs = kernel_library.plain_call(cache_dir, n_inputs, before)
+        outputs, written = kernel_library.plain_call(cache_dir, n_inputs, before)
         native = kernel_library.library(cache_dir, before)
     except kernel_library.NotPlain as exc:
         raise KernelsUnavailable(str(exc)) from exc
-    return {"library": native, "inputs": n_inputs, "outputs": outputs}
+    return {"library": native, "inputs": n_inputs, "outputs": outputs,
+            "strides": [[int(s) for s in t.stride()] for t in example], "written": written}
 
 
 _OUT_OF_PLACE_COLLECTIVES = {

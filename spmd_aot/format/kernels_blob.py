@@ -7,7 +7,8 @@ the step, compiled by Inductor's C++ wrapper into a Python extension module whos
 it was built with, the compiler, and the process-group names it calls collectives on.
 
 The calls are data: ``[library, [reference, ...]]`` each, where a reference numbers a value: the
-step's inputs first, then every output of every call in order; ``outputs`` references the step's
+step's inputs first, then the stored constants the blob names (``constants``: names in the entry's
+constants blob), then every output of every call in order; ``outputs`` references the step's
 results. A repeated block is one library called once per block. ``check`` proves every reference
 names a value defined before it is read and every call passes its library's number of inputs, so
 running the calls is bounded, in-range work. Decoding runs nothing (no pickle); the libraries load
@@ -112,6 +113,13 @@ def check(doc: dict, where: str) -> dict:
                 or any(type(library.get(f)) is not int or not 0 <= library[f] <= _MAX_SLOTS
                        for f in ("inputs", "outputs")):
             bad("has a library without its code or its numbers of inputs and outputs")
+        strides, written = library.get("strides"), library.get("written")
+        if not isinstance(strides, list) or len(strides) != library["inputs"] \
+                or not all(isinstance(st, list) and len(st) <= 64 and all(type(x) is int and 0 <= x < 1 << 62 for x in st)
+                           for st in strides) \
+                or not isinstance(written, list) or len(written) > library["inputs"] \
+                or not all(type(i) is int and 0 <= i < library["inputs"] for i in written):
+            bad("has a library without each input's strides or with written inputs out of range")
     _check_calls(doc, libraries, bad)
     groups = doc.get("groups")
     if not isinstance(groups, list) or groups != [group_name(d) for d in range(len(groups))]:
@@ -127,7 +135,11 @@ def _check_calls(doc: dict, libraries: list, bad) -> None:
     calls, outputs = doc.get("calls"), doc.get("outputs")
     if not isinstance(calls, list) or not 0 < len(calls) <= _MAX_CALLS or not isinstance(outputs, list):
         bad("lacks its calls or outputs")
-    defined, references = doc["inputs"], 0
+    constants = doc.get("constants")
+    if not isinstance(constants, list) or len(constants) > _MAX_ITEMS \
+            or not all(isinstance(c, str) and 0 < len(c) <= 200 for c in constants):
+        bad("names its constants wrongly")
+    defined, references = doc["inputs"] + len(constants), 0
     for call in calls:
         if not isinstance(call, list) or len(call) != 2 or type(call[0]) is not int \
                 or not 0 <= call[0] < len(libraries) or not isinstance(call[1], list):

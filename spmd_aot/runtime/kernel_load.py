@@ -78,8 +78,9 @@ class KernelProgram:
     its last reader, as Inductor frees a buffer inside one library."""
 
     def __init__(self, entries: list, libraries: list[dict], calls: list, outputs: list[int], n_inputs: int,
-                 directory: str):
+                 directory: str, constants: list[torch.Tensor] = ()):
         self.n_inputs, self.directory = n_inputs, directory
+        self._constants = list(constants)
         self.n_outputs = len(outputs)
         self._outputs = outputs
         last: dict[int, int] = {}
@@ -91,20 +92,33 @@ class KernelProgram:
         for r, i in last.items():
             if r not in keep:
                 drops[i].append(r)
-        self._plan = [(entries[lib], refs, libraries[lib]["outputs"], drops[i])
+        produced = n_inputs + len(self._constants)  # values from here on are outputs of calls
+
+        def checks(lib, refs):
+            """(position, strides, written) of each input another call produced: its strides are that
+            library's choice, which may differ from the layout this library was compiled for."""
+            library = libraries[lib]
+            written = set(library["written"])
+            return [(k, tuple(library["strides"][k]), k in written) for k, r in enumerate(refs) if r >= produced]
+
+        self._plan = [(entries[lib], refs, libraries[lib]["outputs"], drops[i], checks(lib, refs))
                       for i, (lib, refs) in enumerate(calls)]
-        self._size = n_inputs + sum(libraries[lib]["outputs"] for lib, _ in calls)
+        self._size = n_inputs + len(self._constants) + sum(libraries[lib]["outputs"] for lib, _ in calls)
 
     def __call__(self, *inputs: torch.Tensor):
         if len(inputs) != self.n_inputs:
             raise TypeError(f"compiled step takes {self.n_inputs} inputs, got {len(inputs)}")
-        values: list = list(inputs)
-        values.extend([None] * (self._size - self.n_inputs))
-        at = self.n_inputs
+        values: list = [*inputs, *self._constants]
+        at = len(values)
+        values.extend([None] * (self._size - at))
         to_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
         from_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
-        for entry, refs, n_outputs, drops in self._plan:
-            outputs = from_handles(entry(to_handles([values[r] for r in refs])))
+        for entry, refs, n_outputs, drops, checks in self._plan:
+            args = [values[r] for r in refs]
+            restrided = _restrided(args, checks)
+            outputs = from_handles(entry(to_handles(args)))
+            for original, copy in restrided:  # an input the library updated, through its copy
+                original.copy_(copy)
             if len(outputs) != n_outputs:
                 raise CorruptArtifactError(f"a compiled library returned {len(outputs)} outputs, its blob says "
                                            f"{n_outputs}; rebuild the entry")
@@ -113,6 +127,22 @@ class KernelProgram:
             for r in drops:
                 values[r] = None
         return [values[r] for r in self._outputs]
+
+
+def _restrided(args: list, checks: list) -> list:
+    """Each checked input whose strides differ from its library's, replaced in ``args`` by a copy
+    with the library's strides (Inductor's own input check would refuse it); the (input, copy)
+    pairs of those the library writes, to copy back after the call."""
+    written = []
+    for position, strides, writes in checks:
+        value = args[position]
+        if value.stride() != strides:
+            copy = torch.empty_strided(value.shape, strides, dtype=value.dtype, device=value.device)
+            copy.copy_(value)
+            args[position] = copy
+            if writes:
+                written.append((value, copy))
+    return written
 
 
 def load_kernels(artifact, live_groups: list[str], trust_cache: bool | None, device: torch.device):
@@ -139,6 +169,10 @@ def load_kernels(artifact, live_groups: list[str], trust_cache: bool | None, dev
     if doc["requested"] != here:
         interpreting(artifact.digest, f"its kernels were built for {doc['requested']}, this process is {here}")
         return None
+    missing = [name for name in doc["constants"] if name not in artifact.constants]
+    if missing:
+        raise CorruptArtifactError(f"{where}: its kernels read constants the entry does not hold "
+                                   f"({', '.join(missing[:3])}); rebuild it")
     _register_groups(doc["groups"], live_groups, doc.get("world"))
     from ..building import kernel_collectives  # noqa: F401  (defines the operators the library calls)
 
@@ -148,7 +182,9 @@ def load_kernels(artifact, live_groups: list[str], trust_cache: bool | None, dev
     log.info("artifact %s: running its compiled kernels (%d libraries, %d calls, %d bytes of native code, "
              "built by %s)", artifact.digest[:12], len(entries), len(doc["calls"]),
              sum(len(lib["library"]) for lib in doc["libraries"]), doc["cxx"])
-    return KernelProgram(entries, doc["libraries"], doc["calls"], doc["outputs"], doc["inputs"], directory)
+    constants = [artifact.constants[name].to(device) for name in doc["constants"]]
+    return KernelProgram(entries, doc["libraries"], doc["calls"], doc["outputs"], doc["inputs"], directory,
+                         constants)
 
 
 def _register_groups(names: list[str], live: list[str], world: str | None) -> None:

@@ -451,9 +451,9 @@ def _blob(**changes) -> dict:
     from spmd_aot.format import kernels_blob
 
     doc = {"format": kernels_blob.KERNELS_FORMAT, "requested": {}, "cxx": "c++", "entry": kernels_blob.ENTRY,
-           "inputs": 2, "groups": [],
-           "libraries": [{"library": b"\x7fELF", "inputs": 2, "outputs": 1},
-                         {"library": b"\x7fELF", "inputs": 1, "outputs": 2}],
+           "inputs": 2, "constants": [], "groups": [],
+           "libraries": [{"library": b"\x7fELF", "inputs": 2, "outputs": 1, "strides": [[4, 1], [1]], "written": [0]},
+                         {"library": b"\x7fELF", "inputs": 1, "outputs": 2, "strides": [[]], "written": []}],
            "calls": [[0, [0, 1]], [1, [2]], [0, [3, 4]]], "outputs": [5]}
     doc.update(changes)
     return doc
@@ -465,10 +465,14 @@ def _blob(**changes) -> dict:
     ({"calls": [[0, [0]]]}, False),  # library 0 takes 2 inputs
     ({"calls": [[2, [0]]]}, False),  # no library 2
     ({"calls": [[0, [0, -1]]]}, False),
-    ({"outputs": [6]}, False),  # five values are defined (2 inputs, then 1 + 2 + 1 outputs): 0..5
+    ({"outputs": [6]}, False),  # six values are defined (2 inputs, then 1 + 2 + 1 outputs): 0..5
+    ({"outputs": [6], "constants": ["c"]}, True),  # a constant is value 2, the outputs 3..6
+    ({"constants": [7]}, False),
     ({"calls": []}, False),
     ({"libraries": [{"library": b"", "inputs": 2, "outputs": 1}]}, False),
-    ({"libraries": [{"library": b"x", "inputs": "2", "outputs": 1}]}, False),
+    ({"libraries": [{"library": b"x", "inputs": "2", "outputs": 1, "strides": [[1], [1]], "written": []}]}, False),
+    ({"libraries": [{"library": b"x", "inputs": 2, "outputs": 1, "strides": [[1]], "written": []}]}, False),
+    ({"libraries": [{"library": b"x", "inputs": 2, "outputs": 1, "strides": [[1], [1]], "written": [2]}]}, False),
 ])
 def test_the_blob_calls_only_values_defined_before(changes, ok):
     """Running the stored calls reads no value out of range: each reference names a step input or an
@@ -482,3 +486,22 @@ def test_the_blob_calls_only_values_defined_before(changes, ok):
     else:
         with pytest.raises(CorruptArtifactError):
             kernels_blob.check(doc, "test")
+
+
+def test_an_input_laid_out_otherwise_is_copied_to_the_library_strides_and_back_when_written():
+    """A value one library returned, read by another compiled for other strides (Inductor chooses
+    its outputs' layout): the call gets a copy with the expected strides; one it writes is copied back."""
+    import torch
+
+    from spmd_aot.runtime.kernel_load import _restrided
+
+    base = torch.arange(6.0).reshape(2, 3)
+    transposed, same = base.t(), torch.zeros(3, 2)
+    args = [transposed, same]
+    written = _restrided(args, [(0, (2, 1), True), (1, (2, 1), False)])
+    assert args[0].stride() == (2, 1) and torch.equal(args[0], transposed) and args[1] is same
+    assert len(written) == 1 and written[0][0] is transposed
+    args[0].add_(1)  # what the library writes, through the copy
+    for original, copy in written:
+        original.copy_(copy)
+    assert torch.equal(base, torch.arange(6.0).reshape(2, 3) + 1)
