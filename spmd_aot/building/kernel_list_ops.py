@@ -132,8 +132,27 @@ def _written(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+def _base(node: fx.Node) -> fx.Node:
+    """The node whose tensor ``node`` is a view of (itself if none): writes and reads through any
+    view of one tensor are ordered as writes and reads of that tensor."""
+    while node.op == "call_function":
+        target = node.target
+        if target is operator.getitem and isinstance(node.args[0], fx.Node) \
+                and isinstance(node.args[0].target, torch._ops.OpOverload) and node.args[0].target.is_view:
+            node = node.args[0]
+        elif isinstance(target, torch._ops.OpOverload) and (target.is_view or target in _ALIASING) \
+                and node.args and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+        else:
+            break
+    return node
+
+
+_ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
+
+
 def _reorder(graph: fx.Graph, region: list[fx.Node], label: dict) -> None:
-    """Order ``region`` chunk by chunk, every value and write-order dependence kept."""
+    """Order ``region`` chunk by chunk, every value and write-order dependence kept (through views)."""
     inside = set(region)
     deps: dict[fx.Node, set[fx.Node]] = {n: set() for n in region}
     last_write: dict[fx.Node, fx.Node] = {}
@@ -141,11 +160,11 @@ def _reorder(graph: fx.Graph, region: list[fx.Node], label: dict) -> None:
     for node in region:
         read = node.all_input_nodes
         deps[node].update(r for r in read if r in inside)
-        for tensor in read:
+        for tensor in {_base(r) for r in read}:
             if tensor in last_write:
                 deps[node].add(last_write[tensor])
             reads_since.setdefault(tensor, []).append(node)
-        for tensor in _written(node):
+        for tensor in {_base(w) for w in _written(node)}:
             deps[node].update(reads_since.get(tensor, ()))
             reads_since[tensor] = []
             last_write[tensor] = node

@@ -115,14 +115,18 @@ def _sharded_worker(rank, world, cache, digest):
     got = _run_segments(parts, list(inputs))
     outputs = max((a - b).abs().max().item() for a, b in zip(got, expected))
     state = max((a.float() - b.float()).abs().max().item() for a, b in zip(inputs, expected_inputs))
-    collectives = sum(1 for m in parts.modules for n in m.graph.nodes if "spmd_aot.all_gather" in str(n.target))
+    collectives = sum(1 for m in parts.modules for n in m.graph.nodes
+                      if "spmd_aot.all_gather" in str(n.target) or "all_reduce" in str(n.target))
     return outputs, state, collectives, len(parts.modules), len(parts.calls)
 
 
-def test_sharded_segments_with_their_collectives_compute_the_whole_step(tmp_path):
+@pytest.mark.parametrize("placement", ["shard", "replicate"])
+def test_segments_with_their_collectives_compute_the_whole_step(tmp_path, placement):
+    """Shard: all-gathers and reduce-scatters inside the blocks; replicate: gradient buckets
+    all-reduced, the update reading its gradients as views of the buckets."""
     from support.multiproc import run_ranks
 
-    digest = spmd_aot.build(_job(3), world_size=2, cache_dir=tmp_path, placement="shard").digest
+    digest = spmd_aot.build(_job(3), world_size=2, cache_dir=tmp_path, placement=placement).digest
     for outputs, state, collectives, libraries, calls in run_ranks(_sharded_worker, 2, str(tmp_path), digest):
         assert outputs == 0 and state < 1e-6, (outputs, state)
         assert collectives > 0 and calls > libraries, (collectives, libraries, calls)
