@@ -21,6 +21,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from .kernel_segments import is_view
+
 __all__ = ["split_per_block"]
 
 _SHARED, _MIXED = -1, -2
@@ -135,20 +137,9 @@ def _written(node: fx.Node) -> list[fx.Node]:
 def _base(node: fx.Node) -> fx.Node:
     """The node whose tensor ``node`` is a view of (itself if none): writes and reads through any
     view of one tensor are ordered as writes and reads of that tensor."""
-    while node.op == "call_function":
-        target = node.target
-        if target is operator.getitem and isinstance(node.args[0], fx.Node) \
-                and isinstance(node.args[0].target, torch._ops.OpOverload) and node.args[0].target.is_view:
-            node = node.args[0]
-        elif isinstance(target, torch._ops.OpOverload) and (target.is_view or target in _ALIASING) \
-                and node.args and isinstance(node.args[0], fx.Node):
-            node = node.args[0]
-        else:
-            break
+    while is_view(node):
+        node = node.args[0]
     return node
-
-
-_ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
 
 
 def _reorder(graph: fx.Graph, region: list[fx.Node], label: dict) -> None:

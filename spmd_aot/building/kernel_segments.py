@@ -31,7 +31,7 @@ import operator
 import torch
 import torch.fx as fx
 
-__all__ = ["Partition", "Call", "partition"]
+__all__ = ["Partition", "Call", "partition", "is_view"]
 
 #: Fewest nodes a repeated block needs to be its own library (each library costs a C++ compile).
 MIN_PERIOD = 16
@@ -120,12 +120,14 @@ def _stays_with_producer(node: fx.Node, source: fx.Node) -> bool:
     return node.target is torch.ops._c10d_functional.wait_tensor.default
 
 
-def _recomputed(node: fx.Node) -> bool:
-    """Read across a cut by recomputing it: views (a library returns no alias)."""
-    if node.op != "call_function":
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node``'s tensor is a view of its first argument's (a view op, ``_unsafe_view``,
+    ``alias``, or an element of a view op's list): read across a cut by recomputing it (a library
+    returns no alias), and ordered with that tensor's writes (``kernel_list_ops``)."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return False
     if node.target is operator.getitem:
-        return isinstance(node.args[0], fx.Node) and _recomputed(node.args[0]) and node.args[0].op == "call_function"
+        return is_view(node.args[0])
     target = node.target
     return isinstance(target, torch._ops.OpOverload) and (target.is_view or target in _ALIASING)
 
@@ -150,7 +152,7 @@ class _SegmentGraph:
     def _arg(self, value: fx.Node) -> fx.Node:
         if value in self.env:
             return self.env[value]
-        if value not in self._local and _recomputed(value):
+        if value not in self._local and is_view(value):
             copied = self.graph.node_copy(value, self._arg)
             copied.meta = dict(value.meta)
         else:

@@ -66,11 +66,11 @@ class ReplicateParams(DataParallelPlacement):
         return out
 
     def graph_passes(self, gm, plan, traced) -> None:
-        """Gradient all_reduces of plain leaves packed into DDP's buckets. DTensor leaves (another
-        axis splits them) average their gradients through DTensor: not bucketed."""
-        if not plan.dtensor_leaves:
-            bucket_gradient_all_reduces(gm, plan.bucket_cap_mb, plan.first_bucket_cap_mb,
-                                        traced.gradient_collectives)
+        """Gradient all_reduces packed into DDP's buckets. With DTensor leaves (another axis, tensor
+        parallel, splits them) only the all_reduces that produce a gradient: the graph's others
+        (tensor parallel's activations, the optimizer's norms) are not gradients'."""
+        bucket_gradient_all_reduces(gm, plan.bucket_cap_mb, plan.first_bucket_cap_mb,
+                                    traced.gradient_collectives, only_named=bool(plan.dtensor_leaves))
 
     def budget(self, plan, slots, groups, forward_only):
         """One all_reduce per gradient (buckets make fewer); none forward-only. With DTensor

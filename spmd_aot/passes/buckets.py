@@ -76,16 +76,18 @@ def assign_buckets(sizes: list[int], cap_bytes: int, first_cap_bytes: int) -> li
 
 
 def bucket_gradient_all_reduces(gm: torch.fx.GraphModule, cap_mb: float, first_cap_mb: float,
-                                names: dict[str, str] | None = None) -> list[Bucket]:
+                                names: dict[str, str] | None = None, only_named: bool = False) -> list[Bucket]:
     """Rewrite per-gradient ``all_reduce`` + ``wait_tensor`` pairs into buckets (see module doc).
 
     Only all_reduces whose result is read through exactly one wait are bucketed, per
     (reduce op, group, dtype, device); ``names`` maps a collective's node name to the FQN of
-    the parameter whose gradient it reduces (for ``spmd-aot show``). Returns the buckets, each
-    collective labelled in ``node.meta["comm"]``.
+    the parameter whose gradient it reduces (for ``spmd-aot show``); with ``only_named``, only those
+    are bucketed (a graph whose other all_reduces are not gradients': tensor parallel's activations
+    and norms). Returns the buckets, each collective labelled in ``node.meta["comm"]``.
     """
     graph = gm.graph
-    candidates = [n for n in graph.nodes if n.target is _c10d.all_reduce.default and _single_wait(n) is not None]
+    candidates = [n for n in graph.nodes if n.target is _c10d.all_reduce.default and _single_wait(n) is not None
+                  and (not only_named or n.name in (names or {}))]
     for node in candidates:
         for user in list(_single_wait(node).users):
             _sink_view(user)
