@@ -83,16 +83,20 @@ class KernelProgram:
         self._constants = list(constants)
         self.n_outputs = len(outputs)
         self._outputs = outputs
-        last: dict[int, int] = {}
-        for i, (_, refs) in enumerate(calls):
+        produced = n_inputs + len(self._constants)  # values from here on are outputs of calls
+        last: dict[int, int] = {}  # value -> the call that reads it last, or makes it if none reads it
+        at = produced
+        for i, (lib, refs) in enumerate(calls):
             for r in refs:
                 last[r] = i
+            for r in range(at, at + libraries[lib]["outputs"]):
+                last.setdefault(r, i)  # an output this call returns for another call of its library
+            at += libraries[lib]["outputs"]
         keep = set(outputs)
         drops: list[list[int]] = [[] for _ in calls]
         for r, i in last.items():
             if r not in keep:
                 drops[i].append(r)
-        produced = n_inputs + len(self._constants)  # values from here on are outputs of calls
 
         def checks(lib, refs):
             """(position, strides, written) of each input another call produced: its strides are that
