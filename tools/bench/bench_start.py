@@ -98,10 +98,16 @@ def _objects(cfg: dict):
 
 
 def kernels_supported() -> bool:
-    """Whether this spmd_aot has the kernel path (Inductor kernels stored in the artifact)."""
+    """Whether this spmd_aot has the kernel path (Inductor kernels stored in the artifact): a
+    ``kernels`` keyword of ``compile``, or a field of its ``RunOptions``."""
+    import dataclasses
+
     import spmd_aot  # the parent process only
 
-    return "kernels" in inspect.signature(spmd_aot.compile).parameters
+    if "kernels" in inspect.signature(spmd_aot.compile).parameters:
+        return True
+    options = getattr(spmd_aot, "RunOptions", None)
+    return options is not None and "kernels" in {f.name for f in dataclasses.fields(options)}
 
 
 def _step_for(variant: str, cfg: dict, cache_dir: str, model):
