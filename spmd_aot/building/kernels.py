@@ -103,7 +103,11 @@ def compile_graph(graph: bytes, constants: bytes, layout: bytes, plan, requested
     # the user's cache), so all that the compile built can be collected
     with tempfile.TemporaryDirectory(prefix="spmd-aot-inductor-") as cache_dir, temporary_cache_dir(cache_dir), \
             registered(), _build_groups(plan, groups, world), inductor_settings():
-        parts, fake = segmented(gm, layout, device)
+        try:
+            parts, fake = segmented(gm, layout, device)
+        except Exception as exc:  # torch's fake run or the cut: the entry keeps its interpreted graph, as for Inductor's
+            raise KernelsUnavailable(f"the graph could not be cut into segments: {type(exc).__name__}: "
+                                     f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from exc
         try:
             libraries = _compile_libraries(parts, pathlib.Path(cache_dir), fake, requested, plan)
         except KernelsUnavailable as exc:

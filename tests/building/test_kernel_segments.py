@@ -130,3 +130,17 @@ def test_segments_with_their_collectives_compute_the_whole_step(tmp_path, placem
     for outputs, state, collectives, libraries, calls in run_ranks(_sharded_worker, 2, str(tmp_path), digest):
         assert outputs == 0 and state < 1e-6, (outputs, state)
         assert collectives > 0 and calls > libraries, (collectives, libraries, calls)
+
+
+def test_a_graph_that_cannot_be_cut_keeps_the_entry_interpreted(monkeypatch, tmp_path):
+    """Kernels are an extra: a failure to cut the graph (as of Inductor's compile) stores the entry
+    with its interpreted graph and the reason, never fails the build."""
+    from spmd_aot.building import kernel_segments
+
+    def broken(gm, whole=False):
+        raise RuntimeError("no period today")
+
+    monkeypatch.setattr(kernel_segments, "partition", broken)
+    result = spmd_aot.build(_job(3), world_size=1, cache_dir=tmp_path, kernels=True)
+    assert result.stats["kernels"].startswith("none: the graph could not be cut into segments: RuntimeError"), \
+        result.stats["kernels"]
