@@ -21,7 +21,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .kernel_segments import is_view
+from .kernel_segments import is_list_op, is_view
 
 __all__ = ["split_per_block"]
 
@@ -32,10 +32,10 @@ def split_per_block(gm: fx.GraphModule) -> int:
     """Split and reorder ``gm``'s foreach tail in place (nodes need ``meta["val"]``); the number of
     chunks (0: nothing split)."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    first = next((i for i, n in enumerate(nodes) if _is_list_op(n)), None)
+    first = next((i for i, n in enumerate(nodes) if is_list_op(n)), None)
     if first is None:
         return 0
-    list_ops = [n for n in nodes[first:] if _is_list_op(n)]
+    list_ops = [n for n in nodes[first:] if is_list_op(n)]
     if len({len(n.args[0]) for n in list_ops}) != 1:  # lists of several lengths (parameter groups): left whole
         return 0
     if any(u.target is not operator.getitem for n in list_ops for u in n.users):
@@ -49,19 +49,12 @@ def split_per_block(gm: fx.GraphModule) -> int:
         return 0
     label: dict[fx.Node, int] = {}
     for node in nodes[first:]:
-        if _is_list_op(node):
+        if is_list_op(node):
             _split(gm.graph, node, chunks, label)
     _reorder(gm.graph, [n for n in gm.graph.nodes if n.op == "call_function"][first:], label)
     gm.graph.lint()
     gm.recompile()
     return len(chunks)
-
-
-def _is_list_op(node: fx.Node) -> bool:
-    target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
-        and target.namespace == "aten" and target.__name__.startswith("_foreach_") \
-        and bool(node.args) and isinstance(node.args[0], (list, tuple))
 
 
 def _chunk_bounds(node: fx.Node) -> list[list[int]] | None:

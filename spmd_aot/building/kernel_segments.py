@@ -31,7 +31,7 @@ import operator
 import torch
 import torch.fx as fx
 
-__all__ = ["Partition", "Call", "partition", "is_view"]
+__all__ = ["Partition", "Call", "partition", "is_view", "is_list_op"]
 
 #: Fewest nodes a repeated block needs to be its own library (each library costs a C++ compile).
 MIN_PERIOD = 16
@@ -135,6 +135,15 @@ def is_view(node: fx.Node) -> bool:
 _ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
 
 
+def is_list_op(node: fx.Node) -> bool:
+    """An ATen ``_foreach_*`` op: the same computation on each element of its lists (an optimizer's
+    update), split per block by ``kernel_list_ops`` and an anchor of a repeated block here."""
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
+        and target.namespace == "aten" and target.__name__.startswith("_foreach_") \
+        and bool(node.args) and isinstance(node.args[0], (list, tuple))
+
+
 class _SegmentGraph:
     """One segment as a standalone graph: external values (constants too) as placeholders in
     first-use order, views it reads recomputed inside; ``key`` its canonical form."""
@@ -211,7 +220,7 @@ def _form(value, index):
 def _segments(body: list[fx.Node]) -> dict[fx.Node, int]:
     """Segment number of each node: repeated blocks one segment each, the rest between them one."""
     signatures = [_signature(n) for n in body]
-    anchors = [str(n.target) in _ANCHORS or str(n.target).startswith("aten._foreach_") for n in body]
+    anchors = [str(n.target) in _ANCHORS or is_list_op(n) for n in body]
     starts = set()
     for start, period, count in _repeats(signatures, anchors):
         starts.update(start + k * period for k in range(count + 1))
